@@ -1,0 +1,29 @@
+"""mpi4jax_dist: ``jax.distributed.initialize()`` that works under any MPI launcher.
+
+``import mpi4jax_dist`` registers an mpi4py-based cluster environment with JAX, asked
+before JAX's own, so that a plain ``jax.distributed.initialize()`` finds the
+coordinator, the process count and the process id from MPI, with
+``jax.process_index()`` equal to the MPI rank. Importing does not initialize MPI or
+a JAX backend. This module defines the public API.
+"""
+
+from __future__ import annotations
+
+from . import _cluster, _jax_compat
+from ._api import initialize, topology
+from ._topology import Topology
+from .interop import global_mesh, to_global, to_local
+
+__all__ = [
+    "Topology",
+    "global_mesh",
+    "initialize",
+    "to_global",
+    "to_local",
+    "topology",
+]
+
+__version__ = "0.1.0"
+
+# The one side effect of importing: JAX asks our cluster env first.
+_jax_compat.register_first(_cluster.Mpi4jaxDistCluster)

@@ -1,0 +1,69 @@
+"""The ClusterEnv JAX asks first: thin, it delegates to the bootstrap."""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import _config, _devices, _jax_compat, _launch, _topology
+
+_explicit = False  # True while mpi4jax_dist.initialize() is asking JAX for us
+
+
+class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
+    """MPI launches, seen through mpi4py: rank, size and node layout from MPI."""
+
+    name = "mpi4jax_dist"
+    opt_in_only_method = False
+
+    @classmethod
+    def is_env_present(cls) -> bool:
+        # Asked for every JAX user at jax.distributed.initialize(): cheap, never
+        # raises, never starts MPI.
+        try:
+            if _explicit:
+                return True
+            if _config.disabled():
+                return False
+            env = _config.environ()
+            return _launch.detect(env) is not None or _launch.mpi_initialized_here()
+        except Exception:
+            return False
+
+    @classmethod
+    def get_coordinator_address(cls, timeout_secs=None, override_coordinator_port=None):
+        port = _config.coordinator_port(override_coordinator_port)
+        return _topology.topology(port=port).coordinator_address
+
+    @classmethod
+    def get_process_count(cls) -> int:
+        return _topology.topology().size
+
+    @classmethod
+    def get_process_id(cls) -> int:
+        return _topology.topology().rank
+
+    @classmethod
+    def get_local_process_id(cls) -> int | None:
+        # JAX turns this into local_device_ids=[value]; it is only called when the
+        # user gave no local_device_ids. A block of several devices cannot pass that
+        # way, so it is set directly and JAX told nothing.
+        topo = _topology.topology()
+        ids = _devices.local_device_ids(topo.local_rank, topo.local_size)
+        if ids is None:
+            return None
+        if len(ids) == 1:
+            return ids[0]
+        _jax_compat.restrict_visible_devices(ids)
+        return None
+
+
+@contextlib.contextmanager
+def explicitly_requested():
+    """Report the env present while ``mpi4jax_dist.initialize`` runs, whatever the
+    launcher variables say (the user asked for it by name)."""
+    global _explicit
+    _explicit = True
+    try:
+        yield
+    finally:
+        _explicit = False

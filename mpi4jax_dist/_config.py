@@ -1,0 +1,160 @@
+"""Every environment variable mpi4jax_dist reads, parsed and validated in one place.
+
+Precedence everywhere: an explicit argument, then the variable, then the default.
+Values that make no sense raise a ``ValueError`` naming the variable, the value and
+the fix; where ignoring a value is safe, a ``RuntimeWarning`` says so instead.
+
+Launcher variables (``PMI_RANK`` and friends) are read through :func:`environ` and
+interpreted in ``_launch.py``; this module only owns the ones that configure us.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+
+DISABLE = "MPI4JAX_DIST_DISABLE"
+INTERFACE = "MPI4JAX_DIST_INTERFACE"
+COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
+LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
+PLATFORMS = "JAX_PLATFORMS"
+# Which accelerators this process may see, in the order we look at them.
+VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def environ() -> Mapping[str, str]:
+    """Return the process environment (the one place that touches ``os.environ``)."""
+    return os.environ
+
+
+def get_bool(name: str, default: bool = False, env: Mapping[str, str] | None = None):
+    """Return a strict boolean variable; warn and use ``default`` on anything else.
+
+    Ignoring a malformed value is safe for our switches, so this warns rather than
+    raising: a job does not die over ``MPI4JAX_DIST_DISABLE=maybe``.
+    """
+    env = environ() if env is None else env
+    value = env.get(name)
+    if value is None:
+        return default
+    folded = value.strip().lower()
+    if folded in _TRUE:
+        return True
+    if folded in _FALSE:
+        return False
+    warnings.warn(
+        f"{name}={value!r} is not a boolean; expected one of "
+        f"{', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}. Using {name}={int(default)}.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return default
+
+
+def disabled(env: Mapping[str, str] | None = None) -> bool:
+    """Return True when ``MPI4JAX_DIST_DISABLE`` turns automatic detection off."""
+    return get_bool(DISABLE, False, env)
+
+
+def interface(env: Mapping[str, str] | None = None) -> str | None:
+    """Return the network interface named by ``MPI4JAX_DIST_INTERFACE``, if any."""
+    env = environ() if env is None else env
+    value = env.get(INTERFACE, "").strip()
+    return value or None
+
+
+def parse_port(value, name: str) -> int:
+    """Return ``value`` as a TCP port number, or raise naming ``name``."""
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"{name}={value!r} is not a TCP port; expected an integer from 1 to "
+            f"65535 (or unset it to let rank 0 choose a free port)."
+        )
+    return port
+
+
+def coordinator_port(override=None, env: Mapping[str, str] | None = None) -> int | None:
+    """Return the coordinator port: ``override`` (what JAX passes), else the variable.
+
+    JAX reads ``JAX_COORDINATOR_PORT`` itself and hands it to the cluster env as
+    ``override_coordinator_port`` (jax >= 0.8.1); older versions do not, so the
+    variable is read here as well.
+    """
+    env = environ() if env is None else env
+    if override not in (None, ""):
+        return parse_port(override, COORDINATOR_PORT)
+    value = env.get(COORDINATOR_PORT)
+    if value in (None, ""):
+        return None
+    return parse_port(value, COORDINATOR_PORT)
+
+
+def split_host_port(address: str, name: str) -> tuple[str, int]:
+    """Split ``host:port`` (or ``[v6]:port``) and validate it, naming ``name``."""
+    host, sep, port = str(address).strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host:
+        raise ValueError(
+            f"{name}={address!r} is not of the form host:port "
+            f"(for example 10.0.0.1:1234 or [fd00::1]:1234)."
+        )
+    return host, parse_port(port, name)
+
+
+def coordinator_address(env: Mapping[str, str] | None = None) -> str | None:
+    """Return a validated ``JAX_COORDINATOR_ADDRESS``, or None when unset."""
+    env = environ() if env is None else env
+    value = env.get(COORDINATOR_ADDRESS)
+    if not value:
+        return None
+    split_host_port(value, COORDINATOR_ADDRESS)
+    return value.strip()
+
+
+def local_device_ids(env: Mapping[str, str] | None = None) -> list[int] | None:
+    """Return ``JAX_LOCAL_DEVICE_IDS`` as a list of ints, or None when unset."""
+    env = environ() if env is None else env
+    value = env.get(LOCAL_DEVICE_IDS, "").strip()
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"{LOCAL_DEVICE_IDS}={value!r} is not a comma-separated list of device "
+            f"numbers (for example 0 or 0,1)."
+        ) from None
+
+
+def platforms(env: Mapping[str, str] | None = None) -> list[str]:
+    """Return the platforms ``JAX_PLATFORMS`` asks for (lower case), maybe empty."""
+    env = environ() if env is None else env
+    value = env.get(PLATFORMS, "") or env.get("JAX_PLATFORM_NAME", "")
+    return [p.strip().lower() for p in value.split(",") if p.strip()]
+
+
+def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, list[str]] | None:
+    """Return ``(variable, entries)`` for the first ``*_VISIBLE_DEVICES`` set, or None.
+
+    ``-1`` or an empty value hides every device (CUDA's convention): no entries.
+    """
+    env = environ() if env is None else env
+    for name in VISIBLE_DEVICES:
+        value = env.get(name)
+        if value is None:
+            continue
+        entries = [e.strip() for e in value.split(",") if e.strip()]
+        if entries and entries[0] == "-1":
+            entries = []
+        return name, entries
+    return None

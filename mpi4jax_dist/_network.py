@@ -1,0 +1,117 @@
+"""The coordinator's address: which interface of rank 0's host, and a free port.
+
+Runs on rank 0 only; no MPI here. ``psutil`` lists the interfaces.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from . import _config
+
+# Interfaces that belong to containers or VMs on the host, not to the cluster network.
+_VIRTUAL_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "tun")
+
+
+def format_address(host: str, port: int) -> str:
+    """Return ``host:port``, with IPv6 hosts in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def coordinator_host(num_nodes: int, interface: str | None = None) -> str:
+    """Return the host part of the coordinator address seen from every node.
+
+    Args:
+        num_nodes: how many nodes the job spans. One node: loopback, which never
+            leaves the host.
+        interface: an interface name (``MPI4JAX_DIST_INTERFACE``); None picks one.
+
+    Raises:
+        ValueError: ``interface`` names no interface, or one without an address.
+        RuntimeError: several nodes, and this host has only loopback addresses.
+    """
+    if num_nodes <= 1:
+        return "127.0.0.1"
+    if interface is not None:
+        return interface_address(interface)
+    return routable_address()
+
+
+def interface_address(name: str) -> str:
+    """Return an address of the interface ``name``: IPv4 first, then global IPv6."""
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    if name not in interfaces:
+        raise ValueError(
+            f"{_config.INTERFACE}={name!r} names no network interface on "
+            f"{socket.gethostname()}; interfaces there: {', '.join(sorted(interfaces))}."
+        )
+    candidates = _usable([a.address for a in interfaces[name]], allow_loopback=True)
+    if not candidates:
+        raise ValueError(
+            f"{_config.INTERFACE}={name!r}: that interface on {socket.gethostname()} "
+            f"has no IPv4 or global IPv6 address."
+        )
+    return candidates[0]
+
+
+def routable_address() -> str:
+    """Return an address of this host that other hosts can reach (not loopback).
+
+    The hostname's own address comes first when it is not loopback (Debian-like hosts
+    map the hostname to 127.0.1.1, so it often is); then the addresses of the
+    interfaces that are up, physical ones before container bridges.
+    """
+    import psutil
+
+    local = psutil.net_if_addrs()
+    local_addresses = {a.address for addrs in local.values() for a in addrs}
+    try:
+        resolved = [
+            info[4][0]
+            for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+        ]
+    except OSError:
+        resolved = []
+    for address in _usable(resolved):
+        if address in local_addresses:
+            return address
+
+    stats = psutil.net_if_stats()
+    names = [n for n in local if stats.get(n) is None or stats[n].isup]
+    names.sort(key=lambda n: n.startswith(_VIRTUAL_PREFIXES))
+    for name in names:
+        candidates = _usable([a.address for a in local[name]])
+        if candidates:
+            return candidates[0]
+    raise RuntimeError(
+        f"The job spans several nodes but rank 0's host {socket.gethostname()} has "
+        f"no address other than loopback. Set {_config.INTERFACE} to the interface "
+        f"of the cluster network, or {_config.COORDINATOR_ADDRESS} to host:port."
+    )
+
+
+def _usable(addresses, allow_loopback: bool = False) -> list[str]:
+    """Return the IP addresses other hosts could use, IPv4 before IPv6, in order."""
+    v4, v6 = [], []
+    for text in addresses:
+        try:
+            address = ipaddress.ip_address(text.split("%")[0])
+        except ValueError:  # a MAC address from psutil's AF_PACKET rows
+            continue
+        if address.is_link_local or address.is_multicast or address.is_unspecified:
+            continue
+        if address.is_loopback and not allow_loopback:
+            continue
+        (v4 if address.version == 4 else v6).append(str(address))
+    return v4 + v6
+
+
+def free_port(host: str) -> int:
+    """Return a TCP port that is free on ``host`` now (the kernel's choice)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
