@@ -78,7 +78,8 @@ def use_communicator(comm) -> None:
     global _comm
     with _lock:
         if _topology is not None:
-            _check_same(comm)
+            if comm is not None:
+                _check_same(comm)
             return
         _comm = comm
 

@@ -1,0 +1,189 @@
+"""Serial: registration, import side effects, configuration, device rules, JAX shims."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mpi4jax_dist
+from mpi4jax_dist import _cluster, _config, _devices, _jax_compat
+import util
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (no launcher variables), with a timeout."""
+    return subprocess.run([sys.executable, "-c", code], env=util.clean_env(**env),
+                          capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_registered_first_under_own_name():
+    registry = _jax_compat.ClusterEnv._cluster_types
+    assert registry[0] is _cluster.Mpi4jaxDistCluster
+    assert registry.count(_cluster.Mpi4jaxDistCluster) == 1
+    assert _cluster.Mpi4jaxDistCluster.name == "mpi4jax_dist"
+    assert not _cluster.Mpi4jaxDistCluster.opt_in_only_method
+    # JAX's own opt-in env keeps its name; ours must not shadow it.
+    assert [c for c in registry if c.name == "mpi4py"] != [_cluster.Mpi4jaxDistCluster]
+
+
+def test_import_touches_neither_mpi_nor_backend():
+    code = """
+import json, sys
+import mpi4jax_dist
+from jax._src import xla_bridge
+from jax._src.clusters import ClusterEnv
+print(json.dumps({
+    "mpi_imported": "mpi4py.MPI" in sys.modules,
+    "backend": xla_bridge.backends_are_initialized(),
+    "first": ClusterEnv._cluster_types[0].name,
+    "present": ClusterEnv._cluster_types[0].is_env_present(),
+    "mpi_after_present": "mpi4py.MPI" in sys.modules,
+}))
+"""
+    result = json.loads(run_python(code).stdout.splitlines()[-1])
+    assert result == {"mpi_imported": False, "backend": False, "first": "mpi4jax_dist",
+                      "present": False, "mpi_after_present": False}
+
+
+def test_present_under_faked_launcher_and_disable_switch():
+    code = """
+import mpi4jax_dist, sys
+from mpi4jax_dist._cluster import Mpi4jaxDistCluster as C
+print(C.is_env_present(), "mpi4py.MPI" in sys.modules)
+"""
+    launch = {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0"}
+    assert run_python(code, **launch).stdout.split() == ["True", "False"]
+    assert run_python(code, MPI4JAX_DIST_DISABLE="1", **launch).stdout.split() == [
+        "False", "False"]
+    # A malformed switch warns, names the variable, and keeps the default (on).
+    proc = run_python(code, MPI4JAX_DIST_DISABLE="maybe", **launch)
+    assert proc.stdout.split() == ["True", "False"]
+
+
+def test_present_once_mpi_initialized_in_process():
+    code = """
+import mpi4jax_dist
+from mpi4jax_dist._cluster import Mpi4jaxDistCluster as C
+before = C.is_env_present()
+from mpi4py import MPI
+print(before, C.is_env_present())
+"""
+    assert run_python(code).stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("true", True), ("YES", True), ("on", True),
+    ("0", False), ("false", False), ("No", False), ("", False),
+])
+def test_bool_values(value, expected):
+    assert _config.get_bool("X_FLAG", not expected, {"X_FLAG": value}) is expected
+
+
+def test_bool_malformed_warns_naming_variable():
+    with pytest.warns(RuntimeWarning, match="MPI4JAX_DIST_DISABLE='maybe'"):
+        assert _config.disabled({"MPI4JAX_DIST_DISABLE": "maybe"}) is False
+
+
+@pytest.mark.parametrize("value", ["http", "0", "70000", "12.5", "-1"])
+def test_bad_port_names_variable(value):
+    with pytest.raises(ValueError, match=f"JAX_COORDINATOR_PORT='{value}'"):
+        _config.coordinator_port(env={"JAX_COORDINATOR_PORT": value})
+
+
+def test_port_precedence():
+    env = {"JAX_COORDINATOR_PORT": "1234"}
+    assert _config.coordinator_port(None, env) == 1234
+    assert _config.coordinator_port("4321", env) == 4321
+    assert _config.coordinator_port(None, {}) is None
+
+
+@pytest.mark.parametrize("value", ["10.0.0.1", "host:", ":123", "host:port"])
+def test_bad_coordinator_address_names_variable(value):
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS"):
+        _config.coordinator_address({"JAX_COORDINATOR_ADDRESS": value})
+
+
+@pytest.mark.parametrize("value, host, port", [
+    ("10.0.0.1:1234", "10.0.0.1", 1234), ("[fd00::1]:99", "fd00::1", 99),
+    ("node-7.cluster:65535", "node-7.cluster", 65535),
+])
+def test_good_coordinator_address(value, host, port):
+    assert _config.split_host_port(value, "X") == (host, port)
+
+
+NO_GPU_DIR = "/nonexistent-nvidia-dir"
+
+# (environment, local_rank, local_size, expected local_device_ids)
+DEVICE_RULES = [
+    ({}, 0, 4, None),  # no accelerator: CPU
+    ({"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "0,1"}, 1, 2, None),
+    ({"CUDA_VISIBLE_DEVICES": ""}, 0, 2, None),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, 0, 2, None),
+    ({"CUDA_VISIBLE_DEVICES": "3"}, 2, 4, [0]),  # a wrapper gave each rank one GPU
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 2, 4, [2]),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 1, 2, [2, 3]),  # a block each
+    ({"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 3, 8, [3]),
+    ({"HIP_VISIBLE_DEVICES": "GPU-a,GPU-b"}, 0, 2, [0]),
+    ({"JAX_LOCAL_DEVICE_IDS": "5"}, 0, 2, [5]),  # explicit wins
+    ({"JAX_LOCAL_DEVICE_IDS": "1,3", "CUDA_VISIBLE_DEVICES": "0"}, 0, 2, [1, 3]),
+]
+
+
+@pytest.mark.parametrize("env, local_rank, local_size, expected", DEVICE_RULES)
+def test_local_device_ids_rules(env, local_rank, local_size, expected):
+    assert _devices.local_device_ids(local_rank, local_size, env, NO_GPU_DIR) == expected
+
+
+def test_local_device_ids_uneven_warns():
+    with pytest.warns(RuntimeWarning, match="JAX_LOCAL_DEVICE_IDS"):
+        ids = _devices.local_device_ids(0, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"}, NO_GPU_DIR)
+    assert ids is None
+
+
+def test_local_device_ids_count_driver_gpus(tmp_path):
+    for i in range(4):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+    assert _devices.local_device_ids(3, 4, {}, str(tmp_path)) == [3]
+
+
+def test_bad_local_device_ids_names_variable():
+    with pytest.raises(ValueError, match="JAX_LOCAL_DEVICE_IDS='a,b'"):
+        _devices.local_device_ids(0, 1, {"JAX_LOCAL_DEVICE_IDS": "a,b"}, NO_GPU_DIR)
+
+
+@pytest.mark.parametrize("text, version", [
+    ("0.6.0", (0, 6, 0)), ("0.8.1", (0, 8, 1)), ("0.10.2", (0, 10, 2)),
+    ("0.8.1.dev20251201", (0, 8, 1)), ("0.7", (0, 7, 0)), ("1.0.0rc1", (1, 0, 0)),
+])
+def test_parse_version(text, version):
+    assert _jax_compat.parse_version(text) == version
+
+
+# (jax version, keyword arguments it passes to get_coordinator_address)
+COORDINATOR_CALLS = [
+    ((0, 6, 0), ("timeout_secs",)),
+    ((0, 8, 0), ("timeout_secs",)),
+    ((0, 8, 1), ("timeout_secs", "override_coordinator_port")),
+    ((0, 10, 2), ("timeout_secs", "override_coordinator_port")),
+]
+
+
+@pytest.mark.parametrize("version, kwargs", COORDINATOR_CALLS)
+def test_coordinator_call_of_each_version(version, kwargs):
+    assert _jax_compat.coordinator_address_kwargs(version) == kwargs
+    # Our env answers each version's call the same way (the bootstrap is cached).
+    args = {"timeout_secs": 300, "override_coordinator_port": None}
+    address = _cluster.Mpi4jaxDistCluster.get_coordinator_address(
+        **{k: args[k] for k in kwargs})
+    assert address == mpi4jax_dist.topology().coordinator_address
+
+
+def test_installed_jax_matches_a_row():
+    assert _jax_compat.JAX_VERSION >= _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0]
+    assert _jax_compat.detection_accepts_name()
+
+
+def test_public_api():
+    assert sorted(mpi4jax_dist.__all__) == [
+        "Topology", "global_mesh", "initialize", "to_global", "to_local", "topology"]

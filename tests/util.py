@@ -1,0 +1,88 @@
+"""Helpers for tests that start MPI jobs in a subprocess, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi4jax_dist import _launch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SCRIPTS = HERE / "scripts"
+BIN = Path(sys.executable).parent
+
+# Variables a launcher leaves in our own environment: a child mpiexec must not see
+# them, or it joins (or confuses) the job this test runs in.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "PRTE_", "PALS_",
+                      "MV2_", "JSM_", "FLUX_", "SLURM_", "ALPS_")
+
+
+def mpiexec() -> str:
+    """Return the mpiexec beside this Python (the venv's), else the one on PATH."""
+    here = BIN / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec beside this Python nor on PATH; run tools/setup.sh")
+    return found
+
+
+def in_mpi_job() -> bool:
+    """Return True when this test process itself runs under an MPI launcher."""
+    return _launch.detect(os.environ) is not None
+
+
+skip_in_mpi_job = pytest.mark.skipif(
+    in_mpi_job(),
+    reason="starts its own mpiexec: runs in the serial session (python -m pytest)",
+)
+
+
+def clean_env(**extra) -> dict:
+    """Return os.environ without launcher variables, with JAX on CPU, plus extra."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 180,
+            env: dict | None = None, check: bool = True, mpiexec_args=()):
+    """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
+
+    Args:
+        script: a path, or the name of a file in tests/scripts/.
+        hosts: MPICH's pretend nodes, e.g. ``"nodeA:2,nodeB:2"`` (fork launcher).
+        timeout: seconds before the whole job is killed (the test then fails).
+        check: fail the test, showing the output, when the exit status is not 0.
+    """
+    path = Path(script)
+    if not path.is_absolute() and not path.exists():
+        path = SCRIPTS / script
+    cmd = [mpiexec()]
+    if hosts is not None:
+        cmd += ["-launcher", "fork", "-hosts", hosts]
+    cmd += [*mpiexec_args, "-n", str(n), sys.executable, str(path), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, env=clean_env() if env is None else env,
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _text(err) -> str:
+    out = err.stdout or b""
+    out = out.decode(errors="replace") if isinstance(out, bytes) else out
+    errs = err.stderr or b""
+    errs = errs.decode(errors="replace") if isinstance(errs, bytes) else errs
+    return out + errs
