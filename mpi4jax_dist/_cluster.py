@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from . import _config, _devices, _jax_compat, _launch, _topology
+
+logger = logging.getLogger("mpi4jax_dist")
 
 _explicit = False  # True while mpi4jax_dist.initialize() is asking JAX for us
 
@@ -31,8 +34,14 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
 
     @classmethod
     def get_coordinator_address(cls, timeout_secs=None, override_coordinator_port=None):
+        # JAX asks for the address only when it has none, just before every rank
+        # connects: the place to prepare the connection and hold the other ranks
+        # until rank 0's service listens.
         port = _config.coordinator_port(override_coordinator_port)
-        return _topology.topology(port=port).coordinator_address
+        topo = _topology.topology(port=port, timeout_s=timeout_secs)
+        restore = _prepare_connection(topo)
+        _topology.release(timeout_secs, on_listening=restore)
+        return topo.coordinator_address
 
     @classmethod
     def get_process_count(cls) -> int:
@@ -55,6 +64,23 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
             return ids[0]
         _jax_compat.restrict_visible_devices(ids)
         return None
+
+
+def _prepare_connection(topo):
+    """Exempt the coordinator from proxies; bind rank 0's service to it alone.
+
+    Returns what undoes the bind setting once JAX has read it, or None.
+    """
+    host, _ = _config.split_host_port(topo.coordinator_address, "coordinator address")
+    proxies = _config.exempt_from_proxy(host)
+    if proxies and topo.rank == 0:
+        logger.warning(
+            "mpi4jax_dist: %s set; added %s to no_grpc_proxy so that JAX reaches its "
+            "coordinator directly (%s=keep leaves proxies alone).",
+            ", ".join(proxies), host, _config.PROXY)
+    if topo.rank == 0:
+        return _config.default_bind_address(topo.coordinator_address)
+    return None
 
 
 @contextlib.contextmanager

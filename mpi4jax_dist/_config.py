@@ -20,6 +20,12 @@ COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
 LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 PLATFORMS = "JAX_PLATFORMS"
+BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
+PROXY = "MPI4JAX_DIST_PROXY"
+# Variables that make gRPC send the coordinator's traffic through a proxy, and the
+# one that exempts hosts from it (read by gRPC alone, so nothing else changes).
+PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+NO_GRPC_PROXY = "no_grpc_proxy"
 # Which accelerators this process may see, in the order we look at them.
 VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
@@ -158,3 +164,61 @@ def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, list[str
             entries = []
         return name, entries
     return None
+
+
+def proxies_set(env: Mapping[str, str] | None = None) -> list[str]:
+    """Return the names of the proxy variables set (any case), e.g. ``["HTTP_PROXY"]``."""
+    env = environ() if env is None else env
+    wanted = {v.lower() for v in PROXY_VARIABLES}
+    return sorted(k for k, v in env.items() if k.lower() in wanted and v.strip())
+
+
+def keep_proxy(env: Mapping[str, str] | None = None) -> bool:
+    """Return True when ``MPI4JAX_DIST_PROXY=keep`` asks us not to touch proxies."""
+    env = environ() if env is None else env
+    value = env.get(PROXY, "").strip().lower()
+    if value not in ("", "keep", "exempt"):
+        warnings.warn(
+            f"{PROXY}={env[PROXY]!r}: expected 'keep' (leave proxies alone) or "
+            f"'exempt' (the default: add the coordinator to no_grpc_proxy).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return value == "keep"
+
+
+def exempt_from_proxy(host: str) -> list[str] | None:
+    """Add ``host`` to ``no_grpc_proxy`` when a proxy variable would catch it.
+
+    Returns the proxy variables that made it necessary, or None when nothing changed
+    (no proxy set, ``MPI4JAX_DIST_PROXY=keep``, or ``host`` already exempt).
+    """
+    env = os.environ
+    found = proxies_set(env)
+    if not found or keep_proxy(env):
+        return None
+    current = env.get(NO_GRPC_PROXY) or env.get(NO_GRPC_PROXY.upper()) or ""
+    hosts = [h.strip() for h in current.split(",") if h.strip()]
+    if host in hosts:
+        return None
+    env[NO_GRPC_PROXY] = ",".join(hosts + [host])
+    return found
+
+
+def default_bind_address(address: str):
+    """Bind JAX's coordination service to ``address`` unless the user chose one.
+
+    JAX binds it to every interface (``[::]:port``) by default, and gRPC there asks
+    for no credentials. JAX reads ``JAX_COORDINATOR_BIND_ADDRESS`` after cluster
+    detection, so it is set here; returns a function that takes it back once JAX has
+    read it (child processes must not inherit a port of ours), or None.
+    """
+    if os.environ.get(BIND_ADDRESS):
+        return None
+    os.environ[BIND_ADDRESS] = address
+
+    def restore():
+        if os.environ.get(BIND_ADDRESS) == address:
+            del os.environ[BIND_ADDRESS]
+
+    return restore

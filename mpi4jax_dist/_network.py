@@ -109,9 +109,35 @@ def _usable(addresses, allow_loopback: bool = False) -> list[str]:
     return v4 + v6
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``RuntimeError`` naming ``port`` when another program holds it on ``host``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # A port left in TIME_WAIT by an earlier job is free to listen on again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise RuntimeError(
+                f"coordinator port {port} on {host} ({socket.gethostname()}) is not "
+                f"free: {err.strerror}. Another program or job holds it; unset "
+                f"{_config.COORDINATOR_PORT} to let rank 0 choose a free port, or "
+                f"choose another."
+            ) from None
+
+
 def free_port(host: str) -> int:
     """Return a TCP port that is free on ``host`` now (the kernel's choice)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Return True when something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

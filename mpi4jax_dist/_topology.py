@@ -1,7 +1,8 @@
 """The one-shot bootstrap: every MPI collective mpi4jax_dist makes lives here.
 
-On a private ``Dup()`` of the job's communicator, four collectives, each O(log P) in
-time and O(1) in bytes per rank (no gather of hostnames):
+An ``Idup()`` of the job's communicator, waited on against a deadline, tells that
+every rank arrived and gives a private communicator. On it, four collectives, each
+O(log P) in time and O(1) in bytes per rank (no gather of hostnames):
 
 1. ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node -> local rank and size.
 2. ``Split`` of the node leaders (local rank 0), ordered by rank -> node index and
@@ -12,12 +13,23 @@ time and O(1) in bytes per rank (no gather of hostnames):
 
 The result is cached: JAX calls the cluster env four or five times per initialize,
 and a second bootstrap on one rank while the others wait elsewhere would deadlock.
-Everything created is freed before returning.
+
+Then the release (``release()``): the other ranks must not contact the coordinator
+before rank 0's service listens, or gRPC backs off for about a second. They wait in
+one ``Ibarrier`` on the private communicator that a thread on rank 0 joins once its
+port accepts connections. The private communicator is freed after it.
+
+Every wait has a deadline; past it, the rank prints what it waited for and calls
+``MPI_Abort``, which ends the job: a plain exception would leave ``MPI_Finalize``
+waiting for the ranks that never came.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +41,13 @@ from . import _config, _launch, _network
 # size first (one collective, O(1) bytes).
 _MESSAGE_BYTES = 1024
 _OK, _ERROR = 1, 2
+# Rank 0 can release the others from a thread only where MPI allows a second thread
+# to call it; its choice travels with the address (after the status byte).
+_NO_RELEASE, _RELEASE = 0, 1
+# JAX's own default for initialization_timeout.
+DEFAULT_TIMEOUT_S = 300
+
+logger = logging.getLogger("mpi4jax_dist")
 
 
 @dataclass(frozen=True)
@@ -57,16 +76,24 @@ class Topology:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of the bootstrap, as counted for tests and diagnostics."""
+    """One collective of the bootstrap, as counted for tests and diagnostics.
+
+    ``phase``: ``arrival`` (the Idup every rank must reach), ``topology`` (what
+    computes the topology and the coordinator) or ``release``.
+    """
 
     name: str
     bytes_per_rank: int
+    phase: str = "topology"
 
 
 _lock = threading.Lock()
 _comm = None  # the communicator chosen by initialize(comm=...); None: COMM_WORLD
 _topology: Topology | None = None
 _collectives: list[Collective] = []
+_private = None  # the private communicator, kept until the release
+_release_enabled = False
+_released = False
 
 
 def use_communicator(comm) -> None:
@@ -84,19 +111,21 @@ def use_communicator(comm) -> None:
         _comm = comm
 
 
-def topology(comm=None, port: int | None = None) -> Topology:
+def topology(comm=None, port: int | None = None, timeout_s: float | None = None) -> Topology:
     """Return this process's :class:`Topology`, bootstrapping on first call.
 
     Args:
         comm: the communicator; default the one set by ``use_communicator``, else
             ``MPI.COMM_WORLD``. Collective on it the first time.
         port: the coordinator port; default ``JAX_COORDINATOR_PORT`` or a free one.
+        timeout_s: how long to wait for the other ranks (default 300 s, JAX's
+            ``initialization_timeout``); past it the job is aborted.
 
     Raises:
         RuntimeError: rank 0 could not choose a coordinator address (every rank
             raises the same message), or ``comm`` is not the bootstrap's communicator.
     """
-    global _topology
+    global _topology, _comm
     with _lock:
         if _topology is not None:
             if comm is not None:
@@ -104,10 +133,11 @@ def topology(comm=None, port: int | None = None) -> Topology:
             return _topology
         from mpi4py import MPI
 
-        base = comm or _comm or MPI.COMM_WORLD
+        _comm = comm or _comm
+        base = _comm or MPI.COMM_WORLD
         if port is None:
             port = _config.coordinator_port()
-        _topology = _bootstrap(base, port)
+        _topology = _bootstrap(base, port, timeout_s or DEFAULT_TIMEOUT_S)
         return _topology
 
 
@@ -134,20 +164,70 @@ def _check_same(comm) -> None:
         )
 
 
-def _count(name: str, nbytes: int) -> None:
-    _collectives.append(Collective(name, nbytes))
+def _count(name: str, nbytes: int, phase: str = "topology") -> None:
+    _collectives.append(Collective(name, nbytes, phase))
 
 
-def _bootstrap(base, port: int | None) -> Topology:
+def abort(comm, message: str) -> None:
+    """Print ``message`` for this rank and end the whole MPI job."""
+    # Through logging (with no handler configured, Python prints it to stderr).
+    logger.critical("mpi4jax_dist: rank %d of %d: %s", comm.Get_rank(),
+                    comm.Get_size(), message)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    comm.Abort(1)
+
+
+def wait(request, comm, deadline: float, what: str, timeout_s: float) -> None:
+    """Wait for ``request`` until ``deadline`` (monotonic); abort the job past it."""
+    pause = 1e-5
+    while not request.Test():
+        if time.monotonic() > deadline:
+            abort(comm, f"gave up after {timeout_s:g} s waiting for {what}. "
+                        f"Raise initialization_timeout if the job is just slow.")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def _check_launch_size(base, info) -> None:
+    """Stop when the launcher started N ranks but MPI says otherwise."""
+    from mpi4py import MPI
+
+    if info is None or info.size is None:
+        return
+    if MPI.Comm.Compare(base, MPI.COMM_WORLD) != MPI.IDENT:
+        return
+    if base.Get_size() != info.size:
+        vendor = MPI.Get_library_version().splitlines()[0].strip()
+        raise RuntimeError(
+            f"The launcher ({info.launcher}) started {info.size} ranks but MPI says "
+            f"this job has {base.Get_size()}: mpi4py talks to another MPI than the "
+            f"mpiexec that started it (mpi4py uses: {vendor}). Start the job with the "
+            f"mpiexec of that MPI, or rebuild mpi4py against the launcher's "
+            f"(pip install --no-binary mpi4py mpi4py, with its mpicc on PATH)."
+        )
+
+
+def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
+    global _private, _release_enabled
     from mpi4py import MPI
 
     env = _config.environ()
     info = _launch.detect(env)
     launcher = info.launcher if info else "mpi"
     explicit_address = _config.coordinator_address(env)
+    _check_launch_size(base, info)
 
     _collectives.clear()
-    comm = base.Dup()  # private: our collectives never meet the user's traffic
+    deadline = time.monotonic() + timeout_s
+    # Private: our collectives never meet the user's traffic. Non-blocking, so that
+    # a rank that never comes is noticed instead of waited for.
+    comm, request = base.Idup()
+    _count("Idup", 0, "arrival")
+    wait(request, base, deadline,
+         f"all {base.Get_size()} ranks to reach the bootstrap (some rank never "
+         f"called jax.distributed.initialize or mpi4jax_dist)", timeout_s)
+    keep = False
     try:
         rank, size = comm.Get_rank(), comm.Get_size()
 
@@ -163,7 +243,8 @@ def _bootstrap(base, port: int | None) -> Topology:
             if leaders != MPI.COMM_NULL:
                 node_info[:] = leaders.Get_rank(), leaders.Get_size()
                 leaders.Free()
-            node.Bcast(node_info, root=0)
+            wait(node.Ibcast(node_info, root=0), comm, deadline,
+                 "this node's first rank to send the node index", timeout_s)
             _count("Bcast(node index, node count) within node", node_info.nbytes)
             node_index, num_nodes = (int(v) for v in node_info)
         finally:
@@ -171,14 +252,22 @@ def _bootstrap(base, port: int | None) -> Topology:
 
         message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
         if rank == 0:
-            _encode(message, *_choose_coordinator(explicit_address, num_nodes, port))
-        comm.Bcast(message, root=0)
+            status, text = _choose_coordinator(explicit_address, num_nodes, port)
+            threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+            _encode(message, status, _RELEASE if threads_ok else _NO_RELEASE, text)
+        wait(comm.Ibcast(message, root=0), comm, deadline,
+             "rank 0 to send the coordinator address", timeout_s)
         _count("Bcast(coordinator address)", message.nbytes)
-        status, text = _decode(message)
+        status, release_flag, text = _decode(message)
         if status != _OK:
             raise RuntimeError(text)
+        _release_enabled = release_flag == _RELEASE and size > 1
+        keep = _release_enabled
+        if keep:
+            _private = comm
     finally:
-        comm.Free()
+        if not keep:
+            comm.Free()
 
     return Topology(
         rank=rank,
@@ -192,6 +281,59 @@ def _bootstrap(base, port: int | None) -> Topology:
     )
 
 
+def release(timeout_s: float | None = None, on_listening=None) -> None:
+    """Hold the other ranks until rank 0's coordination service listens.
+
+    Called where JAX asks for the coordinator address, before any rank connects.
+    Rank 0 returns at once and starts a thread that polls its own port, then calls
+    ``on_listening`` (JAX has read its settings by then) and joins an ``Ibarrier``;
+    the other ranks wait in that ``Ibarrier``. Runs once per process.
+    """
+    global _released
+    with _lock:
+        if _released:
+            return
+        _released = True
+    address = _topology.coordinator_address
+    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
+    comm = _private if _release_enabled else None
+    if _topology.rank == 0:
+        threading.Thread(target=_when_listening, name="mpi4jax_dist-release",
+                         args=(comm, address, deadline, timeout_s, on_listening),
+                         daemon=True).start()
+    elif comm is not None:
+        _count("Ibarrier (coordinator listens)", 0, "release")
+        wait(comm.Ibarrier(), comm, deadline,
+             f"rank 0's JAX coordination service to listen on {address}", timeout_s)
+        comm.Free()
+
+
+def _when_listening(comm, address: str, deadline: float, timeout_s: float,
+                    on_listening) -> None:
+    """Rank 0's thread: wait for the service, then release the ranks held in
+    ``release`` (when ``comm`` is given; else nobody waits and a timeout is logged)."""
+    host, port = _config.split_host_port(address, "coordinator address")
+    pause = 1e-4
+    while not _network.accepts(host, port):
+        if time.monotonic() > deadline:
+            message = (f"JAX's coordination service did not listen on {address} "
+                       f"within {timeout_s:g} s.")
+            if comm is not None:
+                abort(comm, message)
+            logger.warning("mpi4jax_dist: %s", message)
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    if on_listening is not None:
+        on_listening()
+    if comm is not None:
+        _count("Ibarrier (coordinator listens)", 0, "release")
+        wait(comm.Ibarrier(), comm, deadline,
+             "the other ranks to wait for the coordinator", timeout_s)
+        comm.Free()
+
+
 def _choose_coordinator(explicit: str | None, num_nodes: int, port: int | None):
     """Return ``(status, text)``: the address, or the error every rank will raise."""
     if explicit is not None:
@@ -200,16 +342,19 @@ def _choose_coordinator(explicit: str | None, num_nodes: int, port: int | None):
         host = _network.coordinator_host(num_nodes, _config.interface())
         if port is None:
             port = _network.free_port(host)
+        else:
+            _network.check_port_free(host, port)
         return _OK, _network.format_address(host, port)
     except Exception as err:  # raised on every rank after the broadcast
         return _ERROR, f"rank 0 could not choose the coordinator address: {err}"
 
 
-def _encode(buffer: np.ndarray, status: int, text: str) -> None:
-    data = text.encode()[: buffer.size - 1]
-    buffer[0] = status
-    buffer[1 : 1 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+def _encode(buffer: np.ndarray, status: int, flag: int, text: str) -> None:
+    data = text.encode()[: buffer.size - 2]
+    buffer[0], buffer[1] = status, flag
+    buffer[2 : 2 + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _decode(buffer: np.ndarray) -> tuple[int, str]:
-    return int(buffer[0]), bytes(buffer[1:]).rstrip(b"\0").decode(errors="replace")
+def _decode(buffer: np.ndarray) -> tuple[int, int, str]:
+    text = bytes(buffer[2:]).rstrip(b"\0").decode(errors="replace")
+    return int(buffer[0]), int(buffer[1]), text

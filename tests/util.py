@@ -45,9 +45,17 @@ skip_in_mpi_job = pytest.mark.skipif(
 )
 
 
+# Variables that change what mpi4jax_dist or JAX choose: set only by the tests that
+# are about them.
+_CHOICES = ("MPI4JAX_DIST_", "JAX_COORDINATOR_", "JAX_LOCAL_DEVICE_IDS",
+            "JAX_NUM_CPU_DEVICES", "no_grpc_proxy")
+
+
 def clean_env(**extra) -> dict:
-    """Return os.environ without launcher variables, with JAX on CPU, plus extra."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    """Return os.environ without launcher variables or our settings, with JAX on CPU,
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -1,0 +1,298 @@
+"""End-to-end launches: real ``mpiexec`` jobs (and plain ``python`` runs), no mocks.
+
+Every test starts its own processes through the scripts in tests/scripts/, which
+print one ``RESULT {json}`` line per rank; the tests parse those lines and assert.
+They run only in the serial session (``python -m pytest``), never inside an MPI job.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+import util
+from util import skip_in_mpi_job
+
+TIMEOUT = 120  # seconds per job; jobs take a few seconds even oversubscribed
+PREFIX = "RESULT "
+README = util.ROOT / "README.rst"
+
+def _env(**extra) -> dict:
+    return util.clean_env(**extra)
+
+
+def _results(proc, n: int, key: str) -> dict:
+    """Return ``{rank: result}`` from the RESULT lines, checking there is one per rank."""
+    lines = [line[len(PREFIX):] for line in proc.stdout.splitlines()
+             if line.startswith(PREFIX)]
+    shown = f"\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert len(lines) == n, f"expected {n} RESULT lines, got {len(lines)}{shown}"
+    results = [json.loads(line) for line in lines]
+    by_rank = {r[key]: r for r in results}
+    assert sorted(by_rank) == list(range(n)), f"ranks by {key}: {sorted(by_rank)}{shown}"
+    return by_rank
+
+
+def _run(script, n: int, *args, key: str = "topo_rank", **kwargs) -> dict:
+    """Run ``script`` on ``n`` ranks; return ``{rank: result}`` keyed by ``key``."""
+    kwargs.setdefault("env", _env())
+    proc = util.run_mpi(script, n, *args, timeout=TIMEOUT, **kwargs)
+    return _results(proc, n, key)
+
+
+def _check_world(result: dict, index: int, count: int) -> None:
+    """Assert one process's view of a JAX world of ``count`` processes, one CPU device each."""
+    assert result["process_index"] == index
+    assert result["process_count"] == count
+    assert result["device_count"] == count
+    assert result["local_device_count"] == 1
+    assert result["device_process_indices"] == list(range(count))
+    assert result["jax_coordinator"] == result["topo_coordinator_address"]
+    # Computations that need every process of the world.
+    assert result["allgather"] == list(range(count))
+    assert result["mesh_process_order"] == list(range(count))
+    assert result["global_shape"] == [count]
+    assert result["global_sum"] == count * (count + 1) / 2
+    assert result["psum"] == [count * (count + 1) / 2]
+    assert result["roundtrip"] is True
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _layout(hosts: str) -> list[tuple[int, int, int]]:
+    """Return ``(node_index, local_rank, local_size)`` per rank for MPICH's -hosts."""
+    layout = []
+    for node, entry in enumerate(hosts.split(",")):
+        count = int(entry.rpartition(":")[2])
+        layout += [(node, local, count) for local in range(count)]
+    return layout
+
+
+# --- 1. plain jax.distributed.initialize() on one node -----------------------------
+
+_plain_cache: dict = {}
+
+
+def _plain(n: int) -> dict:
+    if n not in _plain_cache:
+        _plain_cache[n] = _run("launch_plain.py", n, "jax")
+    return _plain_cache[n]
+
+
+@skip_in_mpi_job
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_plain_initialize_one_node(n):
+    results = _plain(n)
+    addresses = {r["topo_coordinator_address"] for r in results.values()}
+    assert len(addresses) == 1, addresses
+    host, port = _host_port(addresses.pop())
+    assert host == "127.0.0.1" and 1 <= port <= 65535
+    for rank, r in results.items():
+        assert (r["mpi_rank"], r["mpi_size"]) == (rank, n)
+        assert (r["topo_rank"], r["topo_size"]) == (rank, n)
+        assert (r["topo_local_rank"], r["topo_local_size"]) == (rank, n)
+        assert (r["topo_node_index"], r["topo_num_nodes"]) == (0, 1)
+        assert r["topo_launcher"] == "mpich-hydra"
+        _check_world(r, rank, n)
+
+
+@skip_in_mpi_job
+def test_initialize_after_plain_initialize_is_idempotent():
+    """mpi4jax_dist.initialize() after a plain jax.distributed.initialize() that went
+    through our env only checks and returns the same topology."""
+    for r in _plain(2).values():
+        assert r["reinit"] == "same"
+
+
+# --- 2, 3. pretend nodes (MPICH fork launcher) --------------------------------------
+
+
+@skip_in_mpi_job
+@pytest.mark.parametrize("hosts", ["nodeA:2,nodeB:2", "nodeA:1,nodeB:2,nodeC:1"])
+def test_pretend_nodes(hosts):
+    layout = _layout(hosts)
+    n = len(layout)
+    results = _run("launch_plain.py", n, "jax", hosts=hosts)
+    addresses = {r["topo_coordinator_address"] for r in results.values()}
+    assert len(addresses) == 1, addresses
+    host, _ = _host_port(addresses.pop())
+    ip = ipaddress.ip_address(host)
+    assert not ip.is_loopback, f"several nodes but a loopback coordinator {host}"
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+            for a in addrs}
+    assert host in mine, f"coordinator {host} is not an address of this host: {mine}"
+    for rank, r in results.items():
+        node, local_rank, local_size = layout[rank]
+        got = (r["topo_node_index"], r["topo_local_rank"], r["topo_local_size"])
+        assert got == (node, local_rank, local_size), f"rank {rank}"
+        assert r["topo_num_nodes"] == len(hosts.split(","))
+        assert (r["topo_rank"], r["topo_size"]) == (rank, n)
+        assert r["topo_launcher"] == "mpich-hydra"
+        _check_world(r, rank, n)
+
+
+# --- 4. ensembles: one JAX world per sub-communicator -------------------------------
+
+
+@skip_in_mpi_job
+def test_ensembles_of_two():
+    results = _run("launch_ensemble.py", 4, "2", key="world_rank")
+    groups: dict = {}
+    for world_rank, r in results.items():
+        assert r["color"] == world_rank // 2
+        assert (r["comm_rank"], r["comm_size"]) == (world_rank % 2, 2)
+        assert (r["topo_rank"], r["topo_size"]) == (r["comm_rank"], 2)
+        assert (r["topo_node_index"], r["topo_num_nodes"]) == (0, 1)
+        assert r["reinit"] == "same"  # initialize(comm=comm) again
+        assert r["topology_comm"] == "same"  # topology(comm) after initialize(comm=)
+        _check_world(r, r["comm_rank"], 2)
+        groups.setdefault(r["color"], set()).add(r["topo_coordinator_address"])
+    assert sorted(groups) == [0, 1]
+    assert all(len(a) == 1 for a in groups.values()), groups
+    assert groups[0] != groups[1], f"both groups share a coordinator: {groups}"
+
+
+@skip_in_mpi_job
+def test_topology_with_subcommunicator_twice():
+    results = _run("launch_topology_comm.py", 4, key="world_rank")
+    for r in results.values():
+        assert r["first_size"] == 2
+        assert r["again"] == "same"
+
+
+# --- 5. the README's usage example ----------------------------------------------------
+
+_DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*)\.\.[ \t]+code-block::[ \t]*python[ \t]*$")
+
+
+def python_blocks(text: str) -> list[str]:
+    """Return the contents of the ``.. code-block:: python`` blocks of an RST text."""
+    lines = text.splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        match = _DIRECTIVE.match(lines[i])
+        i += 1
+        if not match:
+            continue
+        indent = len(match["indent"].expandtabs())
+        body = []
+        while i < len(lines):
+            line = lines[i]
+            if line.strip() and len(line) - len(line.lstrip()) <= indent:
+                break
+            body.append(line)
+            i += 1
+        # Directive options (":linenos:" ...) come first, up to the first blank line.
+        while body and body[0].strip().startswith(":"):
+            body.pop(0)
+        blocks.append(textwrap.dedent("\n".join(body)).strip("\n") + "\n")
+    return blocks
+
+
+def readme_example(text: str) -> str | None:
+    """Return the first python code block that imports mpi4jax_dist, or None."""
+    return next((b for b in python_blocks(text) if "import mpi4jax_dist" in b), None)
+
+
+@skip_in_mpi_job
+def test_readme_block_extraction():
+    text = textwrap.dedent("""\
+        Title
+        =====
+
+        .. code-block:: python
+
+           import jax  # no mpi4jax_dist here
+
+        Usage:
+
+        .. code-block:: python
+           :caption: hello.py
+
+           import mpi4jax_dist
+           import jax
+
+           def f():
+               return 1
+
+        After the block.
+
+        .. code-block:: python
+
+           import mpi4jax_dist  # a later one
+        """)
+    assert python_blocks(text)[0] == "import jax  # no mpi4jax_dist here\n"
+    assert readme_example(text) == (
+        "import mpi4jax_dist\nimport jax\n\ndef f():\n    return 1\n")
+    assert readme_example("no code here\n") is None
+
+
+@skip_in_mpi_job
+def test_readme_example_runs(tmp_path):
+    text = README.read_text() if README.exists() else ""
+    code = readme_example(text)
+    if code is None:
+        pytest.skip("README.rst has no `.. code-block:: python` block containing "
+                    "`import mpi4jax_dist` yet")
+    script = tmp_path / "readme_example.py"
+    script.write_text(code)
+    proc = util.run_mpi(script, 2, timeout=TIMEOUT, env=_env())
+    assert proc.returncode == 0
+
+
+# --- 6, 7. where our env must not answer a plain jax.distributed.initialize() --------
+
+_NO_ENV = "ValueError: coordinator_address should be defined."
+
+
+@skip_in_mpi_job
+def test_without_launcher():
+    """``python script.py``: plain JAX init fails as without any cluster env (ours
+    is not present, and MPI is not started by asking); mpi4jax_dist.initialize()
+    gives a one-process world (MPI singleton)."""
+    cmd = [sys.executable, str(util.SCRIPTS / "launch_no_env.py")]
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+                              timeout=TIMEOUT, cwd=util.ROOT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{util._text(err)}")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    (r,) = _results(proc, 1, "topo_rank").values()
+    assert r["plain"] == _NO_ENV
+    assert r["initialized_after_plain"] is False
+    assert r["mpi_imported_after_plain"] is False
+    assert r["explicit"] == "initialized"
+    assert (r["topo_rank"], r["topo_size"]) == (0, 1)
+    assert (r["topo_local_rank"], r["topo_local_size"]) == (0, 1)
+    assert (r["topo_node_index"], r["topo_num_nodes"]) == (0, 1)
+    assert r["topo_launcher"] == "mpi"
+    assert _host_port(r["topo_coordinator_address"])[0] == "127.0.0.1"
+    assert (r["process_index"], r["process_count"], r["device_count"]) == (0, 1, 1)
+
+
+@skip_in_mpi_job
+def test_disabled_under_mpiexec():
+    """MPI4JAX_DIST_DISABLE=1: a plain jax.distributed.initialize() is not ours (JAX's
+    ValueError on every rank); asking by name, mpi4jax_dist.initialize(), still works."""
+    results = _run("launch_no_env.py", 2, env=_env(MPI4JAX_DIST_DISABLE=1))
+    addresses = {r["topo_coordinator_address"] for r in results.values()}
+    assert len(addresses) == 1, addresses
+    for rank, r in results.items():
+        assert r["plain"] == _NO_ENV, f"rank {rank}"
+        assert r["initialized_after_plain"] is False
+        assert r["mpi_imported_after_plain"] is False
+        assert r["explicit"] == "initialized"
+        assert (r["topo_rank"], r["topo_size"]) == (rank, 2)
+        assert r["topo_launcher"] == "mpich-hydra"
+        assert (r["process_index"], r["process_count"], r["device_count"]) == (rank, 2, 2)

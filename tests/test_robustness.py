@@ -1,0 +1,101 @@
+"""Launch tests of the bootstrap's failure handling: each runs mpiexec with a timeout."""
+
+import json
+import socket
+import sys
+import time
+
+import pytest
+
+import util
+
+pytestmark = util.skip_in_mpi_job
+
+
+def results(proc):
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines()
+            if line.startswith("RESULT ")]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def test_rank_that_never_arrives_ends_job_after_deadline():
+    start = time.monotonic()
+    proc = util.run_mpi("robust_init.py", 2, 1, 120, check=False, timeout=90,
+                        env=util.clean_env(TEST_INIT_TIMEOUT=3))
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "gave up after 3 s waiting for all 2 ranks to reach the bootstrap" in (
+        proc.stderr + proc.stdout)
+    assert took < 60, f"job took {took:.0f} s to end"
+
+
+def test_proxy_exempted_and_service_bound_to_loopback():
+    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
+        http_proxy="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
+        TEST_INIT_TIMEOUT=30))
+    rows = results(proc)
+    assert [r["process_index"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["no_grpc_proxy"] == "127.0.0.1"
+        assert r["http_proxy"] == "http://127.0.0.1:9"  # the user's own, untouched
+    assert "added 127.0.0.1 to no_grpc_proxy" in proc.stderr
+    assert proc.stderr.count("added 127.0.0.1 to no_grpc_proxy") == 1  # rank 0 only
+    zero = rows[0]
+    assert zero["coordinator"].startswith("127.0.0.1:")
+    assert zero["bind"] is None  # set for JAX, taken back once the service listened
+    assert zero["answers_on_coordinator"] is True
+    assert zero["answers_on_other"] is False, zero
+
+
+def test_user_bind_address_wins():
+    port = _free_port()
+    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
+        JAX_COORDINATOR_BIND_ADDRESS=f"[::]:{port}", JAX_COORDINATOR_PORT=port))
+    zero = results(proc)[0]
+    assert zero["bind"] == f"[::]:{port}"
+    assert zero["answers_on_other"] is True  # every interface, as the user asked
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_port_in_use_fails_fast_naming_port():
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        proc = util.run_mpi("robust_init.py", 2, check=False, timeout=90,
+                            env=util.clean_env(JAX_COORDINATOR_PORT=port))
+        took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert f"coordinator port {port} on 127.0.0.1" in proc.stderr
+    assert took < 30
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("JAX_COORDINATOR_PORT", "eighty"),
+    ("MPI4JAX_DIST_INTERFACE", "no-such-if0"),
+])
+def test_bad_input_names_variable(variable, value):
+    proc = util.run_mpi("robust_init.py", 2, hosts="nodeA:1,nodeB:1", check=False,
+                        timeout=90, env=util.clean_env(**{variable: value}))
+    assert proc.returncode != 0
+    assert f"{variable}={value!r}" in proc.stderr
+
+
+def test_launcher_size_differs_from_mpi_size():
+    # What Open MPI's mpiexec does to an mpi4py built for MPICH: every rank a
+    # singleton. Faked here with Open MPI's variables around a plain python run.
+    code = "import mpi4jax_dist; mpi4jax_dist.topology()"
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env=util.clean_env(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4"))
+    assert proc.returncode != 0
+    assert "The launcher (openmpi) started 4 ranks but MPI says this job has 1" in (
+        proc.stderr)
