@@ -94,6 +94,8 @@ _collectives: list[Collective] = []
 _private = None  # the private communicator, kept until the release
 _release_enabled = False
 _released = False
+# time.perf_counter() when phases ended, for benchmarks/bootstrap.py.
+timestamps: dict[str, float] = {}
 
 
 def use_communicator(comm) -> None:
@@ -137,7 +139,9 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
         base = _comm or MPI.COMM_WORLD
         if port is None:
             port = _config.coordinator_port()
+        timestamps["bootstrap_start"] = time.perf_counter()
         _topology = _bootstrap(base, port, timeout_s or DEFAULT_TIMEOUT_S)
+        timestamps["bootstrap_done"] = time.perf_counter()
         return _topology
 
 
@@ -325,6 +329,7 @@ def _when_listening(comm, address: str, deadline: float, timeout_s: float,
             break
         time.sleep(pause)
         pause = min(pause * 2, 5e-3)
+    timestamps["service_listening"] = time.perf_counter()
     if on_listening is not None:
         on_listening()
     if comm is not None:

@@ -99,3 +99,24 @@ def test_launcher_size_differs_from_mpi_size():
     assert proc.returncode != 0
     assert "The launcher (openmpi) started 4 ranks but MPI says this job has 1" in (
         proc.stderr)
+
+
+def test_diagnostics_check_under_mpiexec():
+    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--json",
+                        "--check")
+    start = proc.stdout.index("{")
+    report = json.loads(proc.stdout[start:proc.stdout.rindex("}") + 1])
+    assert report["problems"] == []
+    assert report["launcher"] == "mpich-hydra"
+    assert report["topology"]["ranks_per_node"] == {"0": [0, 1]}
+    assert report["check"]["allreduce_equals_psum"] is True
+    assert report["mpi"]["library"].startswith("MPICH")
+
+
+def test_diagnostics_without_launcher_exit_nonzero():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "mpi4jax_dist"], capture_output=True,
+                          text=True, timeout=120, env=util.clean_env(), cwd=util.ROOT)
+    assert proc.returncode == 1
+    assert "PROBLEM       rank 0: size 1 and no launcher variables" in proc.stdout

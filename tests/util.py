@@ -66,18 +66,23 @@ def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 18
     """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
 
     Args:
-        script: a path, or the name of a file in tests/scripts/.
+        script: a path, the name of a file in tests/scripts/, or a list of
+            Python's own arguments (``["-m", "mpi4jax_dist"]``).
         hosts: MPICH's pretend nodes, e.g. ``"nodeA:2,nodeB:2"`` (fork launcher).
         timeout: seconds before the whole job is killed (the test then fails).
         check: fail the test, showing the output, when the exit status is not 0.
     """
-    path = Path(script)
-    if not path.is_absolute() and not path.exists():
-        path = SCRIPTS / script
+    if isinstance(script, (list, tuple)):  # Python's own arguments, e.g. ["-m", "x"]
+        python_args = [str(a) for a in script]
+    else:
+        path = Path(script)
+        if not path.is_absolute() and not path.exists():
+            path = SCRIPTS / script
+        python_args = [str(path)]
     cmd = [mpiexec()]
     if hosts is not None:
         cmd += ["-launcher", "fork", "-hosts", hosts]
-    cmd += [*mpiexec_args, "-n", str(n), sys.executable, str(path), *map(str, args)]
+    cmd += [*mpiexec_args, "-n", str(n), sys.executable, *python_args, *map(str, args)]
     try:
         proc = subprocess.run(cmd, env=clean_env() if env is None else env,
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT)

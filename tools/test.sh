@@ -12,6 +12,8 @@ cd "$here"
 
 run() { echo "+ $*"; "$@"; }
 
+# What the job looks like, first, so that a failing log shows the environment.
+run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 run timeout -k 10 1200 python -m pytest
 for n in 2 4; do
     run timeout -k 10 900 mpiexec -n "$n" python -m pytest --with-mpi -q -p no:cacheprovider

@@ -1,0 +1,125 @@
+"""What mpi4jax_dist sees: the launcher, MPI, the topology per node, the coordinator,
+proxies, versions and devices. A library function first; ``__main__`` prints it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import subprocess
+
+from . import _config, _launch
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _mpiexec_version() -> tuple[str | None, str | None]:
+    path = shutil.which("mpiexec")
+    if path is None:
+        return None, None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                             timeout=20)
+        text = (out.stdout + out.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        text = f"could not run: {err}"
+    return path, " ".join(text.splitlines()[:3])
+
+
+def _family(text: str) -> str | None:
+    low = (text or "").lower()
+    for name in ("open mpi", "intel", "mvapich", "cray", "mpich", "hydra"):
+        if name in low:
+            return {"hydra": "mpich"}.get(name, name)
+    return None
+
+
+def diagnose(check: bool = False) -> dict:
+    """Return a report of this job (collective: every rank must call it).
+
+    Args:
+        check: also initialize JAX and compare one ``mpi4jax.allreduce`` with one
+            ``psum`` over :func:`global_mesh`.
+
+    Returns:
+        On every rank, a dict; ``problems`` lists what looks wrong (empty: fine).
+    """
+    from mpi4py import MPI
+
+    from . import _topology
+
+    env = _config.environ()
+    info = _launch.detect(env)
+    problems: list[str] = []
+    comm = MPI.COMM_WORLD
+    topo = _topology.topology()
+    library = MPI.Get_library_version().strip()
+    mpiexec, mpiexec_version = _mpiexec_version()
+    if mpiexec_version and _family(mpiexec_version) and _family(library) and (
+            _family(mpiexec_version) != _family(library)):
+        problems.append(
+            f"mpiexec on PATH ({mpiexec}: {mpiexec_version}) looks like another MPI "
+            f"than the one mpi4py uses ({library.splitlines()[0]}).")
+    if info is None and comm.Get_size() == 1:
+        problems.append("size 1 and no launcher variables: started without mpiexec "
+                        "(or with one this package does not know).")
+    nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
+    report = {
+        "launcher": topo.launcher,
+        "launcher_variables": info.variables if info else {},
+        "mpi": {"vendor": list(map(str, MPI.get_vendor())),
+                "library": library.splitlines()[0],
+                "standard": "{}.{}".format(*MPI.Get_version()),
+                "thread_level": MPI.Query_thread(),
+                "mpiexec": mpiexec, "mpiexec_version": mpiexec_version},
+        "topology": {"size": topo.size, "num_nodes": topo.num_nodes,
+                     "coordinator_address": topo.coordinator_address},
+        "proxy": {"variables": _config.proxies_set(env),
+                  "no_grpc_proxy": env.get(_config.NO_GRPC_PROXY),
+                  "keep": _config.keep_proxy(env)},
+        "versions": {p: _version(p) for p in
+                     ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")},
+    }
+    if nodes is not None:
+        per_node: dict[int, list[int]] = {}
+        for node, rank, _ in sorted(nodes):
+            per_node.setdefault(node, []).append(rank)
+        report["topology"]["ranks_per_node"] = {str(k): v for k, v in per_node.items()}
+    if check:
+        report["check"] = _check(topo, problems)
+    all_problems = comm.allgather(problems)
+    report["problems"] = [f"rank {r}: {p}" for r, ps in enumerate(all_problems)
+                          for p in ps]
+    return report
+
+
+def _check(topo, problems: list[str]) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import mpi4jax
+    import numpy as np
+    from jax.sharding import PartitionSpec
+    from mpi4py import MPI
+
+    from . import _api, _jax_compat, interop
+
+    _api.initialize()
+    mesh = interop.global_mesh()
+    local = jnp.arange(8, dtype=jnp.float32) + topo.rank
+    by_mpi4jax = np.asarray(jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(local))
+    summed = jax.jit(_jax_compat.shard_map(
+        lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS), mesh=mesh,
+        in_specs=PartitionSpec(interop.DEFAULT_AXIS),
+        out_specs=PartitionSpec(interop.DEFAULT_AXIS)))(interop.to_global(local, mesh))
+    by_psum = np.asarray(interop.to_local(summed))
+    expected = np.arange(8) * topo.size + sum(range(topo.size))
+    if not (np.array_equal(by_mpi4jax, expected) and np.array_equal(by_psum, expected)):
+        problems.append(f"allreduce {by_mpi4jax} / psum {by_psum} != {expected}")
+    return {"backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "process_index": jax.process_index(),
+            "allreduce_equals_psum": bool(np.array_equal(by_mpi4jax, by_psum))}
