@@ -126,12 +126,24 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def free_port(host: str) -> int:
-    """Return a TCP port that is free on ``host`` now (the kernel's choice)."""
+def reserve_port(host: str) -> socket.socket:
+    """Return a socket that holds a free port on ``host`` until JAX's service binds it.
+
+    Between choosing a port and gRPC binding it, another job on the node could take
+    it. The socket is bound, not listening, with ``SO_REUSEPORT``: gRPC binds with
+    that option too, so JAX's service can bind beside it, while the kernel hands the
+    port to no other ``bind(0)`` and a plain ``bind`` fails. Close it once the
+    service listens.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:

@@ -94,6 +94,7 @@ _collectives: list[Collective] = []
 _private = None  # the private communicator, kept until the release
 _release_enabled = False
 _released = False
+_reservation = None  # rank 0's socket holding the chosen port until JAX binds it
 # time.perf_counter() when phases ended, for benchmarks/bootstrap.py.
 timestamps: dict[str, float] = {}
 
@@ -330,6 +331,7 @@ def _when_listening(comm, address: str, deadline: float, timeout_s: float,
         time.sleep(pause)
         pause = min(pause * 2, 5e-3)
     timestamps["service_listening"] = time.perf_counter()
+    _release_port()
     if on_listening is not None:
         on_listening()
     if comm is not None:
@@ -339,14 +341,24 @@ def _when_listening(comm, address: str, deadline: float, timeout_s: float,
         comm.Free()
 
 
+def _release_port() -> None:
+    """Close rank 0's hold on the coordinator port: JAX's service has it now."""
+    global _reservation
+    if _reservation is not None:
+        _reservation.close()
+        _reservation = None
+
+
 def _choose_coordinator(explicit: str | None, num_nodes: int, port: int | None):
     """Return ``(status, text)``: the address, or the error every rank will raise."""
+    global _reservation
     if explicit is not None:
         return _OK, explicit
     try:
         host = _network.coordinator_host(num_nodes, _config.interface())
         if port is None:
-            port = _network.free_port(host)
+            _reservation = _network.reserve_port(host)
+            port = _reservation.getsockname()[1]
         else:
             _network.check_port_free(host, port)
         return _OK, _network.format_address(host, port)

@@ -12,8 +12,8 @@ import util
 pytestmark = util.skip_in_mpi_job
 
 
-def results(proc):
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines()
+def results(stdout: str) -> list[dict]:
+    rows = [json.loads(line[7:]) for line in stdout.splitlines()
             if line.startswith("RESULT ")]
     return sorted(rows, key=lambda r: r["rank"])
 
@@ -33,7 +33,7 @@ def test_proxy_exempted_and_service_bound_to_loopback():
     proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
         http_proxy="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
         TEST_INIT_TIMEOUT=30))
-    rows = results(proc)
+    rows = results(proc.stdout)
     assert [r["process_index"] for r in rows] == [0, 1]
     for r in rows:
         assert r["no_grpc_proxy"] == "127.0.0.1"
@@ -51,7 +51,7 @@ def test_user_bind_address_wins():
     port = _free_port()
     proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
         JAX_COORDINATOR_BIND_ADDRESS=f"[::]:{port}", JAX_COORDINATOR_PORT=port))
-    zero = results(proc)[0]
+    zero = results(proc.stdout)[0]
     assert zero["bind"] == f"[::]:{port}"
     assert zero["answers_on_other"] is True  # every interface, as the user asked
 
@@ -120,3 +120,26 @@ def test_diagnostics_without_launcher_exit_nonzero():
                           text=True, timeout=120, env=util.clean_env(), cwd=util.ROOT)
     assert proc.returncode == 1
     assert "PROBLEM       rank 0: size 1 and no launcher variables" in proc.stdout
+
+
+def test_jobs_started_together_on_one_host_all_initialize():
+    import subprocess
+
+    jobs = [subprocess.Popen([util.mpiexec(), "-n", "2", sys.executable,
+                              str(util.SCRIPTS / "robust_init.py")],
+                             env=util.clean_env(TEST_INIT_TIMEOUT=60), cwd=util.ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(4)]
+    outputs = []
+    try:
+        for job in jobs:
+            out, err = job.communicate(timeout=150)
+            outputs.append((job.returncode, out, err))
+    finally:
+        for job in jobs:
+            job.kill()
+    for code, out, err in outputs:
+        assert code == 0, err
+    coordinators = {results(out)[0]["coordinator"]
+                    for _, out, _ in outputs}
+    assert len(coordinators) == 4, coordinators
