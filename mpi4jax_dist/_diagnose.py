@@ -27,7 +27,7 @@ def _mpiexec_version() -> tuple[str | None, str | None]:
         text = (out.stdout + out.stderr).strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         text = f"could not run: {err}"
-    return path, " ".join(text.splitlines()[:3])
+    return path, " ".join(" ".join(text.splitlines()[:3]).split())
 
 
 def _family(text: str) -> str | None:
@@ -57,7 +57,7 @@ def diagnose(check: bool = False) -> dict:
     problems: list[str] = []
     comm = MPI.COMM_WORLD
     topo = _topology.topology()
-    library = MPI.Get_library_version().strip()
+    library = MPI.Get_library_version().strip().strip("\x00").strip()
     mpiexec, mpiexec_version = _mpiexec_version()
     if mpiexec_version and _family(mpiexec_version) and _family(library) and (
             _family(mpiexec_version) != _family(library)):

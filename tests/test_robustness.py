@@ -107,10 +107,11 @@ def test_diagnostics_check_under_mpiexec():
     start = proc.stdout.index("{")
     report = json.loads(proc.stdout[start:proc.stdout.rindex("}") + 1])
     assert report["problems"] == []
-    assert report["launcher"] == "mpich-hydra"
+    assert report["launcher"] == util.expected_launcher()
     assert report["topology"]["ranks_per_node"] == {"0": [0, 1]}
     assert report["check"]["allreduce_equals_psum"] is True
-    assert report["mpi"]["library"].startswith("MPICH")
+    library = report["mpi"]["library"]
+    assert library.startswith({"mpich": "MPICH", "openmpi": "Open MPI"}[util.mpi_family()])
 
 
 def test_diagnostics_without_launcher_exit_nonzero():
@@ -143,3 +144,25 @@ def test_jobs_started_together_on_one_host_all_initialize():
     coordinators = {results(out)[0]["coordinator"]
                     for _, out, _ in outputs}
     assert len(coordinators) == 4, coordinators
+
+
+def test_mpi4py_of_another_mpi_is_caught():
+    # mpi4py from the other MPI's environment, started by this one's mpiexec: every
+    # rank comes up as a singleton of size 1 while the launcher says 2.
+    import os
+
+    other = os.environ.get("TEST_OTHER_MPI_PYTHON")
+    if not other:
+        pytest.skip("needs TEST_OTHER_MPI_PYTHON, a Python whose mpi4py uses another "
+                    "MPI (tools/test.sh sets it in its Open MPI stage)")
+    start = time.monotonic()
+    proc = util.run_mpi(["-c", "import mpi4jax_dist; mpi4jax_dist.topology()"], 2,
+                        check=False, timeout=120, python=other)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    # Open MPI's mpi4py under MPICH's mpiexec starts silently as singletons: ours to
+    # catch. MPICH's mpi4py under Open MPI's mpiexec fails in MPI_Init by itself.
+    ours = "started 2 ranks but MPI says this job has 1" in proc.stderr
+    assert ours or "internal_Init_thread" in proc.stderr, proc.stderr[-3000:]
+    if util.mpi_family() == "mpich":
+        assert ours, proc.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -18,9 +19,12 @@ SCRIPTS = HERE / "scripts"
 BIN = Path(sys.executable).parent
 
 # Variables a launcher leaves in our own environment: a child mpiexec must not see
-# them, or it joins (or confuses) the job this test runs in.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "PRTE_", "PALS_",
-                      "MV2_", "JSM_", "FLUX_", "SLURM_", "ALPS_")
+# them, or it joins (or confuses) the job this test runs in. The user's own MPI
+# settings (OMPI_MCA_*, OMPI_ALLOW_RUN_AS_ROOT, ...) stay.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER",
+                      "OMPI_COMM_WORLD_", "OMPI_UNIVERSE", "OMPI_FIRST", "MPI_LOCAL",
+                      "HYDRA_", "PRTE_LAUNCHED", "PALS_", "MV2_", "JSM_", "FLUX_",
+                      "SLURM_", "ALPS_")
 
 
 def mpiexec() -> str:
@@ -32,6 +36,27 @@ def mpiexec() -> str:
     if found is None:
         pytest.skip("no mpiexec beside this Python nor on PATH; run tools/setup.sh")
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_family() -> str:
+    """Return ``openmpi`` or ``mpich``: whose mpiexec :func:`mpiexec` is."""
+    out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True,
+                         timeout=30)
+    text = (out.stdout + out.stderr).lower()
+    return "openmpi" if ("open mpi" in text or "prte" in text) else "mpich"
+
+
+def expected_launcher() -> str:
+    """Return the launcher name mpi4jax_dist should report under :func:`mpiexec`."""
+    return {"openmpi": "openmpi", "mpich": "mpich-hydra"}[mpi_family()]
+
+
+def needs_pretend_nodes():
+    """Skip unless MPICH's fork launcher can pretend several nodes on this host."""
+    if mpi_family() != "mpich":
+        pytest.skip("pretend nodes need MPICH's -launcher fork -hosts; this mpiexec "
+                    f"is {mpi_family()}'s")
 
 
 def in_mpi_job() -> bool:
@@ -57,12 +82,15 @@ def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    if os.geteuid() == 0:  # Open MPI refuses root without these; MPICH ignores them
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
 def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 180,
-            env: dict | None = None, check: bool = True, mpiexec_args=()):
+            env: dict | None = None, check: bool = True, mpiexec_args=(),
+            python: str = sys.executable):
     """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
 
     Args:
@@ -71,6 +99,7 @@ def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 18
         hosts: MPICH's pretend nodes, e.g. ``"nodeA:2,nodeB:2"`` (fork launcher).
         timeout: seconds before the whole job is killed (the test then fails).
         check: fail the test, showing the output, when the exit status is not 0.
+        python: the interpreter the ranks run (default: this one).
     """
     if isinstance(script, (list, tuple)):  # Python's own arguments, e.g. ["-m", "x"]
         python_args = [str(a) for a in script]
@@ -81,8 +110,11 @@ def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 18
         python_args = [str(path)]
     cmd = [mpiexec()]
     if hosts is not None:
+        needs_pretend_nodes()
         cmd += ["-launcher", "fork", "-hosts", hosts]
-    cmd += [*mpiexec_args, "-n", str(n), sys.executable, *python_args, *map(str, args)]
+    if mpi_family() == "openmpi":  # more ranks than the 2 cores here
+        cmd += ["--oversubscribe"]
+    cmd += [*mpiexec_args, "-n", str(n), python, *python_args, *map(str, args)]
     try:
         proc = subprocess.run(cmd, env=clean_env() if env is None else env,
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT)

