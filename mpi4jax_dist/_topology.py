@@ -203,7 +203,7 @@ def _check_launch_size(base, info) -> None:
     if MPI.Comm.Compare(base, MPI.COMM_WORLD) != MPI.IDENT:
         return
     if base.Get_size() != info.size:
-        vendor = MPI.Get_library_version().splitlines()[0].strip()
+        vendor = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
         raise RuntimeError(
             f"The launcher ({info.launcher}) started {info.size} ranks but MPI says "
             f"this job has {base.Get_size()}: mpi4py talks to another MPI than the "
