@@ -5,3 +5,14 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 # JAX on the CPU everywhere in the test session, whatever the machine has.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def world():
+    """JAX initialized once per test process through mpi4jax_dist (MPI tests only)."""
+    import mpi4jax_dist
+
+    return mpi4jax_dist.initialize()

@@ -22,12 +22,6 @@ def all_ranks(ok, what):
     assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
 
 
-@pytest.fixture(scope="session")
-def world():
-    """JAX initialized once for the session through mpi4jax_dist."""
-    return mpi4jax_dist.initialize()
-
-
 def test_topology_matches_mpi():
     from mpi4py import MPI
 
