@@ -7,8 +7,8 @@ O(log P) in time and O(1) in bytes per rank (no gather of hostnames):
 1. ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node -> local rank and size.
 2. ``Split`` of the node leaders (local rank 0), ordered by rank -> node index and
    node count on the leaders.
-3. ``Bcast`` within each node of (node index, node count) from its leader.
-4. ``Bcast`` from rank 0 of the coordinator address (or of rank 0's error, so that
+3. ``Ibcast`` within each node of (node index, node count) from its leader.
+4. ``Ibcast`` from rank 0 of the coordinator address (or of rank 0's error, so that
    a failure there raises on every rank instead of leaving them waiting).
 
 The result is cached: JAX calls the cluster env four or five times per initialize,
@@ -91,8 +91,9 @@ _lock = threading.Lock()
 _comm = None  # the communicator chosen by initialize(comm=...); None: COMM_WORLD
 _topology: Topology | None = None
 _collectives: list[Collective] = []
-_private = None  # the private communicator, kept until the release
-_release_enabled = False
+# The private communicator, kept for the release where rank 0 can release the
+# others from a thread (else None).
+_private = None
 _released = False
 _reservation = None  # rank 0's socket holding the chosen port until JAX binds it
 # time.perf_counter() when phases ended, for benchmarks/bootstrap.py.
@@ -214,7 +215,7 @@ def _check_launch_size(base, info) -> None:
 
 
 def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
-    global _private, _release_enabled
+    global _private
     from mpi4py import MPI
 
     env = _config.environ()
@@ -232,7 +233,6 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
     wait(request, base, deadline,
          f"all {base.Get_size()} ranks to reach the bootstrap (some rank never "
          f"called jax.distributed.initialize or mpi4jax_dist)", timeout_s)
-    keep = False
     try:
         rank, size = comm.Get_rank(), comm.Get_size()
 
@@ -250,7 +250,7 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
                 leaders.Free()
             wait(node.Ibcast(node_info, root=0), comm, deadline,
                  "this node's first rank to send the node index", timeout_s)
-            _count("Bcast(node index, node count) within node", node_info.nbytes)
+            _count("Ibcast(node index, node count) within node", node_info.nbytes)
             node_index, num_nodes = (int(v) for v in node_info)
         finally:
             node.Free()
@@ -262,16 +262,14 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
             _encode(message, status, _RELEASE if threads_ok else _NO_RELEASE, text)
         wait(comm.Ibcast(message, root=0), comm, deadline,
              "rank 0 to send the coordinator address", timeout_s)
-        _count("Bcast(coordinator address)", message.nbytes)
+        _count("Ibcast(coordinator address)", message.nbytes)
         status, release_flag, text = _decode(message)
         if status != _OK:
             raise RuntimeError(text)
-        _release_enabled = release_flag == _RELEASE and size > 1
-        keep = _release_enabled
-        if keep:
+        if release_flag == _RELEASE and size > 1:
             _private = comm
     finally:
-        if not keep:
+        if _private is not comm:
             comm.Free()
 
     return Topology(
@@ -302,7 +300,7 @@ def release(timeout_s: float | None = None, on_listening=None) -> None:
     address = _topology.coordinator_address
     timeout_s = timeout_s or DEFAULT_TIMEOUT_S
     deadline = time.monotonic() + timeout_s
-    comm = _private if _release_enabled else None
+    comm = _private
     if _topology.rank == 0:
         threading.Thread(target=_when_listening, name="mpi4jax_dist-release",
                          args=(comm, address, deadline, timeout_s, on_listening),
