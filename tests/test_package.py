@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 
@@ -187,3 +188,20 @@ def test_installed_jax_matches_a_row():
 def test_public_api():
     assert sorted(mpi4jax_dist.__all__) == [
         "Topology", "global_mesh", "initialize", "to_global", "to_local", "topology"]
+
+
+@pytest.mark.parametrize("name", ["http_proxy", "HTTPS_PROXY", "grpc_proxy"])
+def test_proxy_exemption(monkeypatch, name):
+    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                "GRPC_PROXY", "no_grpc_proxy", "NO_GRPC_PROXY", "MPI4JAX_DIST_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert _config.exempt_from_proxy("10.0.0.1") is None  # no proxy: nothing to do
+    monkeypatch.setenv(name, "http://proxy.example:3128")
+    monkeypatch.setenv("no_grpc_proxy", "localhost")
+    assert _config.exempt_from_proxy("10.0.0.1") == [name]
+    assert os.environ["no_grpc_proxy"] == "localhost,10.0.0.1"
+    assert os.environ[name] == "http://proxy.example:3128"  # the user's, untouched
+    assert _config.exempt_from_proxy("10.0.0.1") is None  # already exempt
+    monkeypatch.setenv("MPI4JAX_DIST_PROXY", "keep")
+    assert _config.exempt_from_proxy("10.0.0.2") is None
+    assert os.environ["no_grpc_proxy"] == "localhost,10.0.0.1"

@@ -78,6 +78,7 @@ def test_port_in_use_fails_fast_naming_port():
 
 @pytest.mark.parametrize("variable, value", [
     ("JAX_COORDINATOR_PORT", "eighty"),
+    ("JAX_COORDINATOR_ADDRESS", "nohostport"),
     ("MPI4JAX_DIST_INTERFACE", "no-such-if0"),
 ])
 def test_bad_input_names_variable(variable, value):
@@ -85,6 +86,13 @@ def test_bad_input_names_variable(variable, value):
                         timeout=90, env=util.clean_env(**{variable: value}))
     assert proc.returncode != 0
     assert f"{variable}={value!r}" in proc.stderr
+
+
+def test_non_boolean_disable_warns_and_keeps_working():
+    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
+        MPI4JAX_DIST_DISABLE="maybe"))
+    assert [r["process_index"] for r in results(proc.stdout)] == [0, 1]
+    assert "MPI4JAX_DIST_DISABLE='maybe' is not a boolean" in proc.stderr
 
 
 def test_launcher_size_differs_from_mpi_size():
