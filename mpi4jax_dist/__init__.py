@@ -16,6 +16,7 @@ from .interop import global_mesh, to_global, to_local
 
 __all__ = [
     "Topology",
+    "cg",
     "global_mesh",
     "initialize",
     "to_global",
@@ -27,3 +28,13 @@ __version__ = "0.1.0"
 
 # The one side effect of importing: JAX asks our cluster env first.
 _jax_compat.register_first(_cluster.Mpi4jaxDistCluster)
+
+
+def __getattr__(name):
+    # mpi4jax_dist.cg on first use: most users only want the cluster env, and
+    # importing the solvers costs as much again as the rest of the package.
+    if name == "cg":
+        import importlib
+
+        return importlib.import_module(".cg", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,17 +9,9 @@ import pytest
 
 import mpi4jax_dist
 from mpi4jax_dist import _topology
+from util import all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-def all_ranks(ok, what):
-    """Assert ``ok`` on every rank, failing on all of them if it fails on one."""
-    from mpi4py import MPI
-
-    failed = MPI.COMM_WORLD.allgather(None if ok else what)
-    bad = {rank: msg for rank, msg in enumerate(failed) if msg is not None}
-    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
 
 
 def test_topology_matches_mpi():

@@ -187,7 +187,8 @@ def test_installed_jax_matches_a_row():
 
 def test_public_api():
     assert sorted(mpi4jax_dist.__all__) == [
-        "Topology", "global_mesh", "initialize", "to_global", "to_local", "topology"]
+        "Topology", "cg", "global_mesh", "initialize", "to_global", "to_local",
+        "topology"]
 
 
 @pytest.mark.parametrize("name", ["http_proxy", "HTTPS_PROXY", "grpc_proxy"])

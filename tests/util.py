@@ -131,3 +131,16 @@ def _text(err) -> str:
     errs = err.stderr or b""
     errs = errs.decode(errors="replace") if isinstance(errs, bytes) else errs
     return out + errs
+
+
+def all_ranks(ok, what):
+    """Assert ``ok`` on every rank of COMM_WORLD, failing on all if it fails on one.
+
+    The outcome is gathered first, so that one failing rank does not leave the
+    others waiting in the next collective.
+    """
+    from mpi4py import MPI
+
+    failed = MPI.COMM_WORLD.allgather(None if ok else what)
+    bad = {rank: msg for rank, msg in enumerate(failed) if msg is not None}
+    assert not bad, f"failed on ranks {sorted(bad)}: {bad}"

@@ -1,0 +1,800 @@
+"""Distributed conjugate gradients over a pluggable reduction: mpi4jax or psum.
+
+CG is written once, over two things every rank supplies:
+
+* a ``matvec`` on this rank's part of the vectors (it may communicate itself, e.g. a
+  halo exchange), and
+* a reduction of a *small vector of partial sums*: the dot products an iteration
+  needs are computed locally, stacked, and summed over ranks in one call.
+
+Two backends provide that reduction and the way the solve is compiled:
+
+``"mpi4jax"``
+    per-rank arrays; the solve is ``jax.jit`` of the loop and the reduction is
+    ``mpi4jax.allreduce(partials, op=MPI.SUM, comm=comm)``.
+``"psum"``
+    global ``jax.Array``\\ s sharded along axis 0 over a 1-D mesh (default
+    :func:`mpi4jax_dist.global_mesh`); the solve is ``jax.jit(shard_map(loop))`` and
+    the reduction is ``lax.psum``. The user's ``matvec`` runs inside ``shard_map`` on
+    the local block and communicates with ``lax.ppermute``/``lax.psum`` over the
+    mesh axis.
+
+Three variants, identical in exact arithmetic (same iterates, same iteration count):
+
+=============  ===================================================  ==============
+variant        recurrences                                          reductions/it
+=============  ===================================================  ==============
+``classic``    Hestenes-Stiefel: ``p.Ap``, then ``[r.z, r.r]``       2 (3 scalars)
+``single``     Chronopoulos-Gear: ``[r.u, w.u, r.r]`` after the      1 (3 scalars)
+               matvec, ``w = A u`` carried
+``pipelined``  Ghysels-Vanroose: ``[r.u, w.u, r.r]`` independent    1 (3 scalars)
+               of that iteration's matvec ``n = A M w``, so the
+               two can overlap where the runtime allows it
+=============  ===================================================  ==============
+
+The whole solve is one jitted ``lax.while_loop``. Reductions and matvecs are counted
+at run time in the loop carry and returned in :class:`CGInfo`. Outside the loop, the
+set-up makes one reduction (fused with ``||b||``) and one to three matvecs, and the
+final true-residual check one matvec and one reduction; none of these is counted.
+
+Stability: ``pipelined`` propagates four more recurrences than ``single``, and its
+recurrence residual drifts from the true one. It therefore does *residual
+replacement*: every ``replace_every`` iterations (default
+:data:`DEFAULT_REPLACE_EVERY`) it recomputes ``r = b - A x``, ``w = A M r``,
+``s = A p`` and ``z = A M s`` from ``x`` and ``p`` (four extra matvecs, no extra
+reduction), which resets the gap. With ``replace_every=0`` there is none, and the
+attainable accuracy is limited (Cools et al., SIAM J. Sci. Comput. 2018): on the
+2D Poisson problem of ``benchmarks/cg.py`` at 256 x 256, asked for ``tol=1e-12``,
+the recurrence reaches 9.9e-13 but the true residual stays at 9.7e-12 (with the
+default replacement: 9.9e-13, as ``classic`` and ``single``). The returned
+``rel_residual`` is always the true one, recomputed after the loop, so a gap is
+visible. ``single`` matched ``classic`` there to three digits without replacement.
+
+Every rank stops on the same test only if the reductions give every rank the same
+bits, as with PETSc's KSP: the MPI standard advises implementations to, and ring
+all-reduces (gloo's, NCCL's) hand every rank the same reduced chunks. Where that
+failed, ranks could stop after different iteration counts and deadlock.
+
+Performance, measured on CPU: the reduction did not overlap the matvec with either
+backend (their times add up), so ``pipelined`` pays for its extra vector updates
+without hiding anything; ``single`` beats ``classic`` even where reductions are
+cheap, because its vector updates fuse into fewer passes over memory (tables in
+``benchmarks/cg.py``'s output). Without a preconditioner the vectors that would
+equal others (``u = r``, ``q = s``, ``m = w``) are not carried.
+
+Shape B, the stochastic-reconfiguration normal equations
+``(J^T J / Ns + eps I) x = f`` with ``J`` split by samples across ranks and ``x``
+replicated, is :func:`make_normal_solver`/:func:`solve_normal`: there the dot
+products are local and each matvec makes one allreduce of an ``n_params`` vector.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from . import _jax_compat
+
+logger = logging.getLogger("mpi4jax_dist")
+
+BACKENDS = ("mpi4jax", "psum")
+VARIANTS = ("classic", "single", "pipelined")
+#: Collective reductions per iteration by design, and the scalars they carry in all,
+#: for a distributed-vector (shape A) solve whose matvec makes no reduction.
+REDUCTIONS_PER_ITERATION = {"classic": 2, "single": 1, "pipelined": 1}
+SCALARS_PER_ITERATION = {"classic": 3, "single": 3, "pipelined": 3}
+#: Residual replacement period of the pipelined variant (0 turns it off).
+DEFAULT_REPLACE_EVERY = 50
+
+
+class CGInfo(NamedTuple):
+    """What a solve did; every field is a JAX scalar, the same on every rank.
+
+    Attributes:
+        iterations: iterations made (int32).
+        rel_residual: ``||b - A x|| / ||b||`` recomputed from the returned ``x``
+            after the loop (``||b - A x||`` when ``b`` is zero).
+        recurrence_residual: the same from the recurrence the loop stopped on.
+        reductions: collective reductions made inside the loop, counted as they
+            ran: those of the dot products, plus ``matvec_reductions`` per matvec.
+        matvecs: matvecs made inside the loop (pipelined residual replacement adds
+            four every ``replace_every`` iterations).
+        converged: True when the loop stopped because the recurrence residual
+            reached ``tol`` (not ``maxiter``, nor a breakdown to inf/NaN).
+    """
+
+    iterations: jax.Array
+    rel_residual: jax.Array
+    recurrence_residual: jax.Array
+    reductions: jax.Array
+    matvecs: jax.Array
+    converged: jax.Array
+
+
+# ---------------------------------------------------------------------------------
+# The CG body, shared by every backend and by shape B
+
+
+class _Ops(NamedTuple):
+    """The operations a CG iteration is written over, with run-time counting.
+
+    ``counts`` is the int32 vector ``[reductions, matvecs]`` carried by the loop.
+    """
+
+    matvec: Callable
+    inv_diag: jax.Array | None  # Jacobi; None: no preconditioner
+    reduce: Callable | None  # sums partial sums over ranks; None: already global
+    matvec_reductions: int
+
+    def precond(self, v):
+        """Return ``M^-1 v``: ``v`` itself without a preconditioner."""
+        return v if self.inv_diag is None else self.inv_diag * v
+
+    def apply(self, v, counts):
+        """Return ``A v`` and ``counts`` with this matvec (and its reductions) added."""
+        step = jnp.array([self.matvec_reductions, 1], jnp.int32)
+        return self.matvec(v), counts + step
+
+    def sum(self, partials, counts):
+        """Return the partial sums summed over ranks, in one reduction, and counts."""
+        stacked = jnp.stack(partials)
+        if self.reduce is None:
+            return stacked, counts
+        return self.reduce(stacked), counts + jnp.array([1, 0], jnp.int32)
+
+
+def _dot(a, b):
+    return jnp.vdot(a, b)
+
+
+def _inverse(diag):
+    return None if diag is None else 1 / diag
+
+
+# Without a preconditioner these vectors equal others bit for bit (u = M r = r, and
+# so q = s, m = w): the loop does not carry them, and XLA merges their recurrences.
+_ALIASES = {"u": "r", "q": "s", "m": "w"}
+
+
+def _pack(ops, st):
+    """Return the loop carry of the state ``st``: without the aliases when M = I."""
+    if ops.inv_diag is not None:
+        return st
+    return {k: v for k, v in st.items() if k not in _ALIASES}
+
+
+def _unpack(ops, st):
+    """Return the state of the loop carry ``st``: with the aliases when M = I."""
+    if ops.inv_diag is not None:
+        return st
+    return {**st, **{k: st[v] for k, v in _ALIASES.items() if v in st}}
+
+
+def _next_coefficients(gamma, delta, gamma_old, alpha_old):
+    """Chronopoulos-Gear's ``(alpha, beta)`` from ``r.u``, ``w.u`` and the last ones."""
+    beta = gamma / gamma_old
+    return gamma / (delta - beta * gamma / alpha_old), beta
+
+
+def _classic_init(ops, x, r, bb, counts):
+    z = ops.precond(r)
+    (bb, rz, rr), counts = ops.sum([bb, _dot(r, z), _dot(r, r)], counts)
+    return {"x": x, "r": r, "p": z, "rz": rz, "rr": rr}, bb, counts
+
+
+def _classic_step(ops, b, st, k, counts):
+    q, counts = ops.apply(st["p"], counts)
+    (pq,), counts = ops.sum([_dot(st["p"], q)], counts)
+    alpha = st["rz"] / pq
+    x = st["x"] + alpha * st["p"]
+    r = st["r"] - alpha * q
+    z = ops.precond(r)
+    (rz, rr), counts = ops.sum([_dot(r, z), _dot(r, r)], counts)
+    p = z + (rz / st["rz"]) * st["p"]
+    return {"x": x, "r": r, "p": p, "rz": rz, "rr": rr}, counts
+
+
+def _single_init(ops, x, r, bb, counts):
+    u = ops.precond(r)
+    w, counts = ops.apply(u, counts)
+    parts = [bb, _dot(r, u), _dot(w, u), _dot(r, r)]
+    (bb, gamma, delta, rr), counts = ops.sum(parts, counts)
+    zero = jnp.zeros_like(r)
+    st = {"x": x, "r": r, "u": u, "w": w, "p": zero, "s": zero, "gamma": gamma,
+          "alpha": gamma / delta, "beta": jnp.zeros_like(gamma), "rr": rr}
+    return st, bb, counts
+
+
+def _single_step(ops, b, st, k, counts):
+    alpha, beta = st["alpha"], st["beta"]
+    p = st["u"] + beta * st["p"]
+    s = st["w"] + beta * st["s"]  # s = A p
+    x = st["x"] + alpha * p
+    r = st["r"] - alpha * s
+    u = ops.precond(r)
+    w, counts = ops.apply(u, counts)
+    (gamma, delta, rr), counts = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)], counts)
+    alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
+    st = {"x": x, "r": r, "u": u, "w": w, "p": p, "s": s, "gamma": gamma,
+          "alpha": alpha, "beta": beta, "rr": rr}
+    return st, counts
+
+
+def _pipelined_init(ops, x, r, bb, counts):
+    st, bb, counts = _single_init(ops, x, r, bb, counts)
+    m = ops.precond(st["w"])
+    n, counts = ops.apply(m, counts)
+    zero = jnp.zeros_like(r)
+    return {**st, "m": m, "n": n, "q": zero, "z": zero}, bb, counts
+
+
+def _replace_residual(ops, b, x, p, counts):
+    """Recompute ``r, u, w, s, q, z`` from ``x`` and ``p`` (four matvecs)."""
+    ax, counts = ops.apply(x, counts)
+    r = b - ax
+    u = ops.precond(r)
+    w, counts = ops.apply(u, counts)
+    s, counts = ops.apply(p, counts)
+    q = ops.precond(s)
+    z, counts = ops.apply(q, counts)
+    return (r, u, w, s, q, z), counts
+
+
+def _pipelined_step(ops, b, st, k, counts, replace_every):
+    # Loop rotated so that the reduction and the matvec it can hide behind sit
+    # together at the end of the body, both on the freshly updated r, u, w.
+    alpha, beta = st["alpha"], st["beta"]
+    z = st["n"] + beta * st["z"]  # z = A q
+    q = st["m"] + beta * st["q"]  # q = M s
+    s = st["w"] + beta * st["s"]  # s = A p
+    p = st["u"] + beta * st["p"]
+    x = st["x"] + alpha * p
+    r = st["r"] - alpha * s
+    u = st["u"] - alpha * q  # u = M r
+    w = st["w"] - alpha * z  # w = A u
+    if replace_every:
+        vectors, counts = lax.cond(
+            (k + 1) % replace_every == 0,
+            lambda c: _replace_residual(ops, b, x, p, c),
+            lambda c: ((r, u, w, s, q, z), c),
+            counts,
+        )
+        r, u, w, s, q, z = vectors
+    (gamma, delta, rr), counts = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)], counts)
+    m = ops.precond(w)
+    n, counts = ops.apply(m, counts)  # independent of the reduction above
+    alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
+    st = {"x": x, "r": r, "u": u, "w": w, "p": p, "s": s, "q": q, "z": z, "m": m,
+          "n": n, "gamma": gamma, "alpha": alpha, "beta": beta, "rr": rr}
+    return st, counts
+
+
+_INIT = {"classic": _classic_init, "single": _single_init,
+         "pipelined": _pipelined_init}
+
+
+def _step(variant, replace_every):
+    if variant == "classic":
+        return _classic_step
+    if variant == "single":
+        return _single_step
+    return functools.partial(_pipelined_step, replace_every=replace_every)
+
+
+def _cg(ops, variant, replace_every, b, x0, tol, maxiter, check_ops=None):
+    """Solve ``A x = b`` on local blocks; the one CG driver of every variant.
+
+    ``check_ops`` (default ``ops``) computes the final true residual: shape B checks
+    at full precision what it iterated on with narrowed reductions.
+    """
+    counts = jnp.zeros(2, jnp.int32)
+    if x0 is None:
+        x, r = jnp.zeros_like(b), b
+    else:
+        x = x0.astype(b.dtype)
+        ax, _ = ops.apply(x, counts)
+        r = b - ax
+    state, bb, _ = _INIT[variant](ops, x, r, _dot(b, b), counts)
+    state = _pack(ops, state)
+    threshold = jnp.asarray(tol, bb.dtype) ** 2 * bb
+    step = _step(variant, replace_every)
+
+    def cond(carry):
+        k, st, _ = carry
+        rr = st["rr"]
+        return (k < maxiter) & (rr > threshold) & jnp.isfinite(rr)
+
+    def body(carry):
+        k, st, counts = carry
+        st, counts = step(ops, b, _unpack(ops, st), k, counts)
+        return k + 1, _pack(ops, st), counts
+
+    k, st, counts = lax.while_loop(cond, body, (jnp.int32(0), state, counts))
+    x = st["x"]
+    check_ops = ops if check_ops is None else check_ops
+    ax, _ = check_ops.apply(x, counts)
+    (rr_true,), _ = check_ops.sum([_dot(b - ax, b - ax)], counts)
+
+    def relative(rr):
+        return jnp.sqrt(rr / jnp.where(bb > 0, bb, 1))
+
+    info = CGInfo(
+        iterations=k,
+        rel_residual=relative(rr_true),
+        recurrence_residual=relative(st["rr"]),
+        reductions=counts[0],
+        matvecs=counts[1],
+        converged=st["rr"] <= threshold,
+    )
+    return x, info
+
+
+# ---------------------------------------------------------------------------------
+# Backends
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(
+            f"{name}={value!r} is not one of {', '.join(map(repr, choices))}."
+        )
+
+
+def _check_options(backend, variant, replace_every):
+    _check_choice("backend", backend, BACKENDS)
+    _check_choice("variant", variant, VARIANTS)
+    if not isinstance(replace_every, (int, np.integer)) or replace_every < 0:
+        raise ValueError(
+            f"replace_every={replace_every!r}: expected an int >= 0 (0: no residual "
+            f"replacement)."
+        )
+
+
+def _check_tol_maxiter(tol, maxiter):
+    if isinstance(tol, (int, float)) and not tol >= 0:
+        raise ValueError(f"tol={tol!r}: expected a relative residual >= 0.")
+    if isinstance(maxiter, (int, np.integer)) and maxiter < 0:
+        raise ValueError(f"maxiter={maxiter!r}: expected an int >= 0.")
+
+
+def _mpi4jax_sum(comm):
+    """Return the mpi4jax reduction: sum over the ranks of ``comm``, inside jit."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    def allreduce(x):
+        return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
+
+    return allreduce
+
+
+def _comm_size(comm):
+    from mpi4py import MPI
+
+    return (MPI.COMM_WORLD if comm is None else comm).Get_size()
+
+
+def _mesh_axis(mesh):
+    """Return ``(mesh, axis_name)``, the mesh defaulting to the global one."""
+    if mesh is None:
+        from .interop import global_mesh
+
+        mesh = global_mesh()
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"mesh has axes {mesh.axis_names}; the psum backend needs a 1-D mesh "
+            f"such as mpi4jax_dist.global_mesh()."
+        )
+    return mesh, mesh.axis_names[0]
+
+
+def _check_rows(name, array, mesh):
+    size = mesh.devices.size
+    if np.ndim(array) == 0 or np.shape(array)[0] % size:
+        raise ValueError(
+            f"{name} has shape {np.shape(array)}: the psum backend shards axis 0 "
+            f"over the {size} devices of the mesh, so it must be a multiple of {size}."
+        )
+
+
+def _check_like(name, array, like, like_name):
+    if array is not None and np.shape(array) != np.shape(like):
+        raise ValueError(
+            f"{name} has shape {np.shape(array)} but {like_name} has shape "
+            f"{np.shape(like)}; they must match."
+        )
+
+
+class _ById:
+    """Hashable by identity, for caching on objects such as communicators."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _ById) and other.obj is self.obj
+
+
+def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
+    """Return ``(compiled, mesh)``: ``fn(*args, total)`` jitted for ``backend``.
+
+    ``total(x)`` sums ``x`` over ranks: ``mpi4jax.allreduce`` in a ``jit`` of per-rank
+    arrays, or ``lax.psum`` in a ``jit(shard_map)`` of global arrays whose layouts
+    are ``"rows"`` (split along axis 0 over the mesh) or ``"same"`` (replicated).
+    """
+    if backend == "mpi4jax":
+        total = _mpi4jax_sum(comm)
+        return jax.jit(lambda *args: fn(*args, total)), None
+    mesh, axis = _mesh_axis(mesh)
+    specs = {"rows": PartitionSpec(axis), "same": PartitionSpec()}
+    sharded = _jax_compat.shard_map(
+        lambda *args: fn(*args, lambda x: lax.psum(x, axis)),
+        mesh=mesh,
+        in_specs=tuple(specs[layout] for layout in in_layouts),
+        out_specs=tuple(specs[layout] for layout in out_layouts),
+        check=False,  # the loop carries psum results: see _jax_compat.shard_map
+    )
+    return jax.jit(sharded), mesh
+
+
+class Solver:
+    """A compiled distributed CG for one matvec; see :func:`make_solver`."""
+
+    def __init__(self, matvec, backend, variant, comm, mesh, replace_every,
+                 matvec_reductions):
+        self.backend, self.variant, self.comm = backend, variant, comm
+        self.replace_every = replace_every if variant == "pipelined" else 0
+
+        def local(b, x0, diag, tol, maxiter, total):
+            ops = _Ops(matvec, _inverse(diag), total, matvec_reductions)
+            return _cg(ops, variant, self.replace_every, b, x0, tol, maxiter)
+
+        self._solve, self.mesh = _compile(
+            local, backend, comm, mesh,
+            in_layouts=("rows", "rows", "rows", "same", "same"),
+            out_layouts=("rows", "same"),
+        )
+
+    def __call__(self, b, x0=None, diag=None, *, tol=1e-8, maxiter=None):
+        """Solve ``A x = b``; see :func:`solve` for the arguments."""
+        _check_tol_maxiter(tol, maxiter)
+        _check_like("x0", x0, b, "b")
+        _check_like("diag", diag, b, "b")
+        if self.backend == "psum":
+            _check_rows("b", b, self.mesh)
+            n = int(np.size(b))
+        else:
+            n = int(np.size(b)) * _comm_size(self.comm)
+        if maxiter is None:
+            maxiter = 10 * n
+        return self._solve(b, x0, diag, tol, maxiter)
+
+
+def make_solver(
+    matvec: Callable,
+    *,
+    backend: str = "mpi4jax",
+    variant: str = "classic",
+    comm=None,
+    mesh=None,
+    replace_every: int = DEFAULT_REPLACE_EVERY,
+    matvec_reductions: int = 0,
+) -> Solver:
+    """Return a compiled CG for the SPD operator ``matvec``, to call many times.
+
+    Building is cheap; the first call of each input shape compiles. :func:`solve`
+    keeps solvers in a small cache keyed on the same arguments.
+
+    Args:
+        matvec: ``v_local -> (A v)_local`` on this rank's block (mpi4jax) or, inside
+            ``shard_map``, on this device's block (psum). Traced once; it may
+            communicate (``mpi4jax.sendrecv`` / ``lax.ppermute`` halo exchanges).
+        backend: ``"mpi4jax"`` (per-rank arrays) or ``"psum"`` (global arrays
+            sharded along axis 0 over ``mesh``).
+        variant: ``"classic"``, ``"single"`` or ``"pipelined"`` (module docstring).
+        comm: mpi4py communicator of the mpi4jax backend (default mpi4jax's, a
+            clone of ``COMM_WORLD``).
+        mesh: 1-D mesh of the psum backend (default
+            :func:`mpi4jax_dist.global_mesh`); ``matvec`` sees its axis name.
+        replace_every: residual replacement period of ``pipelined`` (0: none; see
+            the module docstring for the stability limit without it).
+        matvec_reductions: collective reductions one ``matvec`` call makes, added
+            to the count in :class:`CGInfo` (0 for a halo exchange).
+
+    Returns:
+        A :class:`Solver`: ``solver(b, x0=None, diag=None, *, tol, maxiter)``
+        returns ``(x, info)`` as :func:`solve` does.
+
+    Raises:
+        ValueError: unknown ``backend`` or ``variant``, negative ``replace_every``,
+            or a mesh that is not 1-D.
+        TypeError: ``matvec`` is not callable.
+    """
+    _check_options(backend, variant, replace_every)
+    if not callable(matvec):
+        raise TypeError(f"matvec={matvec!r} is not callable.")
+    logger.debug("mpi4jax_dist.cg: building a %s/%s solver", backend, variant)
+    return Solver(matvec, backend, variant, comm, mesh, replace_every,
+                  matvec_reductions)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_solver(matvec, backend, variant, comm, mesh, replace_every,
+                   matvec_reductions):
+    return make_solver(matvec, backend=backend, variant=variant, comm=comm.obj,
+                       mesh=mesh, replace_every=replace_every,
+                       matvec_reductions=matvec_reductions)
+
+
+def solve(
+    matvec: Callable,
+    b,
+    *,
+    backend: str = "mpi4jax",
+    variant: str = "classic",
+    x0=None,
+    diag=None,
+    tol: float = 1e-8,
+    maxiter: int | None = None,
+    comm=None,
+    mesh=None,
+    replace_every: int = DEFAULT_REPLACE_EVERY,
+    matvec_reductions: int = 0,
+):
+    """Solve the distributed SPD system ``A x = b`` by (Jacobi-preconditioned) CG.
+
+    Args:
+        matvec: the local matvec; see :func:`make_solver`. Pass the same function
+            object each call, or a new one compiles each time.
+        b: the right-hand side: this rank's block (mpi4jax backend) or a global
+            ``jax.Array`` sharded along axis 0 over the mesh (psum backend; build it
+            with :func:`mpi4jax_dist.to_global`). Real floating point.
+        backend: ``"mpi4jax"`` or ``"psum"``.
+        variant: ``"classic"``, ``"single"`` or ``"pipelined"``.
+        x0: initial guess laid out like ``b`` (default zero).
+        diag: the diagonal of ``A`` laid out like ``b``: Jacobi preconditioning
+            (default none).
+        tol: stop when the recurrence residual ``||r|| <= tol ||b||``.
+        maxiter: most iterations (default ``10 *`` the global length of ``b``,
+            assuming equal blocks on every rank for the mpi4jax backend).
+        comm: mpi4py communicator (mpi4jax backend).
+        mesh: 1-D mesh (psum backend).
+        replace_every: residual replacement period of ``pipelined`` (0: none).
+        matvec_reductions: reductions one ``matvec`` call makes, for the count.
+
+    Returns:
+        ``(x, info)``: ``x`` laid out like ``b``, and a :class:`CGInfo`.
+
+    Raises:
+        ValueError: unknown ``backend``/``variant``, ``x0`` or ``diag`` shaped unlike
+            ``b``, negative ``tol``/``maxiter``/``replace_every``, or (psum) a ``b``
+            whose rows do not split evenly over the mesh.
+        TypeError: ``matvec`` is not callable.
+    """
+    _check_options(backend, variant, replace_every)
+    try:
+        solver = _cached_solver(matvec, backend, variant, _ById(comm), mesh,
+                                replace_every, matvec_reductions)
+    except TypeError:  # an unhashable matvec: build without the cache
+        solver = make_solver(matvec, backend=backend, variant=variant, comm=comm,
+                             mesh=mesh, replace_every=replace_every,
+                             matvec_reductions=matvec_reductions)
+    return solver(b, x0, diag, tol=tol, maxiter=maxiter)
+
+
+# ---------------------------------------------------------------------------------
+# Shape B: (J^T J / Ns + eps I) x = f, J split by samples, x replicated
+
+
+def _check_reduce_dtype(reduce_dtype):
+    if reduce_dtype is None:
+        return None
+    dtype = jnp.dtype(reduce_dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r}: expected a floating dtype such as "
+            f"jnp.float32."
+        )
+    return dtype
+
+
+class NormalSolver:
+    """A compiled shape-B CG; see :func:`make_normal_solver`."""
+
+    def __init__(self, backend, variant, jacobi, reduce_dtype, comm, mesh,
+                 replace_every):
+        self.backend, self.variant, self.comm = backend, variant, comm
+        self.jacobi, self.reduce_dtype = jacobi, reduce_dtype
+        self.replace_every = replace_every if variant == "pipelined" else 0
+
+        def local(J, f, x0, eps, num_samples, tol, maxiter, total):
+            dtype = jnp.result_type(J, f)
+
+            def matvec(v, narrow=reduce_dtype):
+                # This rank's samples' share of J^T J v. Written (J v) J: XLA on CPU
+                # computes J.T @ (J @ v) 2.4x slower (10k params, 1k samples).
+                part = (J @ v) @ J
+                if narrow is not None:
+                    part = part.astype(narrow)
+                return total(part).astype(dtype) / num_samples + eps * v
+
+            diag = None
+            if jacobi:
+                diag = total(jnp.sum(J * J, axis=0)) / num_samples + eps
+            # The dots are local (x is replicated); each matvec makes one reduction.
+            ops = _Ops(matvec, _inverse(diag), None, 1)
+            check = ops._replace(matvec=functools.partial(matvec, narrow=None))
+            return _cg(ops, variant, self.replace_every, f.astype(dtype), x0, tol,
+                       maxiter, check_ops=check)
+
+        self._solve, self.mesh = _compile(
+            local, backend, comm, mesh,
+            in_layouts=("rows",) + ("same",) * 6,
+            out_layouts=("same", "same"),
+        )
+
+    def __call__(self, J, f, eps, x0=None, *, tol=1e-5, maxiter=200,
+                 num_samples=None):
+        """Solve ``(J^T J / Ns + eps I) x = f``; see :func:`solve_normal`."""
+        _check_tol_maxiter(tol, maxiter)
+        if np.ndim(J) != 2 or np.shape(f) != (np.shape(J)[1],):
+            raise ValueError(
+                f"J has shape {np.shape(J)} and f {np.shape(f)}: expected J of shape "
+                f"(samples, params) and f of shape (params,)."
+            )
+        _check_like("x0", x0, f, "f")
+        if self.backend == "psum":
+            _check_rows("J", J, self.mesh)
+        if num_samples is None:
+            num_samples = np.shape(J)[0]
+            if self.backend == "mpi4jax":
+                num_samples *= _comm_size(self.comm)
+        if self.reduce_dtype is not None:
+            dtype = jnp.result_type(J, f)
+            if self.reduce_dtype.itemsize > dtype.itemsize:
+                raise ValueError(
+                    f"reduce_dtype={self.reduce_dtype.name} is wider than the "
+                    f"working dtype {dtype.name}: to iterate in float64, call "
+                    f'jax.config.update("jax_enable_x64", True) before creating J '
+                    f"and f, and pass them as float64."
+                )
+            if self.reduce_dtype == dtype:
+                logger.info(
+                    "mpi4jax_dist.cg: reduce_dtype=%s equals the working dtype; "
+                    "reductions are not narrowed (is jax_enable_x64 off?)",
+                    dtype.name,
+                )
+        return self._solve(J, f, x0, eps, num_samples, tol, maxiter)
+
+
+def make_normal_solver(
+    *,
+    backend: str = "mpi4jax",
+    variant: str = "classic",
+    jacobi: bool = False,
+    reduce_dtype=None,
+    comm=None,
+    mesh=None,
+    replace_every: int = DEFAULT_REPLACE_EVERY,
+) -> NormalSolver:
+    """Return a compiled CG for ``(J^T J / Ns + eps I) x = f``, to call many times.
+
+    Each matvec makes one allreduce of an ``n_params`` vector
+    (``sum over ranks of J_r^T (J_r v)``); the dot products need none, since ``x``
+    and ``f`` are replicated. ``info.reductions`` counts those allreduces. Every
+    variant therefore makes one reduction per iteration here; ``single`` and
+    ``pipelined`` only change how the vector updates fuse.
+
+    Narrowed reductions and ``pipelined`` do not mix: its extra recurrences amplify
+    the float32 error of the matvec, so the true residual stalls near ``1e-5`` and
+    can then grow while the recurrence still decreases (measured on small problems;
+    ``classic`` and ``single`` reach ``1e-8`` there). A warning is logged.
+
+    Args:
+        backend: ``"mpi4jax"`` (``J`` is this rank's samples) or ``"psum"`` (``J``
+            a global array sharded by rows over ``mesh``; ``f`` and ``x0``
+            replicated).
+        variant: ``"classic"``, ``"single"`` or ``"pipelined"``; all make one
+            reduction per iteration here, in the matvec.
+        jacobi: precondition with the diagonal ``sum(J**2, 0) / Ns + eps``
+            (one more allreduce of ``n_params`` floats per solve, outside the loop).
+        reduce_dtype: dtype the partial ``J^T J v`` is reduced in (e.g.
+            ``jnp.float32`` to halve the bytes while iterating in float64, which
+            needs ``jax.config.update("jax_enable_x64", True)`` before ``J`` and
+            ``f`` are created). Default: the working dtype. The matvec is then
+            accurate to about float32's precision, so ask for ``tol`` no smaller
+            than about ``1e-6``.
+        comm: mpi4py communicator (mpi4jax backend).
+        mesh: 1-D mesh (psum backend).
+        replace_every: residual replacement period of ``pipelined``.
+
+    Returns:
+        A :class:`NormalSolver`: ``solver(J, f, eps, x0=None, *, tol=1e-5,
+        maxiter=200, num_samples=None)`` returns ``(x, info)``.
+
+    Raises:
+        ValueError: unknown ``backend``/``variant``, or ``reduce_dtype`` not a
+            floating dtype.
+    """
+    _check_options(backend, variant, replace_every)
+    reduce_dtype = _check_reduce_dtype(reduce_dtype)
+    if reduce_dtype is not None and variant == "pipelined":
+        logger.warning(
+            "mpi4jax_dist.cg: variant='pipelined' with reduce_dtype=%s is unstable "
+            "below a relative residual of about 1e-5; use 'classic' or 'single'.",
+            reduce_dtype.name,
+        )
+    return NormalSolver(backend, variant, bool(jacobi), reduce_dtype, comm, mesh,
+                        replace_every)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_normal_solver(backend, variant, jacobi, reduce_dtype, comm, mesh,
+                          replace_every):
+    return make_normal_solver(backend=backend, variant=variant, jacobi=jacobi,
+                              reduce_dtype=reduce_dtype, comm=comm.obj, mesh=mesh,
+                              replace_every=replace_every)
+
+
+def solve_normal(
+    J,
+    f,
+    eps,
+    *,
+    backend: str = "mpi4jax",
+    variant: str = "classic",
+    x0=None,
+    tol: float = 1e-5,
+    maxiter: int = 200,
+    jacobi: bool = False,
+    reduce_dtype=None,
+    num_samples: int | None = None,
+    comm=None,
+    mesh=None,
+    replace_every: int = DEFAULT_REPLACE_EVERY,
+):
+    """Solve the SR normal equations ``(J^T J / Ns + eps I) x = f`` by CG.
+
+    Args:
+        J: the Jacobian, samples x params: this rank's samples (mpi4jax backend) or
+            a global array sharded by rows over the mesh (psum backend).
+        f: the right-hand side, ``(params,)``, the same on every rank.
+        eps: the diagonal shift (> 0 keeps the system definite).
+        backend: ``"mpi4jax"`` or ``"psum"``.
+        variant: ``"classic"``, ``"single"`` or ``"pipelined"``.
+        x0: warm start, e.g. the previous solution (default zero).
+        tol: relative residual to stop at.
+        maxiter: most iterations.
+        jacobi: Jacobi preconditioning; see :func:`make_normal_solver`.
+        reduce_dtype: dtype of the reductions, e.g. ``jnp.float32`` while
+            iterating in float64; see :func:`make_normal_solver`.
+        num_samples: ``Ns``, the total number of samples (default the rows of
+            ``J`` times the ranks for mpi4jax, the rows of the global ``J`` for
+            psum).
+        comm: mpi4py communicator (mpi4jax backend).
+        mesh: 1-D mesh (psum backend).
+        replace_every: residual replacement period of ``pipelined``.
+
+    Returns:
+        ``(x, info)``: ``x`` replicated, ``(params,)``, and a :class:`CGInfo`.
+
+    Raises:
+        ValueError: unknown ``backend``/``variant``, shapes that do not fit,
+            ``reduce_dtype`` wider than the working dtype or not floating.
+    """
+    _check_options(backend, variant, replace_every)
+    solver = _cached_normal_solver(backend, variant, bool(jacobi),
+                                   _check_reduce_dtype(reduce_dtype), _ById(comm),
+                                   mesh, replace_every)
+    return solver(J, f, eps, x0, tol=tol, maxiter=maxiter, num_samples=num_samples)

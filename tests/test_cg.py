@@ -1,0 +1,391 @@
+"""Distributed CG: mpiexec -n 2 (and 4) python -m pytest --with-mpi tests/test_cg.py.
+
+Every backend x variant solves small problems and is compared with SciPy/NumPy;
+asserts gather the outcome over ranks first (``all_ranks``). The argument checks at
+the end need no peers and also run in the serial session.
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import mpi4jax_dist
+import util
+from mpi4jax_dist import cg
+from util import all_ranks
+
+mpi = pytest.mark.mpi(min_size=2)
+GRID = 16  # problem A: 16 x 16 grid, 4 grid rows per rank at -n 4
+REACTION = 20.0  # A = Laplacian + diag(c), c from 0 to REACTION: Jacobi matters
+TOL = 1e-10
+COMBOS = [(b, v) for b in cg.BACKENDS for v in cg.VARIANTS]
+
+
+def load_benchmark():
+    """Import benchmarks/cg.py: its Poisson and Jacobian problems, and main()."""
+    spec = importlib.util.spec_from_file_location(
+        "cg_benchmark", util.ROOT / "benchmarks" / "cg.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def x64(world):
+    """float64 for this module's tests, restored after them."""
+    import jax
+
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark()
+
+
+def reaction(first, count):
+    """``c`` at global grid points ``first .. first + count - 1`` (jnp)."""
+    import jax.numpy as jnp
+
+    return REACTION * (first + jnp.arange(count)) / (GRID * GRID - 1)
+
+
+class ProblemA:
+    """``(L + diag(c)) x = b`` on ``GRID x GRID`` in row blocks, with SciPy's answer."""
+
+    def __init__(self, bench, comm):
+        import scipy.sparse as sp
+        import scipy.sparse.linalg as spl
+
+        n = GRID
+        self.comm, self.poisson = comm, bench.Poisson(n, comm)
+        self.local_size = self.poisson.rows * n
+        lo = comm.rank * self.local_size
+        self.block = slice(lo, lo + self.local_size)
+        T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n))
+        c = np.asarray(reaction(0, n * n))
+        self.A = (sp.kron(T, sp.eye(n)) + sp.kron(sp.eye(n), T) + sp.diags(c)).tocsr()
+        self.b = np.random.default_rng(7).standard_normal(n * n)
+        self.x_ref = spl.spsolve(self.A, self.b)
+        steps = []
+        spl.cg(self.A, self.b, rtol=TOL, maxiter=1000,
+               M=sp.diags(1 / self.A.diagonal()), callback=steps.append)
+        self.scipy_iterations = len(steps)
+
+    def solver(self, backend, variant, mesh, **options):
+        """Return ``run(b=None, **call_options) -> (x_local, info)``.
+
+        ``b`` is the global right-hand side (default ``self.b``); this rank's block
+        of it goes in, in the backend's layout.
+        """
+        import jax.numpy as jnp
+        from jax import lax
+
+        m = self.local_size
+        diag = jnp.asarray(self.A.diagonal()[self.block])
+
+        def block(b):
+            return jnp.asarray((self.b if b is None else b)[self.block])
+
+        if backend == "mpi4jax":
+            laplacian = self.poisson.mpi4jax_matvec()
+            c = reaction(self.comm.rank * m, m)
+
+            def matvec(v):
+                return laplacian(v) + c * v
+
+            solver = cg.make_solver(matvec, backend=backend, variant=variant,
+                                    comm=self.comm, **options)
+            return lambda b=None, **kw: solver(block(b), diag=diag, **kw)
+
+        laplacian = self.poisson.shard_matvec(mesh)
+        axis = mesh.axis_names[0]
+
+        def shard_matvec(v):  # inside shard_map: this device's block only
+            return laplacian(v) + reaction(lax.axis_index(axis) * m, m) * v
+
+        solver = cg.make_solver(shard_matvec, backend=backend, variant=variant,
+                                mesh=mesh, **options)
+        diag = mpi4jax_dist.to_global(diag, mesh)
+
+        def run(b=None, **kw):
+            x, info = solver(mpi4jax_dist.to_global(block(b), mesh), diag=diag, **kw)
+            return mpi4jax_dist.to_local(x), info
+
+        return run
+
+    def error(self, x_local):
+        """``||x - x_ref|| / ||x_ref||`` over all ranks."""
+        from mpi4py import MPI
+
+        d = np.asarray(x_local) - self.x_ref[self.block]
+        num = self.comm.allreduce(float(d @ d), op=MPI.SUM)
+        return np.sqrt(num) / np.linalg.norm(self.x_ref)
+
+
+@pytest.fixture(scope="module")
+def problem_a(x64, bench):
+    from mpi4py import MPI
+
+    return ProblemA(bench, MPI.COMM_WORLD)
+
+
+@pytest.fixture(scope="module")
+def solutions(problem_a):
+    """Every backend x variant on problem A with Jacobi, once per module."""
+    mesh = mpi4jax_dist.global_mesh()
+    out = {}
+    for backend, variant in COMBOS:
+        x, info = problem_a.solver(backend, variant, mesh)(tol=TOL, maxiter=500)
+        out[backend, variant] = np.asarray(x), {k: np.asarray(v).item()
+                                                 for k, v in info._asdict().items()}
+    return out
+
+
+def info_text(info):
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in info.items())
+
+
+@mpi
+@pytest.mark.parametrize("backend,variant", COMBOS)
+def test_reaches_scipy_solution(problem_a, solutions, backend, variant):
+    x, info = solutions[backend, variant]
+    error = problem_a.error(x)
+    all_ranks(info["converged"], f"not converged: {info_text(info)}")
+    all_ranks(info["rel_residual"] <= 10 * TOL, f"true residual: {info_text(info)}")
+    all_ranks(error < 1e-8, f"error vs SciPy {error:.3g}: {info_text(info)}")
+
+
+@mpi
+def test_iteration_counts_agree(problem_a, solutions):
+    counts = {f"{b}/{v}": info["iterations"] for (b, v), (_, info) in
+              solutions.items()}
+    spread = max(counts.values()) - min(counts.values())
+    all_ranks(spread <= 3, f"iterations differ by {spread}: {counts}")
+    scipy_n = problem_a.scipy_iterations
+    off = {k: n for k, n in counts.items() if abs(n - scipy_n) > 3}
+    all_ranks(not off, f"SciPy's cg took {scipy_n}; these differ: {off}")
+
+
+@mpi
+@pytest.mark.parametrize("backend,variant", COMBOS)
+def test_reductions_counted_per_iteration(solutions, backend, variant):
+    _, info = solutions[backend, variant]
+    k, per = info["iterations"], cg.REDUCTIONS_PER_ITERATION[variant]
+    all_ranks(k > 10 and info["reductions"] == per * k,
+              f"{info['reductions']} reductions in {k} iterations, expected {per} each")
+    every = cg.DEFAULT_REPLACE_EVERY if variant == "pipelined" else 0
+    matvecs = k + (4 * (k // every) if every else 0)
+    all_ranks(info["matvecs"] == matvecs, f"{info['matvecs']} matvecs, expected "
+              f"{matvecs} in {k} iterations")
+
+
+@mpi
+@pytest.mark.parametrize("backend", cg.BACKENDS)
+def test_pipelined_residual_replacement(problem_a, backend):
+    mesh = mpi4jax_dist.global_mesh()
+    run = problem_a.solver(backend, "pipelined", mesh, replace_every=5)
+    x, info = run(tol=TOL, maxiter=500)
+    k = int(info.iterations)
+    error = problem_a.error(x)
+    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL,
+              f"{info}")
+    all_ranks(error < 1e-8, f"error {error:.3g}")
+    all_ranks(int(info.reductions) == k, f"{info}")
+    all_ranks(int(info.matvecs) == k + 4 * (k // 5), f"{info}")
+
+
+@mpi
+@pytest.mark.parametrize("backend", cg.BACKENDS)
+def test_zero_rhs_and_maxiter(problem_a, backend):
+    run = problem_a.solver(backend, "single", mpi4jax_dist.global_mesh())
+    _, info = run(tol=TOL, maxiter=3)
+    all_ranks(int(info.iterations) == 3 and not bool(info.converged), f"{info}")
+    x, info = run(np.zeros(GRID * GRID), tol=TOL)
+    all_ranks(int(info.iterations) == 0 and bool(info.converged), f"{info}")
+    all_ranks(not np.any(x) and float(info.rel_residual) == 0, f"{x}, {info}")
+
+
+# ---------------------------------------------------------------------------------
+# Shape B: (J^T J / Ns + eps I) x = f
+
+SAMPLES_PER_RANK, PARAMS, EPS = 6, 30, 1e-2  # Ns < params at -n 2 and 4
+
+
+class ProblemB:
+    """The benchmark's synthetic Jacobian, tiny, with NumPy's dense answer."""
+
+    def __init__(self, bench, comm, seed=1):
+        self.comm = comm
+        self.jac = bench.Jacobian(SAMPLES_PER_RANK * comm.size, PARAMS, EPS, comm,
+                                  seed=seed)
+        full, _ = self.jac.rows(0, self.jac.samples)
+        self.A = full.T @ full / self.jac.samples + EPS * np.eye(PARAMS)
+
+    def solve(self, backend, variant, f=None, **kwargs):
+        import jax.numpy as jnp
+
+        J = jnp.asarray(self.jac.J)
+        f = jnp.asarray(self.jac.f if f is None else f)
+        if backend == "psum":
+            J = mpi4jax_dist.to_global(J)
+        else:
+            kwargs["comm"] = self.comm
+        x, info = cg.solve_normal(J, f, EPS, backend=backend, variant=variant,
+                                  **kwargs)
+        if backend == "psum":
+            x = mpi4jax_dist.to_local(x)
+        return np.asarray(x), info
+
+    def error(self, x, f=None):
+        ref = np.linalg.solve(self.A, self.jac.f if f is None else f)
+        return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+@pytest.fixture(scope="module")
+def problem_b(x64, bench):
+    from mpi4py import MPI
+
+    return ProblemB(bench, MPI.COMM_WORLD)
+
+
+@mpi
+@pytest.mark.parametrize("jacobi", [False, True])
+@pytest.mark.parametrize("backend,variant", COMBOS)
+def test_normal_equations_match_numpy(problem_b, backend, variant, jacobi):
+    x, info = problem_b.solve(backend, variant, tol=TOL, maxiter=300, jacobi=jacobi)
+    error = problem_b.error(x)
+    k = int(info.iterations)
+    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL,
+              f"{info}")
+    all_ranks(error < 1e-8, f"error vs NumPy {error:.3g}: {info}")
+    # One allreduce of the parameter vector per matvec; dots are local.
+    all_ranks(int(info.reductions) == int(info.matvecs), f"{info}")
+    all_ranks(variant == "pipelined" or int(info.matvecs) == k, f"{info}")
+
+
+@mpi
+@pytest.mark.parametrize("backend", cg.BACKENDS)
+@pytest.mark.parametrize("variant", ["classic", "single"])
+def test_float32_reductions_converge_looser(problem_b, backend, variant):
+    import jax.numpy as jnp
+
+    x, info = problem_b.solve(backend, variant, tol=1e-5, maxiter=300,
+                              reduce_dtype=jnp.float32)
+    error = problem_b.error(x)
+    all_ranks(x.dtype == np.float64, f"iterated in {x.dtype}")
+    all_ranks(bool(info.converged) and float(info.rel_residual) < 1e-4, f"{info}")
+    all_ranks(error < 1e-3, f"error vs NumPy {error:.3g}: {info}")
+
+
+@mpi
+def test_reduce_dtype_wider_than_working_dtype_is_refused(problem_b):
+    import jax.numpy as jnp
+
+    J = jnp.asarray(problem_b.jac.J, dtype=jnp.float32)
+    f = jnp.asarray(problem_b.jac.f, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="reduce_dtype=float64 is wider"):
+        cg.solve_normal(J, f, EPS, reduce_dtype=jnp.float64)
+
+
+@mpi
+@pytest.mark.parametrize("backend", cg.BACKENDS)
+def test_warm_start_takes_fewer_iterations(problem_b, backend):
+    x1, _ = problem_b.solve(backend, "classic", tol=1e-8, maxiter=300)
+    # The next optimization step's right-hand side: close to the last one.
+    rng = np.random.default_rng(3)
+    f2 = problem_b.jac.f + 1e-3 * np.linalg.norm(problem_b.jac.f) * rng.standard_normal(
+        PARAMS) / np.sqrt(PARAMS)
+    _, cold = problem_b.solve(backend, "classic", f=f2, tol=1e-8, maxiter=300)
+    x2, warm = problem_b.solve(backend, "classic", f=f2, x0=x1, tol=1e-8,
+                               maxiter=300)
+    all_ranks(bool(warm.converged) and problem_b.error(x2, f2) < 1e-6, f"{warm}")
+    all_ranks(int(warm.iterations) < int(cold.iterations),
+              f"warm {int(warm.iterations)} vs cold {int(cold.iterations)}")
+
+
+# ---------------------------------------------------------------------------------
+# The benchmark
+
+
+@pytest.fixture
+def shared_dir(world):
+    """A directory rank 0 creates and removes, the same path on every rank.
+
+    (pytest-mpi's mpi_tmp_path has every rank clean pytest's temporary root at
+    once, which races and warns.)
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    path = comm.bcast(tempfile.mkdtemp(prefix="test_cg_") if comm.rank == 0 else None)
+    yield Path(path)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@mpi
+def test_benchmark_reports_every_method(world, shared_dir):
+    bench = load_benchmark()
+    out, png = shared_dir / "cg.json", shared_dir / "cg.png"
+    results = bench.main(["--n", "16", "--samples", "32", "--params", "24",
+                          "--repeat", "1", "--json", str(out), "--plot", str(png)])
+    fields = {"problem", "backend", "variant", "iterations", "rel_residual", "error",
+              "t_iter_s", "reductions_per_iter"}
+    missing = [sorted(fields - set(r)) for r in results if not fields <= set(r)]
+    all_ranks(not missing, f"fields missing: {missing}")
+    seen = {(r["problem"], r["backend"], r["variant"]) for r in results}
+    expected = {(p, b, v) for p in "AB" for b, v in COMBOS}
+    expected |= {("A", bench.FLOOR, "classic"), ("B", bench.FLOOR, "classic"),
+                 ("A", bench.JAX_SCIPY, "cg"), ("B", bench.JAX_SCIPY, "cg"),
+                 ("B", bench.HAND, "cg")}
+    all_ranks(expected <= seen, f"methods missing: {sorted(expected - seen)}")
+    bad = [r for r in results if not (r["t_iter_s"] > 0 and r["iterations"] > 0
+                                      and r["rel_residual"] < 1e-4)]
+    all_ranks(not bad, f"rows out of range: {bad}")
+    ours = [r for r in results if r["backend"] in cg.BACKENDS]
+    wrong = [r for r in ours
+             if r["reductions_per_iter_counted"] != r["reductions_per_iter"]]
+    all_ranks(not wrong, f"counted reductions differ from the design: {wrong}")
+    if world.rank == 0:
+        import json
+
+        saved = json.loads(out.read_text())
+        assert {"meta", "results"} <= set(saved)
+        assert saved["meta"]["world_size"] == world.size
+        assert len(saved["results"]) == len(results)
+        assert png.stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------
+# Argument checks: raised before anything communicates, so they also run serially
+
+
+def test_unknown_variant_and_backend_are_named():
+    with pytest.raises(ValueError, match="variant='fast'.*'classic', 'single'"):
+        cg.make_solver(lambda v: v, variant="fast")
+    with pytest.raises(ValueError, match="backend='nccl'.*'mpi4jax', 'psum'"):
+        cg.solve(lambda v: v, np.ones(4), backend="nccl")
+    with pytest.raises(ValueError, match="variant='cgs'"):
+        cg.solve_normal(np.ones((2, 3)), np.ones(3), 1e-3, variant="cgs")
+    with pytest.raises(ValueError, match="backend='gloo'"):
+        cg.make_normal_solver(backend="gloo")
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="replace_every=-1"):
+        cg.make_solver(lambda v: v, variant="pipelined", replace_every=-1)
+    with pytest.raises(TypeError, match="matvec=3 is not callable"):
+        cg.make_solver(3)
+    with pytest.raises(ValueError, match="reduce_dtype='int32'"):
+        cg.make_normal_solver(reduce_dtype="int32")
