@@ -1,8 +1,6 @@
 """A tiny sweep of benchmarks/allreduce.py under mpiexec -n 2 (and 4): every
 implementation and mode runs, reports the fields, and gets every element right."""
 
-import importlib.util
-
 import pytest
 
 import util
@@ -11,11 +9,7 @@ pytestmark = pytest.mark.mpi(min_size=2)
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "allreduce_bench", util.ROOT / "benchmarks" / "allreduce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return util.load_benchmark("allreduce")
 
 
 def test_tiny_sweep(world, tmp_path_factory):

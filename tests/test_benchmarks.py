@@ -6,12 +6,7 @@ pytestmark = util.skip_in_mpi_job
 
 
 def test_bootstrap_benchmark_reports_both_methods(tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bootstrap_bench", util.ROOT / "benchmarks" / "bootstrap.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = util.load_benchmark("bootstrap")
     out = tmp_path / "bootstrap.json"
     results = bench.main(["--procs", "2", "--repeat", "1", "--timeout", "120",
                           "--json", str(out)])

@@ -5,8 +5,6 @@ asserts gather the outcome over ranks first (``all_ranks``). The argument checks
 the end need no peers and also run in the serial session.
 """
 
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -24,11 +22,7 @@ COMBOS = [(b, v) for b in cg.BACKENDS for v in cg.VARIANTS]
 
 def load_benchmark():
     """Import benchmarks/cg.py: its Poisson and Jacobian problems, and main()."""
-    spec = importlib.util.spec_from_file_location(
-        "cg_benchmark", util.ROOT / "benchmarks" / "cg.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return util.load_benchmark("cg")
 
 
 @pytest.fixture(scope="module")

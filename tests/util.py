@@ -144,3 +144,14 @@ def all_ranks(ok, what):
     failed = MPI.COMM_WORLD.allgather(None if ok else what)
     bad = {rank: msg for rank, msg in enumerate(failed) if msg is not None}
     assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (its ``main`` and helpers)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
