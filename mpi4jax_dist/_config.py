@@ -197,7 +197,10 @@ def exempt_from_proxy(host: str) -> list[str] | None:
     found = proxies_set(env)
     if not found or keep_proxy(env):
         return None
-    current = env.get(NO_GRPC_PROXY) or env.get(NO_GRPC_PROXY.upper()) or ""
+    # gRPC reads no_grpc_proxy, else no_proxy: start from what it would have used,
+    # so that the user's own exemptions still hold for every gRPC channel.
+    current = next((env[k] for k in (NO_GRPC_PROXY, NO_GRPC_PROXY.upper(), "no_proxy",
+                                     "NO_PROXY") if env.get(k)), "")
     hosts = [h.strip() for h in current.split(",") if h.strip()]
     if host in hosts:
         return None

@@ -196,9 +196,12 @@ def test_proxy_exemption(monkeypatch, name):
     for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                 "GRPC_PROXY", "no_grpc_proxy", "NO_GRPC_PROXY", "MPI4JAX_DIST_PROXY"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
     assert _config.exempt_from_proxy("10.0.0.1") is None  # no proxy: nothing to do
     monkeypatch.setenv(name, "http://proxy.example:3128")
-    monkeypatch.setenv("no_grpc_proxy", "localhost")
+    # The user's no_proxy, which gRPC reads when no_grpc_proxy is unset, carries over.
+    monkeypatch.setenv("no_proxy", "localhost")
     assert _config.exempt_from_proxy("10.0.0.1") == [name]
     assert os.environ["no_grpc_proxy"] == "localhost,10.0.0.1"
     assert os.environ[name] == "http://proxy.example:3128"  # the user's, untouched
