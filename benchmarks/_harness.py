@@ -66,21 +66,13 @@ def commit() -> str | None:
 
 def meta(comm, **extra) -> dict:
     """Return provenance: machine, MPI, versions, backend, devices, commit, UTC time."""
-    import importlib.metadata
-
     import jax
     from mpi4py import MPI
 
     import mpi4jax_dist
-
-    def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+    from mpi4jax_dist import _diagnose
 
     topo = mpi4jax_dist.topology()
-    library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
     info = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": commit(),
@@ -88,11 +80,10 @@ def meta(comm, **extra) -> dict:
         "cpu_count": os.cpu_count(),
         "mpi_vendor": "{} {}".format(MPI.get_vendor()[0],
                                      ".".join(map(str, MPI.get_vendor()[1]))),
-        "mpi_library": library,
+        "mpi_library": _diagnose.mpi_library(),
         "world_size": comm.Get_size(),
         "num_nodes": topo.num_nodes,
-        "versions": {p: version(p) for p in
-                     ("jax", "jaxlib", "mpi4py", "mpi4jax", "mpi4jax_dist", "numpy")},
+        "versions": _diagnose.versions(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "cpu_collectives": getattr(jax.config, "jax_cpu_collectives_implementation",

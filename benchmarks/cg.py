@@ -41,11 +41,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 
 FLOOR = "mpi4py+numpy"
 JAX_SCIPY = "jax.scipy"
@@ -653,45 +655,22 @@ class Bench:
 
 
 def metadata(args, comm) -> dict:
-    import jax
-    import jaxlib
-    import mpi4jax
-    import mpi4py
     import scipy
-    from mpi4py import MPI
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    try:
-        collectives = jax.config.jax_cpu_collectives_implementation
-    except AttributeError:
-        collectives = None
-    return {
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "world_size": comm.size,
-        "host": platform.node(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                     "mpi4jax": mpi4jax.__version__, "mpi4py": mpi4py.__version__,
-                     "numpy": np.__version__, "scipy": scipy.__version__},
-        "mpi": MPI.Get_library_version().rstrip("\0").strip().splitlines()[0],
-        "jax_backend": jax.default_backend(),
-        "cpu_collectives": collectives,
-        "threads": {name: os.environ.get(name) for name in THREAD_VARIABLES},
-        "commit": commit,
-        "args": vars(args),
-        "timing": "median over --repeat solves of the slowest rank's wall time, "
-                  "compilation and one warm-up solve excluded; t_iter_s = that / "
-                  "iterations",
-        "reduce_share": f"reductions/iter x median time of one reduction of the "
-                        f"same payload in a jitted loop of {REDUCE_LOOP}, / t_iter",
-    }
+    meta = _harness.meta(
+        comm,
+        machine=platform.machine(),
+        python=platform.python_version(),
+        threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
+        args=vars(args),
+        timing="median over --repeat solves of the slowest rank's wall time, "
+               "compilation and one warm-up solve excluded; t_iter_s = that / "
+               "iterations",
+        reduce_share=f"reductions/iter x median time of one reduction of the "
+                     f"same payload in a jitted loop of {REDUCE_LOOP}, / t_iter",
+    )
+    meta["versions"]["scipy"] = scipy.__version__
+    return meta
 
 
 def plot(results, path):

@@ -10,11 +10,25 @@ import subprocess
 from . import _config, _launch
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
+
+
+def versions(packages=PACKAGES) -> dict:
+    """Return ``{package: installed version or None}``."""
+    found = {}
+    for package in packages:
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def mpi_library() -> str:
+    """Return the first line of the MPI library's version string (no padding NULs)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
 
 
 def _mpiexec_version() -> tuple[str | None, str | None]:
@@ -57,13 +71,13 @@ def diagnose(check: bool = False) -> dict:
     problems: list[str] = []
     comm = MPI.COMM_WORLD
     topo = _topology.topology()
-    library = MPI.Get_library_version().strip().strip("\x00").strip()
+    library = mpi_library()
     mpiexec, mpiexec_version = _mpiexec_version()
     if mpiexec_version and _family(mpiexec_version) and _family(library) and (
             _family(mpiexec_version) != _family(library)):
         problems.append(
             f"mpiexec on PATH ({mpiexec}: {mpiexec_version}) looks like another MPI "
-            f"than the one mpi4py uses ({library.splitlines()[0]}).")
+            f"than the one mpi4py uses ({library}).")
     if info is None and comm.Get_size() == 1:
         problems.append("size 1 and no launcher variables: started without mpiexec "
                         "(or with one this package does not know).")
@@ -72,7 +86,7 @@ def diagnose(check: bool = False) -> dict:
         "launcher": topo.launcher,
         "launcher_variables": info.variables if info else {},
         "mpi": {"vendor": list(map(str, MPI.get_vendor())),
-                "library": library.splitlines()[0],
+                "library": library,
                 "standard": "{}.{}".format(*MPI.Get_version()),
                 "thread_level": MPI.Query_thread(),
                 "mpiexec": mpiexec, "mpiexec_version": mpiexec_version},
@@ -81,8 +95,7 @@ def diagnose(check: bool = False) -> dict:
         "proxy": {"variables": _config.proxies_set(env),
                   "no_grpc_proxy": env.get(_config.NO_GRPC_PROXY),
                   "keep": _config.keep_proxy(env)},
-        "versions": {p: _version(p) for p in
-                     ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")},
+        "versions": versions(),
     }
     if nodes is not None:
         per_node: dict[int, list[int]] = {}

@@ -204,7 +204,9 @@ def _check_launch_size(base, info) -> None:
     if MPI.Comm.Compare(base, MPI.COMM_WORLD) != MPI.IDENT:
         return
     if base.Get_size() != info.size:
-        vendor = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
+        from ._diagnose import mpi_library
+
+        vendor = mpi_library()
         raise RuntimeError(
             f"The launcher ({info.launcher}) started {info.size} ranks but MPI says "
             f"this job has {base.Get_size()}: mpi4py talks to another MPI than the "
