@@ -97,8 +97,8 @@ def main(argv=None) -> list[dict]:
         mpiexec = shutil.which("mpiexec") or sys.exit("no mpiexec found")
     print(f"# jax.distributed.initialize() wall, slowest rank, median of "
           f"{args.repeat} jobs per method (alternating); MPI already initialized")
-    print(f"# mpi4jax_dist phases from the start of initialize on rank 0: bootstrap "
-          f"done (slowest rank), rank 0's service listening")
+    print("# mpi4jax_dist phases from the start of initialize on rank 0: bootstrap "
+          "done (slowest rank), rank 0's service listening")
     print(f"# {'P':>3} {'jax-mpi4py':>12} {'mpi4jax_dist':>13} {'ratio':>7} "
           f"{'bootstrap':>10} {'listening':>10} {'MPI init':>9}")
     results = []

@@ -109,10 +109,13 @@ def _usable(addresses, allow_loopback: bool = False) -> list[str]:
     return v4 + v6
 
 
+def _family(host: str):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise ``RuntimeError`` naming ``port`` when another program holds it on ``host``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         # A port left in TIME_WAIT by an earlier job is free to listen on again.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -135,8 +138,7 @@ def reserve_port(host: str) -> socket.socket:
     port to no other ``bind(0)`` and a plain ``bind`` fails. Close it once the
     service listens.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, 0))
