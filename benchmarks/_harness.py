@@ -28,12 +28,15 @@ def slowest(samples, comm) -> list[float]:
 
 def summary(samples) -> dict:
     """Return ``t_min_s``, ``t_median_s``, ``t_max_s`` of ``samples`` (seconds)."""
-    return {"t_min_s": min(samples), "t_median_s": statistics.median(samples),
-            "t_max_s": max(samples)}
+    return {
+        "t_min_s": min(samples),
+        "t_median_s": statistics.median(samples),
+        "t_max_s": max(samples),
+    }
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) on Linux; return False where unsupported."""
+    """Reset this process's peak RSS (VmHWM) on Linux; False where unsupported."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -57,8 +60,13 @@ def commit() -> str | None:
     """Return the git commit of this checkout (with ``-dirty``), or None."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
-                             cwd=here, capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return sha.stdout.strip() or None
@@ -78,16 +86,18 @@ def meta(comm, **extra) -> dict:
         "commit": commit(),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
-        "mpi_vendor": "{} {}".format(MPI.get_vendor()[0],
-                                     ".".join(map(str, MPI.get_vendor()[1]))),
+        "mpi_vendor": "{} {}".format(
+            MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))
+        ),
         "mpi_library": _diagnose.mpi_library(),
         "world_size": comm.Get_size(),
         "num_nodes": topo.num_nodes,
         "versions": _diagnose.versions(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
-        "cpu_collectives": getattr(jax.config, "jax_cpu_collectives_implementation",
-                                   None),
+        "cpu_collectives": getattr(
+            jax.config, "jax_cpu_collectives_implementation", None
+        ),
     }
     info.update(extra)
     return info

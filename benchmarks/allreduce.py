@@ -54,8 +54,14 @@ MEM_MIN_BYTES = 1 << 20
 
 def parse_sizes(text: str) -> list[int]:
     """Return sizes from ``4,4096,16KiB,1MiB``-style text (bytes per rank)."""
-    units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2,
-             "b": 1}
+    units = {
+        "kib": 1024,
+        "mib": 1024**2,
+        "gib": 1024**3,
+        "kb": 1000,
+        "mb": 1000**2,
+        "b": 1,
+    }
     sizes = []
     for item in text.split(","):
         item = item.strip().lower()
@@ -65,7 +71,9 @@ def parse_sizes(text: str) -> list[int]:
                 break
         else:
             if not item.isdigit():
-                raise ValueError(f"--sizes: {item!r} is not a size such as 4096 or 1MiB")
+                raise ValueError(
+                    f"--sizes: {item!r} is not a size such as 4096 or 1MiB"
+                )
             sizes.append(int(item))
     return sizes
 
@@ -214,8 +222,11 @@ class Psum(JaxImpl):
             return jax.lax.psum(v, axis)
 
         def sharded(f):
-            return jax.jit(_jax_compat.shard_map(
-                f, mesh=mesh, in_specs=(P(axis), P(axis), P()), out_specs=P(axis)))
+            return jax.jit(
+                _jax_compat.shard_map(
+                    f, mesh=mesh, in_specs=(P(axis), P(axis), P()), out_specs=P(axis)
+                )
+            )
 
         step = sharded(lambda x, e, m: self.step(x, e, m, reduce))
         loop = sharded(lambda x, e, m0: self.fori(x, e, m0, reduce))
@@ -244,12 +255,15 @@ class Gspmd(JaxImpl):
         def reduce(v):
             total = v.sum(axis=0, keepdims=True)
             return jax.lax.with_sharding_constraint(
-                jax.numpy.broadcast_to(total, v.shape), sharding)
+                jax.numpy.broadcast_to(total, v.shape), sharding
+            )
 
-        step = jax.jit(lambda x, e, m: self.step(x, e, m, reduce),
-                       out_shardings=sharding)
-        loop = jax.jit(lambda x, e, m0: self.fori(x, e, m0, reduce),
-                       out_shardings=sharding)
+        step = jax.jit(
+            lambda x, e, m: self.step(x, e, m, reduce), out_shardings=sharding
+        )
+        loop = jax.jit(
+            lambda x, e, m0: self.fori(x, e, m0, reduce), out_shardings=sharding
+        )
         # Global arrays are arguments, never closed over (JAX refuses the latter).
         self.run_step = lambda x, m: step(x, e, m)
         self.run_loop = lambda x, m0: loop(x, e, m0)
@@ -260,8 +274,13 @@ class Gspmd(JaxImpl):
         return np.asarray(mpi4jax_dist.to_local(self.x))[0]
 
 
-CLASSES = {"mpi4py": Mpi4py, "mpi4py_inplace": Mpi4pyInplace, "mpi4jax": Mpi4jax,
-           "psum": Psum, "gspmd": Gspmd}
+CLASSES = {
+    "mpi4py": Mpi4py,
+    "mpi4py_inplace": Mpi4pyInplace,
+    "mpi4jax": Mpi4jax,
+    "psum": Psum,
+    "gspmd": Gspmd,
+}
 
 
 def _device_peak():
@@ -271,8 +290,9 @@ def _device_peak():
     return stats.get("peak_bytes_in_use")
 
 
-def measure(name: str, nbytes: int, dtype, modes, samples: int, most_iters: int,
-            comm) -> list[dict]:
+def measure(
+    name: str, nbytes: int, dtype, modes, samples: int, most_iters: int, comm
+) -> list[dict]:
     """Measure one implementation at one size in every mode; return result rows."""
     import gc
 
@@ -306,9 +326,18 @@ def measure(name: str, nbytes: int, dtype, modes, samples: int, most_iters: int,
             times.append((time.perf_counter() - t0) / steps)
             wrong += impl.wrong()
         peak = max(peak, _harness.rss_bytes()[1])
-        rows.append({"impl": name, "mode": mode, "bytes": nbytes, "count": n,
-                     "dtype": str(np.dtype(dtype)), "iters": steps,
-                     "samples": samples, **_harness.summary(_harness.slowest(times, comm))})
+        rows.append(
+            {
+                "impl": name,
+                "mode": mode,
+                "bytes": nbytes,
+                "count": n,
+                "dtype": str(np.dtype(dtype)),
+                "iters": steps,
+                "samples": samples,
+                **_harness.summary(_harness.slowest(times, comm)),
+            }
+        )
     if not on_cpu:
         peak, base = _device_peak(), 0
     rise = None if peak is None else peak - base
@@ -321,24 +350,30 @@ def measure(name: str, nbytes: int, dtype, modes, samples: int, most_iters: int,
         row["peak_mem_x"] = mem
         row["wrong"] = wrong
         row["algbw_GBps"] = row["bytes"] / row["t_median_s"] / 1e9
-        row["busbw_GBps"] = row["algbw_GBps"] * 2 * (comm.Get_size() - 1) / comm.Get_size()
+        row["busbw_GBps"] = (
+            row["algbw_GBps"] * 2 * (comm.Get_size() - 1) / comm.Get_size()
+        )
     return rows
 
 
-HEADER = (f"# {'bytes':>10} {'impl':<15} {'mode':<5} {'t_min':>9} {'t_median':>9} "
-          f"{'t_max':>9} {'algbw':>7} {'busbw':>7} {'ratio':>6} {'mem':>6} {'wrong':>5}\n"
-          f"# {'per rank':>10} {'':<15} {'':<5} {'us':>9} {'us':>9} {'us':>9} "
-          f"{'GB/s':>7} {'GB/s':>7} {'':>6} {'x msg':>6} {'':>5}")
+HEADER = (
+    f"# {'bytes':>10} {'impl':<15} {'mode':<5} {'t_min':>9} {'t_median':>9} "
+    f"{'t_max':>9} {'algbw':>7} {'busbw':>7} {'ratio':>6} {'mem':>6} {'wrong':>5}\n"
+    f"# {'per rank':>10} {'':<15} {'':<5} {'us':>9} {'us':>9} {'us':>9} "
+    f"{'GB/s':>7} {'GB/s':>7} {'':>6} {'x msg':>6} {'':>5}"
+)
 
 
 def format_row(row: dict) -> str:
     ratio = row.get("ratio")
     mem = row.get("peak_mem_x")
-    return (f"  {row['bytes']:>10} {row['impl']:<15} {row['mode']:<5} "
-            f"{row['t_min_s'] * 1e6:>9.1f} {row['t_median_s'] * 1e6:>9.1f} "
-            f"{row['t_max_s'] * 1e6:>9.1f} {row['algbw_GBps']:>7.3f} "
-            f"{row['busbw_GBps']:>7.3f} {'-' if ratio is None else f'{ratio:.2f}':>6} "
-            f"{'-' if mem is None else f'{mem:.1f}':>6} {row['wrong']:>5}")
+    return (
+        f"  {row['bytes']:>10} {row['impl']:<15} {row['mode']:<5} "
+        f"{row['t_min_s'] * 1e6:>9.1f} {row['t_median_s'] * 1e6:>9.1f} "
+        f"{row['t_max_s'] * 1e6:>9.1f} {row['algbw_GBps']:>7.3f} "
+        f"{row['busbw_GBps']:>7.3f} {'-' if ratio is None else f'{ratio:.2f}':>6} "
+        f"{'-' if mem is None else f'{mem:.1f}':>6} {row['wrong']:>5}"
+    )
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -349,18 +384,28 @@ def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    keys = sorted({(r["impl"], r["mode"]) for r in results},
-                  key=lambda k: (IMPLS.index(k[0]), k[1]))
+    keys = sorted(
+        {(r["impl"], r["mode"]) for r in results},
+        key=lambda k: (IMPLS.index(k[0]), k[1]),
+    )
     for impl, mode in keys:
-        rows = sorted((r for r in results if (r["impl"], r["mode"]) == (impl, mode)),
-                      key=lambda r: r["bytes"])
+        rows = sorted(
+            (r for r in results if (r["impl"], r["mode"]) == (impl, mode)),
+            key=lambda r: r["bytes"],
+        )
         sizes = [r["bytes"] for r in rows]
-        style = dict(linestyle="-" if mode == "loop" else "--", marker=".",
-                     color=f"C{IMPLS.index(impl)}", label=f"{impl} ({mode})")
+        style = dict(
+            linestyle="-" if mode == "loop" else "--",
+            marker=".",
+            color=f"C{IMPLS.index(impl)}",
+            label=f"{impl} ({mode})",
+        )
         left.plot(sizes, [r["t_median_s"] * 1e6 for r in rows], **style)
         right.plot(sizes, [r["busbw_GBps"] for r in rows], **style)
-    for ax, label in ((left, "median time per allreduce [us]"),
-                      (right, "bus bandwidth [GB/s]")):
+    for ax, label in (
+        (left, "median time per allreduce [us]"),
+        (right, "bus bandwidth [GB/s]"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size per rank [bytes]")
@@ -376,15 +421,26 @@ def main(argv=None) -> list[dict]:
     """Run the sweep; return the result rows (on every rank). Exits 1 on a wrong
     element, naming the implementation and size."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES,
-                        help="bytes per rank, comma-separated (4,4096,1MiB); "
-                             "default 4 B to 64 MiB by powers of 4")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=DEFAULT_SIZES,
+        help="bytes per rank, comma-separated (4,4096,1MiB); "
+        "default 4 B to 64 MiB by powers of 4",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated, from {', '.join(IMPLS)}")
+    parser.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help=f"comma-separated, from {', '.join(IMPLS)}",
+    )
     parser.add_argument("--modes", default=",".join(MODES), help="loop,call")
-    parser.add_argument("--iters", type=int, default=50,
-                        help="K, collectives per loop sample (fewer for large messages)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=50,
+        help="K, collectives per loop sample (fewer for large messages)",
+    )
     parser.add_argument("--samples", type=int, default=10, help="samples per measure")
     parser.add_argument("--json", metavar="PATH", help="write meta and results here")
     parser.add_argument("--plot", metavar="PNG", help="latency and busbw plot")
@@ -410,25 +466,39 @@ def main(argv=None) -> list[dict]:
 
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
-    meta = _harness.meta(comm, dtype=args.dtype, impls=impls, modes=modes,
-                         iters=args.iters, samples=args.samples)
+    meta = _harness.meta(
+        comm,
+        dtype=args.dtype,
+        impls=impls,
+        modes=modes,
+        iters=args.iters,
+        samples=args.samples,
+    )
     if rank0:
-        print(f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} "
-              f"node(s), {meta['mpi_library']}, jax {meta['versions']['jax']} "
-              f"({meta['backend']}, CPU collectives {meta['cpu_collectives']}), "
-              f"{args.dtype}")
-        print("# time per allreduce: loop = K back to back in one call / K; "
-              "call = one dispatch each; slowest rank per sample")
+        print(
+            f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} "
+            f"node(s), {meta['mpi_library']}, jax {meta['versions']['jax']} "
+            f"({meta['backend']}, CPU collectives {meta['cpu_collectives']}), "
+            f"{args.dtype}"
+        )
+        print(
+            "# time per allreduce: loop = K back to back in one call / K; "
+            "call = one dispatch each; slowest rank per sample"
+        )
         print(HEADER, flush=True)
     results = []
     for index, nbytes in enumerate(args.sizes):
         if rank0:
-            print(f"# [{index + 1}/{len(args.sizes)}] {_harness.human_bytes(nbytes)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"# [{index + 1}/{len(args.sizes)}] {_harness.human_bytes(nbytes)}",
+                file=sys.stderr,
+                flush=True,
+            )
         floor = {}
         for name in impls:
-            for row in measure(name, nbytes, args.dtype, modes, args.samples,
-                               args.iters, comm):
+            for row in measure(
+                name, nbytes, args.dtype, modes, args.samples, args.iters, comm
+            ):
                 if name == "mpi4py":
                     floor[row["mode"]] = row["t_median_s"]
                 base = floor.get(row["mode"])
@@ -439,14 +509,20 @@ def main(argv=None) -> list[dict]:
     if rank0 and args.json:
         _harness.write_json(args.json, meta, results)
     if rank0 and args.plot:
-        plot(results, args.plot, f"allreduce, {meta['world_size']} ranks, "
-                                 f"{args.dtype}, {meta['backend']}")
+        plot(
+            results,
+            args.plot,
+            f"allreduce, {meta['world_size']} ranks, "
+            f"{args.dtype}, {meta['backend']}",
+        )
     bad = sorted({(r["impl"], r["bytes"]) for r in results if r["wrong"]})
     if bad:
         if rank0:
             for name, nbytes in bad:
-                print(f"WRONG: {name} gave wrong elements at {nbytes} bytes per rank",
-                      file=sys.stderr)
+                print(
+                    f"WRONG: {name} gave wrong elements at {nbytes} bytes per rank",
+                    file=sys.stderr,
+                )
         raise SystemExit(1)
     return results
 

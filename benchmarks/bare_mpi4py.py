@@ -13,15 +13,15 @@ import statistics
 import time
 
 import numpy as np
-from mpi4py import MPI
-
 from allreduce import iterations, parse_sizes
+from mpi4py import MPI
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=parse_sizes,
-                        default=parse_sizes("4,4096,512KiB,16MiB"))
+    parser.add_argument(
+        "--sizes", type=parse_sizes, default=parse_sizes("4,4096,512KiB,16MiB")
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--samples", type=int, default=10)
     args = parser.parse_args(argv)

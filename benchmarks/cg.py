@@ -53,8 +53,12 @@ FLOOR = "mpi4py+numpy"
 JAX_SCIPY = "jax.scipy"
 HAND = "mpi4jax+jax.scipy"
 REDUCE_LOOP = 200  # reductions per timed loop for the share estimate
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                    "XLA_FLAGS")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "XLA_FLAGS",
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -91,8 +95,14 @@ class Poisson:
 
     def x_true_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of the known solution (zero outside the grid)."""
-        rows = [np.random.default_rng([self.seed, i]).standard_normal(self.n)
-                if 0 <= i < self.n else np.zeros(self.n) for i in range(start, stop)]
+        rows = [
+            (
+                np.random.default_rng([self.seed, i]).standard_normal(self.n)
+                if 0 <= i < self.n
+                else np.zeros(self.n)
+            )
+            for i in range(start, stop)
+        ]
         return np.stack(rows)
 
     def numpy_matvec(self):
@@ -206,8 +216,9 @@ class Jacobian:
             if ns < self.params:
                 # (eps + J^T J/Ns)^-1 = (I - J^T (Ns eps + J J^T)^-1 J) / eps
                 K = J @ J.T + ns * eps * np.eye(ns)
-                x = (self.f - J.T @ scipy.linalg.solve(K, J @ self.f,
-                                                       assume_a="pos")) / eps
+                x = (
+                    self.f - J.T @ scipy.linalg.solve(K, J @ self.f, assume_a="pos")
+                ) / eps
             else:
                 A = J.T @ J / ns + eps * np.eye(self.params)
                 x = scipy.linalg.solve(A, self.f, assume_a="pos")
@@ -305,9 +316,14 @@ class ReductionTimer:
         from mpi4py import MPI
 
         scale = 1.0 / self.comm.size
-        loop = jax.jit(lambda v: lax.fori_loop(
-            0, REDUCE_LOOP,
-            lambda i, v: mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm) * scale, v))
+        loop = jax.jit(
+            lambda v: lax.fori_loop(
+                0,
+                REDUCE_LOOP,
+                lambda i, v: mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm) * scale,
+                v,
+            )
+        )
         v = jnp.ones(count, dtype)
         return slowest_median(self.comm, lambda: loop(v), 5)[0] / REDUCE_LOOP
 
@@ -322,12 +338,19 @@ class ReductionTimer:
         axis, size = self.mesh.axis_names[0], self.mesh.devices.size
 
         def body(v):
-            return lax.fori_loop(0, REDUCE_LOOP,
-                                 lambda i, v: lax.psum(v, axis) * (1.0 / size), v)
+            return lax.fori_loop(
+                0, REDUCE_LOOP, lambda i, v: lax.psum(v, axis) * (1.0 / size), v
+            )
 
-        loop = jax.jit(_jax_compat.shard_map(
-            body, mesh=self.mesh, in_specs=PartitionSpec(),
-            out_specs=PartitionSpec(), check=False))
+        loop = jax.jit(
+            _jax_compat.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=PartitionSpec(),
+                out_specs=PartitionSpec(),
+                check=False,
+            )
+        )
         v = jnp.ones(count, dtype)
         return slowest_median(self.comm, lambda: loop(v), 5)[0] / REDUCE_LOOP
 
@@ -344,8 +367,11 @@ UNITS = (
 
 
 def format_row(r):
-    counted = "-" if r["reductions_per_iter_counted"] is None else (
-        f"{r['reductions_per_iter_counted']:.2f}")
+    counted = (
+        "-"
+        if r["reductions_per_iter_counted"] is None
+        else (f"{r['reductions_per_iter_counted']:.2f}")
+    )
     share = "-" if r["reduce_share"] is None else f"{100 * r['reduce_share']:.0f}"
     return (
         f"  {r['problem']:<7} {r['backend']:<17} {r['variant']:<14} "
@@ -367,9 +393,23 @@ class Bench:
         if self.comm.rank == 0:
             print(text, flush=True)
 
-    def record(self, problem, backend, variant, *, t_solve, iterations, x_local,
-               check, design, counted, bytes_per_iter, mechanism, payload_dtype,
-               extra=None):
+    def record(
+        self,
+        problem,
+        backend,
+        variant,
+        *,
+        t_solve,
+        iterations,
+        x_local,
+        check,
+        design,
+        counted,
+        bytes_per_iter,
+        mechanism,
+        payload_dtype,
+        extra=None,
+    ):
         """Check ``x_local`` with ``check`` and add one result row."""
         rel_residual, error = check(np.asarray(x_local, dtype=np.float64))
         count = bytes_per_iter // max(design, 1) // np.dtype(payload_dtype).itemsize
@@ -379,13 +419,20 @@ class Bench:
             one = self.timer(mechanism, max(count, 1), payload_dtype)
             share = design * one / t_iter
         row = {
-            "problem": problem, "backend": backend, "variant": variant,
-            "iterations": int(iterations), "rel_residual": float(rel_residual),
-            "error": float(error), "t_iter_s": t_iter, "t_solve_s": t_solve,
+            "problem": problem,
+            "backend": backend,
+            "variant": variant,
+            "iterations": int(iterations),
+            "rel_residual": float(rel_residual),
+            "error": float(error),
+            "t_iter_s": t_iter,
+            "t_solve_s": t_solve,
             "reductions_per_iter": design,
-            "reductions_per_iter_counted": None if counted is None
-            else counted / max(iterations, 1),
-            "bytes_per_iter": int(bytes_per_iter), "reduce_share": share,
+            "reductions_per_iter_counted": (
+                None if counted is None else counted / max(iterations, 1)
+            ),
+            "bytes_per_iter": int(bytes_per_iter),
+            "reduce_share": share,
             "reduce_timing": mechanism,
         }
         row.update(extra or {})
@@ -419,7 +466,9 @@ class Bench:
                 outputs[i] = jax.block_until_ready(run())
                 elapsed = time.perf_counter() - t0
                 times[i].append(self.comm.allreduce(elapsed, op=MPI.MAX))
-        for (_, finish), samples, output in zip(self.queue, times, outputs):
+        for (_, finish), samples, output in zip(
+            self.queue, times, outputs, strict=True
+        ):
             finish(statistics.median(samples), output)
         self.queue = []
 
@@ -432,35 +481,66 @@ class Bench:
 
         def finish(t, output):
             x, k, reductions = output
-            self.record(problem, FLOOR, "classic", t_solve=t, iterations=k,
-                        x_local=x, check=check, design=2 if dots_global else 1,
-                        counted=reductions + (0 if dots_global else k),
-                        mechanism="mpi4py",
-                        bytes_per_iter=16 if dots_global else 8 * prob.size,
-                        payload_dtype=np.float64)
+            self.record(
+                problem,
+                FLOOR,
+                "classic",
+                t_solve=t,
+                iterations=k,
+                x_local=x,
+                check=check,
+                design=2 if dots_global else 1,
+                counted=reductions + (0 if dots_global else k),
+                mechanism="mpi4py",
+                bytes_per_iter=16 if dots_global else 8 * prob.size,
+                payload_dtype=np.float64,
+            )
 
-        self.add(lambda: numpy_cg(matvec, b, self.comm, tol, maxiter, dots_global),
-                 finish)
+        self.add(
+            lambda: numpy_cg(matvec, b, self.comm, tol, maxiter, dots_global), finish
+        )
 
-    def add_ours(self, problem, backend, label, solve, check, design, nbytes,
-                 payload_dtype, extra=None):
+    def add_ours(
+        self,
+        problem,
+        backend,
+        label,
+        solve,
+        check,
+        design,
+        nbytes,
+        payload_dtype,
+        extra=None,
+    ):
         from mpi4jax_dist import to_local
 
         def finish(t, output):
             x, info = output
-            self.record(problem, backend, label, t_solve=t,
-                        iterations=int(info.iterations),
-                        x_local=to_local(x) if backend == "psum" else x,
-                        check=check, design=design, counted=int(info.reductions),
-                        bytes_per_iter=nbytes, mechanism=backend,
-                        payload_dtype=payload_dtype,
-                        extra={"rel_residual_info": float(info.rel_residual),
-                               "converged": bool(info.converged), **(extra or {})})
+            self.record(
+                problem,
+                backend,
+                label,
+                t_solve=t,
+                iterations=int(info.iterations),
+                x_local=to_local(x) if backend == "psum" else x,
+                check=check,
+                design=design,
+                counted=int(info.reductions),
+                bytes_per_iter=nbytes,
+                mechanism=backend,
+                payload_dtype=payload_dtype,
+                extra={
+                    "rel_residual_info": float(info.rel_residual),
+                    "converged": bool(info.converged),
+                    **(extra or {}),
+                },
+            )
 
         self.add(solve, finish)
 
-    def add_jax_cg(self, problem, backend, make, args_, check, design, nbytes,
-                   mechanism, to_numpy):
+    def add_jax_cg(
+        self, problem, backend, make, args_, check, design, nbytes, mechanism, to_numpy
+    ):
         """Queue a ``jax.scipy.sparse.linalg.cg`` reference; iterations counted apart.
 
         ``make(counter)`` returns the jitted solve; with a counter, its matvec calls
@@ -480,10 +560,20 @@ class Bench:
 
             jax.block_until_ready(make(count)(*args_))
             iterations = self.comm.bcast(calls[0] - 1, root=0)
-            self.record(problem, backend, "cg", t_solve=t, iterations=iterations,
-                        x_local=to_numpy(x), check=check, design=design,
-                        counted=None, bytes_per_iter=nbytes, mechanism=mechanism,
-                        payload_dtype=np.float64)
+            self.record(
+                problem,
+                backend,
+                "cg",
+                t_solve=t,
+                iterations=iterations,
+                x_local=to_numpy(x),
+                check=check,
+                design=design,
+                counted=None,
+                bytes_per_iter=nbytes,
+                mechanism=mechanism,
+                payload_dtype=np.float64,
+            )
 
         self.add(lambda: solve(*args_), finish)
 
@@ -507,8 +597,10 @@ class Bench:
             r = prob.b - floor_matvec(x)
             return self._ratio(r, norms[0]), self._ratio(x - prob.x_true, norms[1])
 
-        self.say(f"# A: 2D Poisson {args.n} x {args.n}, {prob.rows} grid rows per "
-                 f"rank, tol {self.tol:g}, maxiter {self.maxiter}")
+        self.say(
+            f"# A: 2D Poisson {args.n} x {args.n}, {prob.rows} grid rows per "
+            f"rank, tol {self.tol:g}, maxiter {self.maxiter}"
+        )
         self.add_floor("A", prob, check, dots_global=True)
         b_local = jnp.asarray(prob.b)
         b_global = to_global(b_local, mesh)
@@ -518,12 +610,20 @@ class Bench:
             else:
                 matvec, b = prob.shard_matvec(mesh), b_global
             for variant in cg.VARIANTS:
-                solver = cg.make_solver(matvec, backend=backend, variant=variant,
-                                        comm=comm, mesh=mesh)
+                solver = cg.make_solver(
+                    matvec, backend=backend, variant=variant, comm=comm, mesh=mesh
+                )
                 solve = functools.partial(solver, b, tol=tol, maxiter=maxiter)
-                self.add_ours("A", backend, variant, solve, check,
-                              cg.REDUCTIONS_PER_ITERATION[variant],
-                              8 * cg.SCALARS_PER_ITERATION[variant], np.float64)
+                self.add_ours(
+                    "A",
+                    backend,
+                    variant,
+                    solve,
+                    check,
+                    cg.REDUCTIONS_PER_ITERATION[variant],
+                    8 * cg.SCALARS_PER_ITERATION[variant],
+                    np.float64,
+                )
 
         rows = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
         global_matvec = prob.global_matvec()
@@ -536,11 +636,22 @@ class Bench:
 
             return jax.jit(
                 lambda b: jax.scipy.sparse.linalg.cg(
-                    matvec, b, tol=tol, maxiter=maxiter)[0],
-                out_shardings=rows)
+                    matvec, b, tol=tol, maxiter=maxiter
+                )[0],
+                out_shardings=rows,
+            )
 
-        self.add_jax_cg("A", JAX_SCIPY, make, (b_global,), check, 2, 16, "psum",
-                        lambda x: np.asarray(to_local(x)))
+        self.add_jax_cg(
+            "A",
+            JAX_SCIPY,
+            make,
+            (b_global,),
+            check,
+            2,
+            16,
+            "psum",
+            lambda x: np.asarray(to_local(x)),
+        )
         self.measure()
 
     def problem_b(self):
@@ -564,11 +675,15 @@ class Bench:
             return np.linalg.norm(r) / f_norm, np.linalg.norm(x - x_ref) / ref_norm
 
         P, Ns, eps = args.params, args.samples, args.eps
-        self.say(f"# B: (J^T J/Ns + eps I) x = f, Ns {Ns} samples ({Ns // comm.size} "
-                 f"per rank) x {P} params, eps {eps:g}, tol {self.tol:g}, maxiter "
-                 f"{self.maxiter}")
-        self.say("# mpi4jax_dist.cg computes J^T J v as (J @ v) @ J; the references "
-                 "keep J.T @ (J @ v) as users write it (2.4x slower in XLA on CPU)")
+        self.say(
+            f"# B: (J^T J/Ns + eps I) x = f, Ns {Ns} samples ({Ns // comm.size} "
+            f"per rank) x {P} params, eps {eps:g}, tol {self.tol:g}, maxiter "
+            f"{self.maxiter}"
+        )
+        self.say(
+            "# mpi4jax_dist.cg computes J^T J v as (J @ v) @ J; the references "
+            "keep J.T @ (J @ v) as users write it (2.4x slower in XLA on CPU)"
+        )
         self.add_floor("B", prob, check, dots_global=False)
         J_local, f = jnp.asarray(prob.J), jnp.asarray(prob.f)
         J_global = to_global(J_local, mesh)
@@ -576,14 +691,26 @@ class Bench:
         for backend in cg.BACKENDS:
             J = J_local if backend == "mpi4jax" else J_global
             for variant, narrow in cases:
-                solver = cg.make_normal_solver(backend=backend, variant=variant,
-                                               reduce_dtype=narrow, comm=comm,
-                                               mesh=mesh)
+                solver = cg.make_normal_solver(
+                    backend=backend,
+                    variant=variant,
+                    reduce_dtype=narrow,
+                    comm=comm,
+                    mesh=mesh,
+                )
                 payload = np.dtype(narrow or np.float64)
                 solve = functools.partial(solver, J, f, eps, tol=tol, maxiter=maxiter)
-                self.add_ours("B", backend, variant + ("/f32red" if narrow else ""),
-                              solve, check, 1, payload.itemsize * P, payload,
-                              extra={"reduce_dtype": payload.name})
+                self.add_ours(
+                    "B",
+                    backend,
+                    variant + ("/f32red" if narrow else ""),
+                    solve,
+                    check,
+                    1,
+                    payload.itemsize * P,
+                    payload,
+                    extra={"reduce_dtype": payload.name},
+                )
 
         replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -595,28 +722,44 @@ class Bench:
 
             return jax.jit(
                 lambda J, f: jax.scipy.sparse.linalg.cg(
-                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter)[0],
-                out_shardings=replicated)
+                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
+                )[0],
+                out_shardings=replicated,
+            )
 
         from mpi4jax_dist import to_local
 
-        self.add_jax_cg("B", JAX_SCIPY, make_global, (J_global, f), check, 1, 8 * P,
-                        "psum", lambda x: np.asarray(to_local(x)))
+        self.add_jax_cg(
+            "B",
+            JAX_SCIPY,
+            make_global,
+            (J_global, f),
+            check,
+            1,
+            8 * P,
+            "psum",
+            lambda x: np.asarray(to_local(x)),
+        )
 
         def make_hand(counter):
             def matvec(J, v):
                 if counter is not None:
                     jax.debug.callback(counter)
-                return mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM,
-                                         comm=comm) / Ns + eps * v
+                return (
+                    mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm) / Ns
+                    + eps * v
+                )
 
             return jax.jit(
                 lambda J, f: jax.scipy.sparse.linalg.cg(
-                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter)[0])
+                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
+                )[0]
+            )
 
         # Every rank counts its own matvecs here; rank 0's count is broadcast.
-        self.add_jax_cg("B", HAND, make_hand, (J_local, f), check, 1, 8 * P,
-                        "mpi4jax", np.asarray)
+        self.add_jax_cg(
+            "B", HAND, make_hand, (J_local, f), check, 1, 8 * P, "mpi4jax", np.asarray
+        )
         self.measure()
 
     # Helpers --------------------------------------------------------------------
@@ -634,8 +777,11 @@ class Bench:
         lines = []
         for problem in ("A", "B"):
             for backend in ("mpi4jax", "psum"):
-                mine = {r["variant"]: r for r in self.results
-                        if r["problem"] == problem and r["backend"] == backend}
+                mine = {
+                    r["variant"]: r
+                    for r in self.results
+                    if r["problem"] == problem and r["backend"] == backend
+                }
                 if "classic" not in mine:
                     continue
                 base = mine["classic"]
@@ -644,12 +790,17 @@ class Bench:
                     if variant in mine:
                         row = mine[variant]
                         row["speedup_vs_classic"] = base["t_iter_s"] / row["t_iter_s"]
-                        row["solve_speedup_vs_classic"] = (base["t_solve_s"]
-                                                           / row["t_solve_s"])
-                        parts.append(f"{variant} {row['speedup_vs_classic']:.2f}x "
-                                     f"({row['solve_speedup_vs_classic']:.2f}x)")
-                lines.append(f"# speedup over classic, t/iter (solve): {problem} "
-                             f"{backend}: " + ", ".join(parts))
+                        row["solve_speedup_vs_classic"] = (
+                            base["t_solve_s"] / row["t_solve_s"]
+                        )
+                        parts.append(
+                            f"{variant} {row['speedup_vs_classic']:.2f}x "
+                            f"({row['solve_speedup_vs_classic']:.2f}x)"
+                        )
+                lines.append(
+                    f"# speedup over classic, t/iter (solve): {problem} "
+                    f"{backend}: " + ", ".join(parts)
+                )
         for line in lines:
             self.say(line)
 
@@ -664,10 +815,10 @@ def metadata(args, comm) -> dict:
         threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
         args=vars(args),
         timing="median over --repeat solves of the slowest rank's wall time, "
-               "compilation and one warm-up solve excluded; t_iter_s = that / "
-               "iterations",
+        "compilation and one warm-up solve excluded; t_iter_s = that / "
+        "iterations",
         reduce_share=f"reductions/iter x median time of one reduction of the "
-                     f"same payload in a jitted loop of {REDUCE_LOOP}, / t_iter",
+        f"same payload in a jitted loop of {REDUCE_LOOP}, / t_iter",
     )
     meta["versions"]["scipy"] = scipy.__version__
     return meta
@@ -680,15 +831,18 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     problems = sorted({r["problem"] for r in results})
-    fig, axes = plt.subplots(1, len(problems), figsize=(6 * len(problems), 4.5),
-                             squeeze=False)
-    colors = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2",
-              HAND: "C3"}
-    for ax, problem in zip(axes[0], problems):
+    fig, axes = plt.subplots(
+        1, len(problems), figsize=(6 * len(problems), 4.5), squeeze=False
+    )
+    colors = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2", HAND: "C3"}
+    for ax, problem in zip(axes[0], problems, strict=True):
         rows = [r for r in results if r["problem"] == problem]
         labels = [f"{r['backend']}\n{r['variant']}" for r in rows]
-        ax.bar(range(len(rows)), [r["t_iter_s"] * 1e6 for r in rows],
-               color=[colors.get(r["backend"], "C4") for r in rows])
+        ax.bar(
+            range(len(rows)),
+            [r["t_iter_s"] * 1e6 for r in rows],
+            color=[colors.get(r["backend"], "C4") for r in rows],
+        )
         ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("time per iteration [us]")
@@ -702,17 +856,24 @@ def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="A,B", help="comma-separated: A,B")
     parser.add_argument("--n", type=int, default=64, help="grid side of problem A")
-    parser.add_argument("--tol", type=float, default=1e-6,
-                        help="relative residual of problem A")
-    parser.add_argument("--maxiter", type=int, default=None,
-                        help="iterations cap of problem A (default 10 n^2)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-6, help="relative residual of problem A"
+    )
+    parser.add_argument(
+        "--maxiter",
+        type=int,
+        default=None,
+        help="iterations cap of problem A (default 10 n^2)",
+    )
     parser.add_argument("--samples", type=int, default=2000, help="Ns of problem B")
     parser.add_argument("--params", type=int, default=10000, help="P of problem B")
     parser.add_argument("--eps", type=float, default=1e-4, help="shift of problem B")
-    parser.add_argument("--tol-b", type=float, default=1e-5,
-                        help="relative residual of problem B")
-    parser.add_argument("--maxiter-b", type=int, default=200,
-                        help="iterations cap of problem B")
+    parser.add_argument(
+        "--tol-b", type=float, default=1e-5, help="relative residual of problem B"
+    )
+    parser.add_argument(
+        "--maxiter-b", type=int, default=200, help="iterations cap of problem B"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed solves each")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--plot", metavar="PATH", help="bar chart (PNG) here")
@@ -740,14 +901,24 @@ def main(argv=None) -> list[dict]:
 
         comm = MPI.COMM_WORLD
         bench = Bench(args, comm, mpi4jax_dist.global_mesh())
-        bench.say(f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
-                  f"({jax.default_backend()}), float64, no preconditioner")
-        bench.say("# " + ", ".join(f"{name}={os.environ.get(name, '(unset)')}"
-                                    for name in THREAD_VARIABLES))
-        bench.say("# t/iter: median over rounds of the slowest rank's solve wall, "
-                  "compile excluded, / iterations; methods timed round-robin")
-        bench.say(f"# reducing: red/it (design) x one reduction of that payload, "
-                  f"timed in a jitted loop of {REDUCE_LOOP}, / t/iter")
+        bench.say(
+            f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
+            f"({jax.default_backend()}), float64, no preconditioner"
+        )
+        bench.say(
+            "# "
+            + ", ".join(
+                f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
+            )
+        )
+        bench.say(
+            "# t/iter: median over rounds of the slowest rank's solve wall, "
+            "compile excluded, / iterations; methods timed round-robin"
+        )
+        bench.say(
+            f"# reducing: red/it (design) x one reduction of that payload, "
+            f"timed in a jitted loop of {REDUCE_LOOP}, / t/iter"
+        )
         bench.say(HEADER)
         bench.say(UNITS)
         if "A" in args.problems:
@@ -758,8 +929,11 @@ def main(argv=None) -> list[dict]:
         if comm.rank == 0:
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"meta": metadata(args, comm), "results": bench.results},
-                              f, indent=1)
+                    json.dump(
+                        {"meta": metadata(args, comm), "results": bench.results},
+                        f,
+                        indent=1,
+                    )
             if args.plot:
                 plot(bench.results, args.plot)
         comm.Barrier()

@@ -1,4 +1,7 @@
-"""What ``import mpi4jax_dist`` costs over ``import jax``: python benchmarks/import_time.py
+"""What ``import mpi4jax_dist`` costs over ``import jax``.
+
+    python benchmarks/import_time.py [--repeat N]
+
 
 Each sample is a fresh interpreter that imports jax, then mpi4jax_dist, timing both;
 prints the medians over --repeat samples and checks that importing started neither
@@ -30,18 +33,28 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
     samples = [
-        json.loads(subprocess.run([sys.executable, "-c", _SAMPLE], check=True,
-                                  capture_output=True, text=True).stdout)
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _SAMPLE],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
         for _ in range(args.repeat)
     ]
     jax_s = statistics.median(s["jax"] for s in samples)
     extra_s = statistics.median(s["extra"] for s in samples)
     print(f"# median of {args.repeat} fresh interpreters")
     print(f"import jax                       {jax_s * 1e3:8.1f} ms")
-    print(f"import mpi4jax_dist (after jax)  {extra_s * 1e3:8.1f} ms  "
-          f"({100 * extra_s / jax_s:.1f} % of import jax)")
-    print(f"MPI initialized by import: {any(s['mpi'] for s in samples)}; "
-          f"backend initialized: {any(s['backend'] for s in samples)}")
+    print(
+        f"import mpi4jax_dist (after jax)  {extra_s * 1e3:8.1f} ms  "
+        f"({100 * extra_s / jax_s:.1f} % of import jax)"
+    )
+    print(
+        f"MPI initialized by import: {any(s['mpi'] for s in samples)}; "
+        f"backend initialized: {any(s['backend'] for s in samples)}"
+    )
     return {"jax_s": jax_s, "extra_s": extra_s}
 
 

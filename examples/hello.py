@@ -16,8 +16,12 @@ x = jnp.arange(4.0) + rank
 by_mpi4jax = jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(x)
 
 mesh = mpi4jax_dist.global_mesh()
-psum = jax.shard_map(lambda a: jax.lax.psum(a, "ranks"), mesh=mesh,
-                     in_specs=jax.P("ranks"), out_specs=jax.P("ranks"))
+psum = jax.shard_map(
+    lambda a: jax.lax.psum(a, "ranks"),
+    mesh=mesh,
+    in_specs=jax.P("ranks"),
+    out_specs=jax.P("ranks"),
+)
 by_psum = mpi4jax_dist.to_local(jax.jit(psum)(mpi4jax_dist.to_global(x, mesh)))
 
 print(f"rank {rank}/{jax.process_count()}: {mpi4jax_dist.topology()}")

@@ -16,31 +16,43 @@ def _print_text(report: dict) -> None:
     print(f"launcher      {report['launcher']}")
     for name, value in report["launcher_variables"].items():
         print(f"  {name}={value}")
-    print(f"MPI           {mpi['library']} (MPI {mpi['standard']}, thread level "
-          f"{mpi['thread_level']})")
+    print(
+        f"MPI           {mpi['library']} (MPI {mpi['standard']}, thread level "
+        f"{mpi['thread_level']})"
+    )
     print(f"mpiexec       {mpi['mpiexec']}: {mpi['mpiexec_version']}")
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
         print(f"  node {node}: ranks {ranks}")
     print(f"coordinator   {topo['coordinator_address']}")
     proxy = report["proxy"]
-    print(f"proxies       {', '.join(proxy['variables']) or 'none'}"
-          f" (no_grpc_proxy={proxy['no_grpc_proxy']}, keep={proxy['keep']})")
-    print("versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))
+    print(
+        f"proxies       {', '.join(proxy['variables']) or 'none'}"
+        f" (no_grpc_proxy={proxy['no_grpc_proxy']}, keep={proxy['keep']})"
+    )
+    print(
+        "versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    )
     if "check" in report:
         check = report["check"]
         print(f"backend       {check['backend']}: {', '.join(check['devices'])}")
-        print(f"check         mpi4jax.allreduce == psum: {check['allreduce_equals_psum']}")
+        print(
+            f"check         mpi4jax.allreduce == psum: {check['allreduce_equals_psum']}"
+        )
     for problem in report["problems"]:
         print(f"PROBLEM       {problem}")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpi4jax_dist",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mpi4jax_dist", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--check", action="store_true",
-                        help="also initialize JAX and compare allreduce with psum")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also initialize JAX and compare allreduce with psum",
+    )
     args = parser.parse_args(argv)
 
     from mpi4py import MPI

@@ -45,7 +45,9 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
     _topology.use_communicator(comm)
     if not initialized:
         if _jax_compat.detection_accepts_name():
-            kwargs.setdefault("cluster_detection_method", _cluster.Mpi4jaxDistCluster.name)
+            kwargs.setdefault(
+                "cluster_detection_method", _cluster.Mpi4jaxDistCluster.name
+            )
         with _cluster.explicitly_requested():
             jax.distributed.initialize(**kwargs)
     topo = _topology.topology(comm)

@@ -77,7 +77,10 @@ def _prepare_connection(topo):
         logger.warning(
             "mpi4jax_dist: %s set; added %s to no_grpc_proxy so that JAX reaches its "
             "coordinator directly (%s=keep leaves proxies alone).",
-            ", ".join(proxies), host, _config.PROXY)
+            ", ".join(proxies),
+            host,
+            _config.PROXY,
+        )
     if topo.rank == 0:
         return _config.default_bind_address(topo.coordinator_address)
     return None

@@ -27,7 +27,11 @@ PROXY = "MPI4JAX_DIST_PROXY"
 PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
 NO_GRPC_PROXY = "no_grpc_proxy"
 # Which accelerators this process may see, in the order we look at them.
-VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+VISIBLE_DEVICES = (
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -149,7 +153,9 @@ def platforms(env: Mapping[str, str] | None = None) -> list[str]:
     return [p.strip().lower() for p in value.split(",") if p.strip()]
 
 
-def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, list[str]] | None:
+def visible_devices(
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, list[str]] | None:
     """Return ``(variable, entries)`` for the first ``*_VISIBLE_DEVICES`` set, or None.
 
     ``-1`` or an empty value hides every device (CUDA's convention): no entries.
@@ -167,7 +173,7 @@ def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, list[str
 
 
 def proxies_set(env: Mapping[str, str] | None = None) -> list[str]:
-    """Return the names of the proxy variables set (any case), e.g. ``["HTTP_PROXY"]``."""
+    """Return the names of the proxy variables set (any case): ``["HTTP_PROXY"]``."""
     env = environ() if env is None else env
     wanted = {v.lower() for v in PROXY_VARIABLES}
     return sorted(k for k, v in env.items() if k.lower() in wanted and v.strip())
@@ -199,8 +205,14 @@ def exempt_from_proxy(host: str) -> list[str] | None:
         return None
     # gRPC reads no_grpc_proxy, else no_proxy: start from what it would have used,
     # so that the user's own exemptions still hold for every gRPC channel.
-    current = next((env[k] for k in (NO_GRPC_PROXY, NO_GRPC_PROXY.upper(), "no_proxy",
-                                     "NO_PROXY") if env.get(k)), "")
+    current = next(
+        (
+            env[k]
+            for k in (NO_GRPC_PROXY, NO_GRPC_PROXY.upper(), "no_proxy", "NO_PROXY")
+            if env.get(k)
+        ),
+        "",
+    )
     hosts = [h.strip() for h in current.split(",") if h.strip()]
     if host in hosts:
         return None

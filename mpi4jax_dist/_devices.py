@@ -39,8 +39,12 @@ def visible_accelerators(env: Mapping[str, str], nvidia_dir: str = _NVIDIA_GPUS)
     return (nvidia_dir, count) if count else None
 
 
-def local_device_ids(local_rank: int, local_size: int, env: Mapping[str, str] | None = None,
-                     nvidia_dir: str = _NVIDIA_GPUS) -> list[int] | None:
+def local_device_ids(
+    local_rank: int,
+    local_size: int,
+    env: Mapping[str, str] | None = None,
+    nvidia_dir: str = _NVIDIA_GPUS,
+) -> list[int] | None:
     """Return the local device ids this process should use, or None for all/CPU.
 
     ``JAX_LOCAL_DEVICE_IDS`` wins. Otherwise, with ``n`` accelerators visible: none

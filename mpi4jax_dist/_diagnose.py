@@ -9,7 +9,6 @@ import subprocess
 
 from . import _config, _launch
 
-
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
 
 
@@ -36,8 +35,9 @@ def _mpiexec_version() -> tuple[str | None, str | None]:
     if path is None:
         return None, None
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=20
+        )
         text = (out.stdout + out.stderr).strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         text = f"could not run: {err}"
@@ -73,28 +73,43 @@ def diagnose(check: bool = False) -> dict:
     topo = _topology.topology()
     library = mpi_library()
     mpiexec, mpiexec_version = _mpiexec_version()
-    if mpiexec_version and _family(mpiexec_version) and _family(library) and (
-            _family(mpiexec_version) != _family(library)):
+    if (
+        mpiexec_version
+        and _family(mpiexec_version)
+        and _family(library)
+        and (_family(mpiexec_version) != _family(library))
+    ):
         problems.append(
             f"mpiexec on PATH ({mpiexec}: {mpiexec_version}) looks like another MPI "
-            f"than the one mpi4py uses ({library}).")
+            f"than the one mpi4py uses ({library})."
+        )
     if info is None and comm.Get_size() == 1:
-        problems.append("size 1 and no launcher variables: started without mpiexec "
-                        "(or with one this package does not know).")
+        problems.append(
+            "size 1 and no launcher variables: started without mpiexec "
+            "(or with one this package does not know)."
+        )
     nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
     report = {
         "launcher": topo.launcher,
         "launcher_variables": info.variables if info else {},
-        "mpi": {"vendor": list(map(str, MPI.get_vendor())),
-                "library": library,
-                "standard": "{}.{}".format(*MPI.Get_version()),
-                "thread_level": MPI.Query_thread(),
-                "mpiexec": mpiexec, "mpiexec_version": mpiexec_version},
-        "topology": {"size": topo.size, "num_nodes": topo.num_nodes,
-                     "coordinator_address": topo.coordinator_address},
-        "proxy": {"variables": _config.proxies_set(env),
-                  "no_grpc_proxy": env.get(_config.NO_GRPC_PROXY),
-                  "keep": _config.keep_proxy(env)},
+        "mpi": {
+            "vendor": list(map(str, MPI.get_vendor())),
+            "library": library,
+            "standard": "{}.{}".format(*MPI.Get_version()),
+            "thread_level": MPI.Query_thread(),
+            "mpiexec": mpiexec,
+            "mpiexec_version": mpiexec_version,
+        },
+        "topology": {
+            "size": topo.size,
+            "num_nodes": topo.num_nodes,
+            "coordinator_address": topo.coordinator_address,
+        },
+        "proxy": {
+            "variables": _config.proxies_set(env),
+            "no_grpc_proxy": env.get(_config.NO_GRPC_PROXY),
+            "keep": _config.keep_proxy(env),
+        },
         "versions": versions(),
     }
     if nodes is not None:
@@ -105,8 +120,9 @@ def diagnose(check: bool = False) -> dict:
     if check:
         report["check"] = _check(topo, problems)
     all_problems = comm.allgather(problems)
-    report["problems"] = [f"rank {r}: {p}" for r, ps in enumerate(all_problems)
-                          for p in ps]
+    report["problems"] = [
+        f"rank {r}: {p}" for r, ps in enumerate(all_problems) for p in ps
+    ]
     return report
 
 
@@ -124,15 +140,21 @@ def _check(topo, problems: list[str]) -> dict:
     mesh = interop.global_mesh()
     local = jnp.arange(8, dtype=jnp.float32) + topo.rank
     by_mpi4jax = np.asarray(jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(local))
-    summed = jax.jit(_jax_compat.shard_map(
-        lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS), mesh=mesh,
-        in_specs=PartitionSpec(interop.DEFAULT_AXIS),
-        out_specs=PartitionSpec(interop.DEFAULT_AXIS)))(interop.to_global(local, mesh))
+    summed = jax.jit(
+        _jax_compat.shard_map(
+            lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS),
+            mesh=mesh,
+            in_specs=PartitionSpec(interop.DEFAULT_AXIS),
+            out_specs=PartitionSpec(interop.DEFAULT_AXIS),
+        )
+    )(interop.to_global(local, mesh))
     by_psum = np.asarray(interop.to_local(summed))
     expected = np.arange(8) * topo.size + sum(range(topo.size))
     if not (np.array_equal(by_mpi4jax, expected) and np.array_equal(by_psum, expected)):
         problems.append(f"allreduce {by_mpi4jax} / psum {by_psum} != {expected}")
-    return {"backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()],
-            "process_index": jax.process_index(),
-            "allreduce_equals_psum": bool(np.array_equal(by_mpi4jax, by_psum))}
+    return {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "process_index": jax.process_index(),
+        "allreduce_equals_psum": bool(np.array_equal(by_mpi4jax, by_psum)),
+    }

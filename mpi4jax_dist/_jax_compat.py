@@ -1,4 +1,4 @@
-"""Differences between JAX versions, and every use of JAX's private modules, in one place.
+"""Differences between JAX versions and every use of JAX's private modules.
 
 Supported: jax 0.6 up to today. What changed, and where we rely on it:
 
@@ -43,7 +43,7 @@ COORDINATOR_ADDRESS_KWARGS = (
 
 
 def coordinator_address_kwargs(version: tuple[int, int, int] = JAX_VERSION):
-    """Return the keyword arguments JAX ``version`` passes to get_coordinator_address."""
+    """Return the keywords JAX ``version`` passes to get_coordinator_address."""
     kwargs = COORDINATOR_ADDRESS_KWARGS[0][1]
     for first, names in COORDINATOR_ADDRESS_KWARGS:
         if version >= first:
@@ -62,13 +62,13 @@ def register_first(cls) -> None:
 
 
 def detection_accepts_name() -> bool:
-    """Return True when ``jax.distributed.initialize`` takes cluster_detection_method."""
+    """Return True when ``jax.distributed.initialize`` takes a detection method."""
     params = inspect.signature(jax.distributed.initialize).parameters
     return "cluster_detection_method" in params
 
 
 def distributed_state() -> tuple[bool, int, int]:
-    """Return ``(initialized, process_id, num_processes)`` without starting a backend."""
+    """Return ``(initialized, process_id, num_processes)``; starts no backend."""
     state = _distributed.global_state
     return state.client is not None, state.process_id, state.num_processes
 

@@ -44,11 +44,17 @@ LAUNCHERS = (
     Launcher("mvapich", ("MV2_COMM_WORLD_RANK",), size="MV2_COMM_WORLD_SIZE"),
     # Hydra's own local-rank variable: MPICH or Intel MPI mpiexec, also inside a Slurm
     # allocation (whose batch step leaves SLURM_PROCID=0 behind).
-    Launcher("intel-mpi", ("MPI_LOCALRANKID",), require=("I_MPI_ROOT",), size="PMI_SIZE"),
+    Launcher(
+        "intel-mpi", ("MPI_LOCALRANKID",), require=("I_MPI_ROOT",), size="PMI_SIZE"
+    ),
     Launcher("mpich-hydra", ("MPI_LOCALRANKID",), size="PMI_SIZE"),
     # Slurm srun with the PMI-2 or PMIx plugin.
-    Launcher("slurm-pmix", ("PMIX_RANK",), require=("SLURM_PROCID",), size="SLURM_NTASKS"),
-    Launcher("slurm-pmi", ("PMI_RANK", "PMI_FD"), require=("SLURM_PROCID",), size="PMI_SIZE"),
+    Launcher(
+        "slurm-pmix", ("PMIX_RANK",), require=("SLURM_PROCID",), size="SLURM_NTASKS"
+    ),
+    Launcher(
+        "slurm-pmi", ("PMI_RANK", "PMI_FD"), require=("SLURM_PROCID",), size="PMI_SIZE"
+    ),
     # Any other PMIx launcher (prterun, a PMIx-based mpiexec).
     Launcher("pmix", ("PMIX_RANK",), size=None),
     # Any other PMI-1/PMI-2 launcher (gforker, remshell, older Hydra).
@@ -76,8 +82,11 @@ def detect(env: Mapping[str, str]) -> LaunchInfo | None:
             continue
         if not all(r in env for r in launcher.require):
             continue
-        return LaunchInfo(launcher.name, _int_or_none(env.get(launcher.size or "")),
-                          _variables(launcher, env))
+        return LaunchInfo(
+            launcher.name,
+            _int_or_none(env.get(launcher.size or "")),
+            _variables(launcher, env),
+        )
     return None
 
 
@@ -107,7 +116,17 @@ def _variables(launcher: Launcher, env: Mapping[str, str]) -> dict:
     names = set(launcher.markers) | set(launcher.require)
     if launcher.size:
         names.add(launcher.size)
-    prefixes = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MPI_LOCAL", "PALS_", "ALPS_APP_",
-                "MV2_COMM_WORLD_", "JSM_NAMESPACE_", "FLUX_TASK_", "PRTE_LAUNCHED")
+    prefixes = (
+        "PMI_",
+        "PMIX_",
+        "OMPI_COMM_WORLD_",
+        "MPI_LOCAL",
+        "PALS_",
+        "ALPS_APP_",
+        "MV2_COMM_WORLD_",
+        "JSM_NAMESPACE_",
+        "FLUX_TASK_",
+        "PRTE_LAUNCHED",
+    )
     names.update(k for k in env if k.startswith(prefixes))
     return {k: env[k] for k in sorted(names) if k in env}

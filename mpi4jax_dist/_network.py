@@ -46,7 +46,8 @@ def interface_address(name: str) -> str:
     if name not in interfaces:
         raise ValueError(
             f"{_config.INTERFACE}={name!r} names no network interface on "
-            f"{socket.gethostname()}; interfaces there: {', '.join(sorted(interfaces))}."
+            f"{socket.gethostname()}; interfaces there: "
+            f"{', '.join(sorted(interfaces))}."
         )
     candidates = _usable([a.address for a in interfaces[name]], allow_loopback=True)
     if not candidates:
@@ -71,7 +72,9 @@ def routable_address() -> str:
     try:
         resolved = [
             info[4][0]
-            for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+            for info in socket.getaddrinfo(
+                socket.gethostname(), None, type=socket.SOCK_STREAM
+            )
         ]
     except OSError:
         resolved = []
@@ -114,7 +117,7 @@ def _family(host: str):
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise ``RuntimeError`` naming ``port`` when another program holds it on ``host``."""
+    """Raise ``RuntimeError`` naming ``port`` when another program holds it."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         # A port left in TIME_WAIT by an earlier job is free to listen on again.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -115,7 +115,9 @@ def use_communicator(comm) -> None:
         _comm = comm
 
 
-def topology(comm=None, port: int | None = None, timeout_s: float | None = None) -> Topology:
+def topology(
+    comm=None, port: int | None = None, timeout_s: float | None = None
+) -> Topology:
     """Return this process's :class:`Topology`, bootstrapping on first call.
 
     Args:
@@ -177,8 +179,9 @@ def _count(name: str, nbytes: int, phase: str = "topology") -> None:
 def abort(comm, message: str) -> None:
     """Print ``message`` for this rank and end the whole MPI job."""
     # Through logging (with no handler configured, Python prints it to stderr).
-    logger.critical("mpi4jax_dist: rank %d of %d: %s", comm.Get_rank(),
-                    comm.Get_size(), message)
+    logger.critical(
+        "mpi4jax_dist: rank %d of %d: %s", comm.Get_rank(), comm.Get_size(), message
+    )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     comm.Abort(1)
@@ -189,8 +192,11 @@ def wait(request, comm, deadline: float, what: str, timeout_s: float) -> None:
     pause = 1e-5
     while not request.Test():
         if time.monotonic() > deadline:
-            abort(comm, f"gave up after {timeout_s:g} s waiting for {what}. "
-                        f"Raise initialization_timeout if the job is just slow.")
+            abort(
+                comm,
+                f"gave up after {timeout_s:g} s waiting for {what}. "
+                f"Raise initialization_timeout if the job is just slow.",
+            )
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
 
@@ -232,9 +238,14 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
     # a rank that never comes is noticed instead of waited for.
     comm, request = base.Idup()
     _count("Idup", 0, "arrival")
-    wait(request, base, deadline,
-         f"all {base.Get_size()} ranks to reach the bootstrap (some rank never "
-         f"called jax.distributed.initialize or mpi4jax_dist)", timeout_s)
+    wait(
+        request,
+        base,
+        deadline,
+        f"all {base.Get_size()} ranks to reach the bootstrap (some rank never "
+        f"called jax.distributed.initialize or mpi4jax_dist)",
+        timeout_s,
+    )
     try:
         rank, size = comm.Get_rank(), comm.Get_size()
 
@@ -250,8 +261,13 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
             if leaders != MPI.COMM_NULL:
                 node_info[:] = leaders.Get_rank(), leaders.Get_size()
                 leaders.Free()
-            wait(node.Ibcast(node_info, root=0), comm, deadline,
-                 "this node's first rank to send the node index", timeout_s)
+            wait(
+                node.Ibcast(node_info, root=0),
+                comm,
+                deadline,
+                "this node's first rank to send the node index",
+                timeout_s,
+            )
             _count("Ibcast(node index, node count) within node", node_info.nbytes)
             node_index, num_nodes = (int(v) for v in node_info)
         finally:
@@ -262,8 +278,13 @@ def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
             status, text = _choose_coordinator(explicit_address, num_nodes, port)
             threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
             _encode(message, status, _RELEASE if threads_ok else _NO_RELEASE, text)
-        wait(comm.Ibcast(message, root=0), comm, deadline,
-             "rank 0 to send the coordinator address", timeout_s)
+        wait(
+            comm.Ibcast(message, root=0),
+            comm,
+            deadline,
+            "rank 0 to send the coordinator address",
+            timeout_s,
+        )
         _count("Ibcast(coordinator address)", message.nbytes)
         status, release_flag, text = _decode(message)
         if status != _OK:
@@ -304,26 +325,37 @@ def release(timeout_s: float | None = None, on_listening=None) -> None:
     deadline = time.monotonic() + timeout_s
     comm = _private
     if _topology.rank == 0:
-        threading.Thread(target=_when_listening, name="mpi4jax_dist-release",
-                         args=(comm, address, deadline, timeout_s, on_listening),
-                         daemon=True).start()
+        threading.Thread(
+            target=_when_listening,
+            name="mpi4jax_dist-release",
+            args=(comm, address, deadline, timeout_s, on_listening),
+            daemon=True,
+        ).start()
     elif comm is not None:
         _count("Ibarrier (coordinator listens)", 0, "release")
-        wait(comm.Ibarrier(), comm, deadline,
-             f"rank 0's JAX coordination service to listen on {address}", timeout_s)
+        wait(
+            comm.Ibarrier(),
+            comm,
+            deadline,
+            f"rank 0's JAX coordination service to listen on {address}",
+            timeout_s,
+        )
         comm.Free()
 
 
-def _when_listening(comm, address: str, deadline: float, timeout_s: float,
-                    on_listening) -> None:
+def _when_listening(
+    comm, address: str, deadline: float, timeout_s: float, on_listening
+) -> None:
     """Rank 0's thread: wait for the service, then release the ranks held in
     ``release`` (when ``comm`` is given; else nobody waits and a timeout is logged)."""
     host, port = _config.split_host_port(address, "coordinator address")
     pause = 1e-4
     while not _network.accepts(host, port):
         if time.monotonic() > deadline:
-            message = (f"JAX's coordination service did not listen on {address} "
-                       f"within {timeout_s:g} s.")
+            message = (
+                f"JAX's coordination service did not listen on {address} "
+                f"within {timeout_s:g} s."
+            )
             if comm is not None:
                 abort(comm, message)
             logger.warning("mpi4jax_dist: %s", message)
@@ -336,8 +368,13 @@ def _when_listening(comm, address: str, deadline: float, timeout_s: float,
         on_listening()
     if comm is not None:
         _count("Ibarrier (coordinator listens)", 0, "release")
-        wait(comm.Ibarrier(), comm, deadline,
-             "the other ranks to wait for the coordinator", timeout_s)
+        wait(
+            comm.Ibarrier(),
+            comm,
+            deadline,
+            "the other ranks to wait for the coordinator",
+            timeout_s,
+        )
         comm.Free()
 
 

@@ -208,8 +208,18 @@ def _single_init(ops, x, r, bb, counts):
     parts = [bb, _dot(r, u), _dot(w, u), _dot(r, r)]
     (bb, gamma, delta, rr), counts = ops.sum(parts, counts)
     zero = jnp.zeros_like(r)
-    st = {"x": x, "r": r, "u": u, "w": w, "p": zero, "s": zero, "gamma": gamma,
-          "alpha": gamma / delta, "beta": jnp.zeros_like(gamma), "rr": rr}
+    st = {
+        "x": x,
+        "r": r,
+        "u": u,
+        "w": w,
+        "p": zero,
+        "s": zero,
+        "gamma": gamma,
+        "alpha": gamma / delta,
+        "beta": jnp.zeros_like(gamma),
+        "rr": rr,
+    }
     return st, bb, counts
 
 
@@ -223,8 +233,18 @@ def _single_step(ops, b, st, k, counts):
     w, counts = ops.apply(u, counts)
     (gamma, delta, rr), counts = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)], counts)
     alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
-    st = {"x": x, "r": r, "u": u, "w": w, "p": p, "s": s, "gamma": gamma,
-          "alpha": alpha, "beta": beta, "rr": rr}
+    st = {
+        "x": x,
+        "r": r,
+        "u": u,
+        "w": w,
+        "p": p,
+        "s": s,
+        "gamma": gamma,
+        "alpha": alpha,
+        "beta": beta,
+        "rr": rr,
+    }
     return st, counts
 
 
@@ -272,13 +292,26 @@ def _pipelined_step(ops, b, st, k, counts, replace_every):
     m = ops.precond(w)
     n, counts = ops.apply(m, counts)  # independent of the reduction above
     alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
-    st = {"x": x, "r": r, "u": u, "w": w, "p": p, "s": s, "q": q, "z": z, "m": m,
-          "n": n, "gamma": gamma, "alpha": alpha, "beta": beta, "rr": rr}
+    st = {
+        "x": x,
+        "r": r,
+        "u": u,
+        "w": w,
+        "p": p,
+        "s": s,
+        "q": q,
+        "z": z,
+        "m": m,
+        "n": n,
+        "gamma": gamma,
+        "alpha": alpha,
+        "beta": beta,
+        "rr": rr,
+    }
     return st, counts
 
 
-_INIT = {"classic": _classic_init, "single": _single_init,
-         "pipelined": _pipelined_init}
+_INIT = {"classic": _classic_init, "single": _single_init, "pipelined": _pipelined_init}
 
 
 def _step(variant, replace_every):
@@ -451,8 +484,9 @@ def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
 class Solver:
     """A compiled distributed CG for one matvec; see :func:`make_solver`."""
 
-    def __init__(self, matvec, backend, variant, comm, mesh, replace_every,
-                 matvec_reductions):
+    def __init__(
+        self, matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
+    ):
         self.backend, self.variant, self.comm = backend, variant, comm
         self.replace_every = replace_every if variant == "pipelined" else 0
 
@@ -461,7 +495,10 @@ class Solver:
             return _cg(ops, variant, self.replace_every, b, x0, tol, maxiter)
 
         self._solve, self.mesh = _compile(
-            local, backend, comm, mesh,
+            local,
+            backend,
+            comm,
+            mesh,
             in_layouts=("rows", "rows", "rows", "same", "same"),
             out_layouts=("rows", "same"),
         )
@@ -525,16 +562,24 @@ def make_solver(
     if not callable(matvec):
         raise TypeError(f"matvec={matvec!r} is not callable.")
     logger.debug("mpi4jax_dist.cg: building a %s/%s solver", backend, variant)
-    return Solver(matvec, backend, variant, comm, mesh, replace_every,
-                  matvec_reductions)
+    return Solver(
+        matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_solver(matvec, backend, variant, comm, mesh, replace_every,
-                   matvec_reductions):
-    return make_solver(matvec, backend=backend, variant=variant, comm=comm.obj,
-                       mesh=mesh, replace_every=replace_every,
-                       matvec_reductions=matvec_reductions)
+def _cached_solver(
+    matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
+):
+    return make_solver(
+        matvec,
+        backend=backend,
+        variant=variant,
+        comm=comm.obj,
+        mesh=mesh,
+        replace_every=replace_every,
+        matvec_reductions=matvec_reductions,
+    )
 
 
 def solve(
@@ -584,12 +629,25 @@ def solve(
     """
     _check_options(backend, variant, replace_every)
     try:
-        solver = _cached_solver(matvec, backend, variant, _ById(comm), mesh,
-                                replace_every, matvec_reductions)
+        solver = _cached_solver(
+            matvec,
+            backend,
+            variant,
+            _ById(comm),
+            mesh,
+            replace_every,
+            matvec_reductions,
+        )
     except TypeError:  # an unhashable matvec: build without the cache
-        solver = make_solver(matvec, backend=backend, variant=variant, comm=comm,
-                             mesh=mesh, replace_every=replace_every,
-                             matvec_reductions=matvec_reductions)
+        solver = make_solver(
+            matvec,
+            backend=backend,
+            variant=variant,
+            comm=comm,
+            mesh=mesh,
+            replace_every=replace_every,
+            matvec_reductions=matvec_reductions,
+        )
     return solver(b, x0, diag, tol=tol, maxiter=maxiter)
 
 
@@ -612,8 +670,9 @@ def _check_reduce_dtype(reduce_dtype):
 class NormalSolver:
     """A compiled shape-B CG; see :func:`make_normal_solver`."""
 
-    def __init__(self, backend, variant, jacobi, reduce_dtype, comm, mesh,
-                 replace_every):
+    def __init__(
+        self, backend, variant, jacobi, reduce_dtype, comm, mesh, replace_every
+    ):
         self.backend, self.variant, self.comm = backend, variant, comm
         self.jacobi, self.reduce_dtype = jacobi, reduce_dtype
         self.replace_every = replace_every if variant == "pipelined" else 0
@@ -635,17 +694,27 @@ class NormalSolver:
             # The dots are local (x is replicated); each matvec makes one reduction.
             ops = _Ops(matvec, _inverse(diag), None, 1)
             check = ops._replace(matvec=functools.partial(matvec, narrow=None))
-            return _cg(ops, variant, self.replace_every, f.astype(dtype), x0, tol,
-                       maxiter, check_ops=check)
+            return _cg(
+                ops,
+                variant,
+                self.replace_every,
+                f.astype(dtype),
+                x0,
+                tol,
+                maxiter,
+                check_ops=check,
+            )
 
         self._solve, self.mesh = _compile(
-            local, backend, comm, mesh,
+            local,
+            backend,
+            comm,
+            mesh,
             in_layouts=("rows",) + ("same",) * 6,
             out_layouts=("same", "same"),
         )
 
-    def __call__(self, J, f, eps, x0=None, *, tol=1e-5, maxiter=200,
-                 num_samples=None):
+    def __call__(self, J, f, eps, x0=None, *, tol=1e-5, maxiter=200, num_samples=None):
         """Solve ``(J^T J / Ns + eps I) x = f``; see :func:`solve_normal`."""
         _check_tol_maxiter(tol, maxiter)
         if np.ndim(J) != 2 or np.shape(f) != (np.shape(J)[1],):
@@ -735,16 +804,24 @@ def make_normal_solver(
             "below a relative residual of about 1e-5; use 'classic' or 'single'.",
             reduce_dtype.name,
         )
-    return NormalSolver(backend, variant, bool(jacobi), reduce_dtype, comm, mesh,
-                        replace_every)
+    return NormalSolver(
+        backend, variant, bool(jacobi), reduce_dtype, comm, mesh, replace_every
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_normal_solver(backend, variant, jacobi, reduce_dtype, comm, mesh,
-                          replace_every):
-    return make_normal_solver(backend=backend, variant=variant, jacobi=jacobi,
-                              reduce_dtype=reduce_dtype, comm=comm.obj, mesh=mesh,
-                              replace_every=replace_every)
+def _cached_normal_solver(
+    backend, variant, jacobi, reduce_dtype, comm, mesh, replace_every
+):
+    return make_normal_solver(
+        backend=backend,
+        variant=variant,
+        jacobi=jacobi,
+        reduce_dtype=reduce_dtype,
+        comm=comm.obj,
+        mesh=mesh,
+        replace_every=replace_every,
+    )
 
 
 def solve_normal(
@@ -794,7 +871,13 @@ def solve_normal(
             ``reduce_dtype`` wider than the working dtype or not floating.
     """
     _check_options(backend, variant, replace_every)
-    solver = _cached_normal_solver(backend, variant, bool(jacobi),
-                                   _check_reduce_dtype(reduce_dtype), _ById(comm),
-                                   mesh, replace_every)
+    solver = _cached_normal_solver(
+        backend,
+        variant,
+        bool(jacobi),
+        _check_reduce_dtype(reduce_dtype),
+        _ById(comm),
+        mesh,
+        replace_every,
+    )
     return solver(J, f, eps, x0, tol=tol, maxiter=maxiter, num_samples=num_samples)

@@ -47,7 +47,9 @@ def to_global(local, mesh=None):
     mesh = global_mesh() if mesh is None else mesh
     local = jnp.asarray(local)
     if local.ndim == 0:
-        raise ValueError("to_global needs an array with a leading axis to shard; got a scalar.")
+        raise ValueError(
+            "to_global needs an array with a leading axis to shard; got a scalar."
+        )
     devices = _local_devices(mesh)
     if local.shape[0] % len(devices):
         raise ValueError(
@@ -55,7 +57,7 @@ def to_global(local, mesh=None):
             f"process's {len(devices)} devices."
         )
     pieces = jnp.split(local, len(devices), axis=0)
-    arrays = [jax.device_put(p, d) for p, d in zip(pieces, devices)]
+    arrays = [jax.device_put(p, d) for p, d in zip(pieces, devices, strict=True)]
     rows = local.shape[0] * (mesh.devices.size // len(devices))
     sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
     return jax.make_array_from_single_device_arrays(

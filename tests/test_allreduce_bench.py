@@ -2,7 +2,6 @@
 implementation and mode runs, reports the fields, and gets every element right."""
 
 import pytest
-
 import util
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -17,11 +16,13 @@ def test_tiny_sweep(world, tmp_path_factory):
 
     bench = load_benchmark()
     path = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("bench") / "ar.json"))
-    results = bench.main(["--sizes", "4,4096", "--samples", "2", "--iters", "3",
-                          "--json", path])
+    results = bench.main(
+        ["--sizes", "4,4096", "--samples", "2", "--iters", "3", "--json", path]
+    )
     keys = {(r["impl"], r["mode"], r["bytes"]) for r in results}
-    assert keys == {(i, m, b) for i in bench.IMPLS for m in bench.MODES
-                    for b in (4, 4096)}
+    assert keys == {
+        (i, m, b) for i in bench.IMPLS for m in bench.MODES for b in (4, 4096)
+    }
     for row in results:
         assert row["wrong"] == 0
         assert 0 < row["t_min_s"] <= row["t_median_s"] <= row["t_max_s"]

@@ -7,11 +7,11 @@ the end need no peers and also run in the serial session.
 
 import numpy as np
 import pytest
+import util
+from util import all_ranks
 
 import mpi4jax_dist
-import util
 from mpi4jax_dist import cg
-from util import all_ranks
 
 mpi = pytest.mark.mpi(min_size=2)
 GRID = 16  # problem A: 16 x 16 grid, 4 grid rows per rank at -n 4
@@ -66,8 +66,14 @@ class ProblemA:
         self.b = np.random.default_rng(7).standard_normal(n * n)
         self.x_ref = spl.spsolve(self.A, self.b)
         steps = []
-        spl.cg(self.A, self.b, rtol=TOL, maxiter=1000,
-               M=sp.diags(1 / self.A.diagonal()), callback=steps.append)
+        spl.cg(
+            self.A,
+            self.b,
+            rtol=TOL,
+            maxiter=1000,
+            M=sp.diags(1 / self.A.diagonal()),
+            callback=steps.append,
+        )
         self.scipy_iterations = len(steps)
 
     def solver(self, backend, variant, mesh, **options):
@@ -92,8 +98,9 @@ class ProblemA:
             def matvec(v):
                 return laplacian(v) + c * v
 
-            solver = cg.make_solver(matvec, backend=backend, variant=variant,
-                                    comm=self.comm, **options)
+            solver = cg.make_solver(
+                matvec, backend=backend, variant=variant, comm=self.comm, **options
+            )
             return lambda b=None, **kw: solver(block(b), diag=diag, **kw)
 
         laplacian = self.poisson.shard_matvec(mesh)
@@ -102,8 +109,9 @@ class ProblemA:
         def shard_matvec(v):  # inside shard_map: this device's block only
             return laplacian(v) + reaction(lax.axis_index(axis) * m, m) * v
 
-        solver = cg.make_solver(shard_matvec, backend=backend, variant=variant,
-                                mesh=mesh, **options)
+        solver = cg.make_solver(
+            shard_matvec, backend=backend, variant=variant, mesh=mesh, **options
+        )
         diag = mpi4jax_dist.to_global(diag, mesh)
 
         def run(b=None, **kw):
@@ -135,14 +143,16 @@ def solutions(problem_a):
     out = {}
     for backend, variant in COMBOS:
         x, info = problem_a.solver(backend, variant, mesh)(tol=TOL, maxiter=500)
-        out[backend, variant] = np.asarray(x), {k: np.asarray(v).item()
-                                                 for k, v in info._asdict().items()}
+        out[backend, variant] = np.asarray(x), {
+            k: np.asarray(v).item() for k, v in info._asdict().items()
+        }
     return out
 
 
 def info_text(info):
-    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in info.items())
+    return ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()
+    )
 
 
 @mpi
@@ -157,8 +167,7 @@ def test_reaches_scipy_solution(problem_a, solutions, backend, variant):
 
 @mpi
 def test_iteration_counts_agree(problem_a, solutions):
-    counts = {f"{b}/{v}": info["iterations"] for (b, v), (_, info) in
-              solutions.items()}
+    counts = {f"{b}/{v}": info["iterations"] for (b, v), (_, info) in solutions.items()}
     spread = max(counts.values()) - min(counts.values())
     all_ranks(spread <= 3, f"iterations differ by {spread}: {counts}")
     scipy_n = problem_a.scipy_iterations
@@ -171,12 +180,16 @@ def test_iteration_counts_agree(problem_a, solutions):
 def test_reductions_counted_per_iteration(solutions, backend, variant):
     _, info = solutions[backend, variant]
     k, per = info["iterations"], cg.REDUCTIONS_PER_ITERATION[variant]
-    all_ranks(k > 10 and info["reductions"] == per * k,
-              f"{info['reductions']} reductions in {k} iterations, expected {per} each")
+    all_ranks(
+        k > 10 and info["reductions"] == per * k,
+        f"{info['reductions']} reductions in {k} iterations, expected {per} each",
+    )
     every = cg.DEFAULT_REPLACE_EVERY if variant == "pipelined" else 0
     matvecs = k + (4 * (k // every) if every else 0)
-    all_ranks(info["matvecs"] == matvecs, f"{info['matvecs']} matvecs, expected "
-              f"{matvecs} in {k} iterations")
+    all_ranks(
+        info["matvecs"] == matvecs,
+        f"{info['matvecs']} matvecs, expected " f"{matvecs} in {k} iterations",
+    )
 
 
 @mpi
@@ -187,8 +200,7 @@ def test_pipelined_residual_replacement(problem_a, backend):
     x, info = run(tol=TOL, maxiter=500)
     k = int(info.iterations)
     error = problem_a.error(x)
-    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL,
-              f"{info}")
+    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL, f"{info}")
     all_ranks(error < 1e-8, f"error {error:.3g}")
     all_ranks(int(info.reductions) == k, f"{info}")
     all_ranks(int(info.matvecs) == k + 4 * (k // 5), f"{info}")
@@ -216,8 +228,9 @@ class ProblemB:
 
     def __init__(self, bench, comm, seed=1):
         self.comm = comm
-        self.jac = bench.Jacobian(SAMPLES_PER_RANK * comm.size, PARAMS, EPS, comm,
-                                  seed=seed)
+        self.jac = bench.Jacobian(
+            SAMPLES_PER_RANK * comm.size, PARAMS, EPS, comm, seed=seed
+        )
         full, _ = self.jac.rows(0, self.jac.samples)
         self.A = full.T @ full / self.jac.samples + EPS * np.eye(PARAMS)
 
@@ -230,8 +243,7 @@ class ProblemB:
             J = mpi4jax_dist.to_global(J)
         else:
             kwargs["comm"] = self.comm
-        x, info = cg.solve_normal(J, f, EPS, backend=backend, variant=variant,
-                                  **kwargs)
+        x, info = cg.solve_normal(J, f, EPS, backend=backend, variant=variant, **kwargs)
         if backend == "psum":
             x = mpi4jax_dist.to_local(x)
         return np.asarray(x), info
@@ -255,8 +267,7 @@ def test_normal_equations_match_numpy(problem_b, backend, variant, jacobi):
     x, info = problem_b.solve(backend, variant, tol=TOL, maxiter=300, jacobi=jacobi)
     error = problem_b.error(x)
     k = int(info.iterations)
-    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL,
-              f"{info}")
+    all_ranks(bool(info.converged) and float(info.rel_residual) <= 10 * TOL, f"{info}")
     all_ranks(error < 1e-8, f"error vs NumPy {error:.3g}: {info}")
     # One allreduce of the parameter vector per matvec; dots are local.
     all_ranks(int(info.reductions) == int(info.matvecs), f"{info}")
@@ -269,8 +280,9 @@ def test_normal_equations_match_numpy(problem_b, backend, variant, jacobi):
 def test_float32_reductions_converge_looser(problem_b, backend, variant):
     import jax.numpy as jnp
 
-    x, info = problem_b.solve(backend, variant, tol=1e-5, maxiter=300,
-                              reduce_dtype=jnp.float32)
+    x, info = problem_b.solve(
+        backend, variant, tol=1e-5, maxiter=300, reduce_dtype=jnp.float32
+    )
     error = problem_b.error(x)
     all_ranks(x.dtype == np.float64, f"iterated in {x.dtype}")
     all_ranks(bool(info.converged) and float(info.rel_residual) < 1e-4, f"{info}")
@@ -294,13 +306,15 @@ def test_warm_start_takes_fewer_iterations(problem_b, backend):
     # The next optimization step's right-hand side: close to the last one.
     rng = np.random.default_rng(3)
     f2 = problem_b.jac.f + 1e-3 * np.linalg.norm(problem_b.jac.f) * rng.standard_normal(
-        PARAMS) / np.sqrt(PARAMS)
+        PARAMS
+    ) / np.sqrt(PARAMS)
     _, cold = problem_b.solve(backend, "classic", f=f2, tol=1e-8, maxiter=300)
-    x2, warm = problem_b.solve(backend, "classic", f=f2, x0=x1, tol=1e-8,
-                               maxiter=300)
+    x2, warm = problem_b.solve(backend, "classic", f=f2, x0=x1, tol=1e-8, maxiter=300)
     all_ranks(bool(warm.converged) and problem_b.error(x2, f2) < 1e-6, f"{warm}")
-    all_ranks(int(warm.iterations) < int(cold.iterations),
-              f"warm {int(warm.iterations)} vs cold {int(cold.iterations)}")
+    all_ranks(
+        int(warm.iterations) < int(cold.iterations),
+        f"warm {int(warm.iterations)} vs cold {int(cold.iterations)}",
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -332,24 +346,54 @@ def shared_dir(world):
 def test_benchmark_reports_every_method(world, shared_dir):
     bench = load_benchmark()
     out, png = shared_dir / "cg.json", shared_dir / "cg.png"
-    results = bench.main(["--n", "16", "--samples", "32", "--params", "24",
-                          "--repeat", "1", "--json", str(out), "--plot", str(png)])
-    fields = {"problem", "backend", "variant", "iterations", "rel_residual", "error",
-              "t_iter_s", "reductions_per_iter"}
+    results = bench.main(
+        [
+            "--n",
+            "16",
+            "--samples",
+            "32",
+            "--params",
+            "24",
+            "--repeat",
+            "1",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    fields = {
+        "problem",
+        "backend",
+        "variant",
+        "iterations",
+        "rel_residual",
+        "error",
+        "t_iter_s",
+        "reductions_per_iter",
+    }
     missing = [sorted(fields - set(r)) for r in results if not fields <= set(r)]
     all_ranks(not missing, f"fields missing: {missing}")
     seen = {(r["problem"], r["backend"], r["variant"]) for r in results}
     expected = {(p, b, v) for p in "AB" for b, v in COMBOS}
-    expected |= {("A", bench.FLOOR, "classic"), ("B", bench.FLOOR, "classic"),
-                 ("A", bench.JAX_SCIPY, "cg"), ("B", bench.JAX_SCIPY, "cg"),
-                 ("B", bench.HAND, "cg")}
+    expected |= {
+        ("A", bench.FLOOR, "classic"),
+        ("B", bench.FLOOR, "classic"),
+        ("A", bench.JAX_SCIPY, "cg"),
+        ("B", bench.JAX_SCIPY, "cg"),
+        ("B", bench.HAND, "cg"),
+    }
     all_ranks(expected <= seen, f"methods missing: {sorted(expected - seen)}")
-    bad = [r for r in results if not (r["t_iter_s"] > 0 and r["iterations"] > 0
-                                      and r["rel_residual"] < 1e-4)]
+    bad = [
+        r
+        for r in results
+        if not (r["t_iter_s"] > 0 and r["iterations"] > 0 and r["rel_residual"] < 1e-4)
+    ]
     all_ranks(not bad, f"rows out of range: {bad}")
     ours = [r for r in results if r["backend"] in cg.BACKENDS]
-    wrong = [r for r in ours
-             if r["reductions_per_iter_counted"] != r["reductions_per_iter"]]
+    wrong = [
+        r for r in ours if r["reductions_per_iter_counted"] != r["reductions_per_iter"]
+    ]
     all_ranks(not wrong, f"counted reductions differ from the design: {wrong}")
     if world.rank == 0:
         import json

@@ -16,7 +16,6 @@ import textwrap
 
 import psutil
 import pytest
-
 import util
 from util import skip_in_mpi_job
 
@@ -24,19 +23,25 @@ TIMEOUT = 120  # seconds per job; jobs take a few seconds even oversubscribed
 PREFIX = "RESULT "
 README = util.ROOT / "README.rst"
 
+
 def _env(**extra) -> dict:
     return util.clean_env(**extra)
 
 
 def _results(proc, n: int, key: str) -> dict:
-    """Return ``{rank: result}`` from the RESULT lines, checking there is one per rank."""
-    lines = [line[len(PREFIX):] for line in proc.stdout.splitlines()
-             if line.startswith(PREFIX)]
+    """Return ``{rank: result}`` from the RESULT lines, one per rank (checked)."""
+    lines = [
+        line[len(PREFIX) :]
+        for line in proc.stdout.splitlines()
+        if line.startswith(PREFIX)
+    ]
     shown = f"\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert len(lines) == n, f"expected {n} RESULT lines, got {len(lines)}{shown}"
     results = [json.loads(line) for line in lines]
     by_rank = {r[key]: r for r in results}
-    assert sorted(by_rank) == list(range(n)), f"ranks by {key}: {sorted(by_rank)}{shown}"
+    assert sorted(by_rank) == list(
+        range(n)
+    ), f"ranks by {key}: {sorted(by_rank)}{shown}"
     return by_rank
 
 
@@ -48,7 +53,7 @@ def _run(script, n: int, *args, key: str = "topo_rank", **kwargs) -> dict:
 
 
 def _check_world(result: dict, index: int, count: int) -> None:
-    """Assert one process's view of a JAX world of ``count`` processes, one CPU device each."""
+    """Assert one process's view of a world of ``count`` processes, a CPU each."""
     assert result["process_index"] == index
     assert result["process_count"] == count
     assert result["device_count"] == count
@@ -128,8 +133,11 @@ def test_pretend_nodes(hosts):
     host, _ = _host_port(addresses.pop())
     ip = ipaddress.ip_address(host)
     assert not ip.is_loopback, f"several nodes but a loopback coordinator {host}"
-    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
-            for a in addrs}
+    mine = {
+        a.address.split("%")[0]
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+    }
     assert host in mine, f"coordinator {host} is not an address of this host: {mine}"
     for rank, r in results.items():
         node, local_rank, local_size = layout[rank]
@@ -234,7 +242,8 @@ def test_readme_block_extraction():
         """)
     assert python_blocks(text)[0] == "import jax  # no mpi4jax_dist here\n"
     assert readme_example(text) == (
-        "import mpi4jax_dist\nimport jax\n\ndef f():\n    return 1\n")
+        "import mpi4jax_dist\nimport jax\n\ndef f():\n    return 1\n"
+    )
     assert readme_example("no code here\n") is None
 
 
@@ -243,8 +252,10 @@ def test_readme_example_runs(tmp_path):
     text = README.read_text() if README.exists() else ""
     code = readme_example(text)
     if code is None:
-        pytest.skip("README.rst has no `.. code-block:: python` block containing "
-                    "`import mpi4jax_dist` yet")
+        pytest.skip(
+            "README.rst has no `.. code-block:: python` block containing "
+            "`import mpi4jax_dist` yet"
+        )
     script = tmp_path / "readme_example.py"
     script.write_text(code)
     proc = util.run_mpi(script, 2, timeout=TIMEOUT, env=_env())
@@ -263,10 +274,18 @@ def test_without_launcher():
     gives a one-process world (MPI singleton)."""
     cmd = [sys.executable, str(util.SCRIPTS / "launch_no_env.py")]
     try:
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
-                              timeout=TIMEOUT, cwd=util.ROOT)
+        proc = subprocess.run(
+            cmd,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            cwd=util.ROOT,
+        )
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{util._text(err)}")
+        pytest.fail(
+            f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{util._text(err)}"
+        )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     (r,) = _results(proc, 1, "topo_rank").values()
     assert r["plain"] == _NO_ENV
@@ -284,7 +303,8 @@ def test_without_launcher():
 @skip_in_mpi_job
 def test_disabled_under_mpiexec():
     """MPI4JAX_DIST_DISABLE=1: a plain jax.distributed.initialize() is not ours (JAX's
-    ValueError on every rank); asking by name, mpi4jax_dist.initialize(), still works."""
+    ValueError on every rank); asking by name, mpi4jax_dist.initialize(), still works.
+    """
     results = _run("launch_no_env.py", 2, env=_env(MPI4JAX_DIST_DISABLE=1))
     addresses = {r["topo_coordinator_address"] for r in results.values()}
     assert len(addresses) == 1, addresses
@@ -295,4 +315,8 @@ def test_disabled_under_mpiexec():
         assert r["explicit"] == "initialized"
         assert (r["topo_rank"], r["topo_size"]) == (rank, 2)
         assert r["topo_launcher"] == util.expected_launcher()
-        assert (r["process_index"], r["process_count"], r["device_count"]) == (rank, 2, 2)
+        assert (r["process_index"], r["process_count"], r["device_count"]) == (
+            rank,
+            2,
+            2,
+        )

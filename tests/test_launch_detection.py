@@ -6,30 +6,116 @@ from mpi4jax_dist import _launch
 
 # (launcher variables as each launcher sets them, expected name, expected size)
 LAUNCHES = [
-    ({"PMI_RANK": "1", "PMI_SIZE": "4", "PMI_FD": "7", "MPI_LOCALRANKID": "1",
-      "MPI_LOCALNRANKS": "2", "PMI_HOSTNAME": "n1"}, "mpich-hydra", 4),
-    ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0",
-      "I_MPI_ROOT": "/opt/intel/mpi"}, "intel-mpi", 2),
-    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
-      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "PMIX_RANK": "3", "PRTE_LAUNCHED": "1"},
-     "openmpi", 8),
+    (
+        {
+            "PMI_RANK": "1",
+            "PMI_SIZE": "4",
+            "PMI_FD": "7",
+            "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2",
+            "PMI_HOSTNAME": "n1",
+        },
+        "mpich-hydra",
+        4,
+    ),
+    (
+        {
+            "PMI_RANK": "0",
+            "PMI_SIZE": "2",
+            "MPI_LOCALRANKID": "0",
+            "I_MPI_ROOT": "/opt/intel/mpi",
+        },
+        "intel-mpi",
+        2,
+    ),
+    (
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "PMIX_RANK": "3",
+            "PRTE_LAUNCHED": "1",
+        },
+        "openmpi",
+        8,
+    ),
     ({"PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-x"}, "pmix", None),
-    ({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "16",
-      "MV2_COMM_WORLD_LOCAL_RANK": "0"}, "mvapich", 16),
-    ({"PALS_RANKID": "5", "PALS_LOCAL_RANKID": "1", "PALS_NODEID": "2",
-      "PALS_APID": "abc", "PMI_RANK": "5", "PMI_SIZE": "8"}, "cray-pals", None),
+    (
+        {
+            "MV2_COMM_WORLD_RANK": "0",
+            "MV2_COMM_WORLD_SIZE": "16",
+            "MV2_COMM_WORLD_LOCAL_RANK": "0",
+        },
+        "mvapich",
+        16,
+    ),
+    (
+        {
+            "PALS_RANKID": "5",
+            "PALS_LOCAL_RANKID": "1",
+            "PALS_NODEID": "2",
+            "PALS_APID": "abc",
+            "PMI_RANK": "5",
+            "PMI_SIZE": "8",
+        },
+        "cray-pals",
+        None,
+    ),
     ({"ALPS_APP_PE": "2", "ALPS_APP_ID": "123"}, "cray-alps", None),
-    ({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
-      "PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "9"}, "slurm-pmi", 4),
-    ({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
-      "PMIX_RANK": "3"}, "slurm-pmix", 4),
-    ({"JSM_NAMESPACE_RANK": "0", "JSM_NAMESPACE_SIZE": "6",
-      "JSM_NAMESPACE_LOCAL_RANK": "0", "OMPI_COMM_WORLD_RANK": "0"}, "ibm-jsrun", 6),
-    ({"FLUX_TASK_RANK": "1", "FLUX_JOB_SIZE": "2", "FLUX_TASK_LOCAL_ID": "1",
-      "PMI_RANK": "1"}, "flux", 2),
+    (
+        {
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "4",
+            "PMI_RANK": "3",
+            "PMI_SIZE": "4",
+            "PMI_FD": "9",
+        },
+        "slurm-pmi",
+        4,
+    ),
+    (
+        {
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "4",
+            "PMIX_RANK": "3",
+        },
+        "slurm-pmix",
+        4,
+    ),
+    (
+        {
+            "JSM_NAMESPACE_RANK": "0",
+            "JSM_NAMESPACE_SIZE": "6",
+            "JSM_NAMESPACE_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_RANK": "0",
+        },
+        "ibm-jsrun",
+        6,
+    ),
+    (
+        {
+            "FLUX_TASK_RANK": "1",
+            "FLUX_JOB_SIZE": "2",
+            "FLUX_TASK_LOCAL_ID": "1",
+            "PMI_RANK": "1",
+        },
+        "flux",
+        2,
+    ),
     # mpiexec inside a Slurm allocation: Hydra's variables win over the batch step's.
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "2", "PMI_SIZE": "4",
-      "MPI_LOCALRANKID": "0"}, "mpich-hydra", 4),
+    (
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "PMI_RANK": "2",
+            "PMI_SIZE": "4",
+            "MPI_LOCALRANKID": "0",
+        },
+        "mpich-hydra",
+        4,
+    ),
 ]
 
 NOT_LAUNCHES = [
@@ -41,7 +127,9 @@ NOT_LAUNCHES = [
 ]
 
 
-@pytest.mark.parametrize("env, name, size", LAUNCHES, ids=[l[1] for l in LAUNCHES])
+@pytest.mark.parametrize(
+    "env, name, size", LAUNCHES, ids=[case[1] for case in LAUNCHES]
+)
 def test_launchers_detected(env, name, size):
     info = _launch.detect(env)
     assert info is not None

@@ -6,10 +6,10 @@ rank does not leave the others waiting in the next collective.
 
 import numpy as np
 import pytest
+from util import all_ranks
 
 import mpi4jax_dist
 from mpi4jax_dist import _topology
-from util import all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -76,9 +76,14 @@ def test_psum_equals_mpi4jax_allreduce(world):
     mesh = mpi4jax_dist.global_mesh()
     local = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3) * (world.rank + 1)
 
-    summed = jax.jit(_jax_compat.shard_map(
-        lambda a: jax.lax.psum(a, "ranks"), mesh=mesh, in_specs=P("ranks"),
-        out_specs=P("ranks")))(mpi4jax_dist.to_global(local, mesh))
+    summed = jax.jit(
+        _jax_compat.shard_map(
+            lambda a: jax.lax.psum(a, "ranks"),
+            mesh=mesh,
+            in_specs=P("ranks"),
+            out_specs=P("ranks"),
+        )
+    )(mpi4jax_dist.to_global(local, mesh))
     by_psum = np.asarray(mpi4jax_dist.to_local(summed))
     by_mpi4jax = np.asarray(jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(local))
     expected = np.arange(6.0).reshape(2, 3) * sum(range(1, world.size + 1))

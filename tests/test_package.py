@@ -7,16 +7,22 @@ import subprocess
 import sys
 
 import pytest
+import util
 
 import mpi4jax_dist
 from mpi4jax_dist import _cluster, _config, _devices, _jax_compat
-import util
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (no launcher variables), with a timeout."""
-    return subprocess.run([sys.executable, "-c", code], env=util.clean_env(**env),
-                          capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=util.clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def test_registered_first_under_own_name():
@@ -44,8 +50,13 @@ print(json.dumps({
 }))
 """
     result = json.loads(run_python(code).stdout.splitlines()[-1])
-    assert result == {"mpi_imported": False, "backend": False, "first": "mpi4jax_dist",
-                      "present": False, "mpi_after_present": False}
+    assert result == {
+        "mpi_imported": False,
+        "backend": False,
+        "first": "mpi4jax_dist",
+        "present": False,
+        "mpi_after_present": False,
+    }
 
 
 def test_present_under_faked_launcher_and_disable_switch():
@@ -57,7 +68,9 @@ print(C.is_env_present(), "mpi4py.MPI" in sys.modules)
     launch = {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0"}
     assert run_python(code, **launch).stdout.split() == ["True", "False"]
     assert run_python(code, MPI4JAX_DIST_DISABLE="1", **launch).stdout.split() == [
-        "False", "False"]
+        "False",
+        "False",
+    ]
     # A malformed switch warns, names the variable, and keeps the default (on).
     proc = run_python(code, MPI4JAX_DIST_DISABLE="maybe", **launch)
     assert proc.stdout.split() == ["True", "False"]
@@ -74,10 +87,19 @@ print(before, C.is_env_present())
     assert run_python(code).stdout.split() == ["False", "True"]
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("1", True), ("true", True), ("YES", True), ("on", True),
-    ("0", False), ("false", False), ("No", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("", False),
+    ],
+)
 def test_bool_values(value, expected):
     assert _config.get_bool("X_FLAG", not expected, {"X_FLAG": value}) is expected
 
@@ -106,10 +128,14 @@ def test_bad_coordinator_address_names_variable(value):
         _config.coordinator_address({"JAX_COORDINATOR_ADDRESS": value})
 
 
-@pytest.mark.parametrize("value, host, port", [
-    ("10.0.0.1:1234", "10.0.0.1", 1234), ("[fd00::1]:99", "fd00::1", 99),
-    ("node-7.cluster:65535", "node-7.cluster", 65535),
-])
+@pytest.mark.parametrize(
+    "value, host, port",
+    [
+        ("10.0.0.1:1234", "10.0.0.1", 1234),
+        ("[fd00::1]:99", "fd00::1", 99),
+        ("node-7.cluster:65535", "node-7.cluster", 65535),
+    ],
+)
 def test_good_coordinator_address(value, host, port):
     assert _config.split_host_port(value, "X") == (host, port)
 
@@ -134,12 +160,16 @@ DEVICE_RULES = [
 
 @pytest.mark.parametrize("env, local_rank, local_size, expected", DEVICE_RULES)
 def test_local_device_ids_rules(env, local_rank, local_size, expected):
-    assert _devices.local_device_ids(local_rank, local_size, env, NO_GPU_DIR) == expected
+    assert (
+        _devices.local_device_ids(local_rank, local_size, env, NO_GPU_DIR) == expected
+    )
 
 
 def test_local_device_ids_uneven_warns():
     with pytest.warns(RuntimeWarning, match="JAX_LOCAL_DEVICE_IDS"):
-        ids = _devices.local_device_ids(0, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"}, NO_GPU_DIR)
+        ids = _devices.local_device_ids(
+            0, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"}, NO_GPU_DIR
+        )
     assert ids is None
 
 
@@ -154,10 +184,17 @@ def test_bad_local_device_ids_names_variable():
         _devices.local_device_ids(0, 1, {"JAX_LOCAL_DEVICE_IDS": "a,b"}, NO_GPU_DIR)
 
 
-@pytest.mark.parametrize("text, version", [
-    ("0.6.0", (0, 6, 0)), ("0.8.1", (0, 8, 1)), ("0.10.2", (0, 10, 2)),
-    ("0.8.1.dev20251201", (0, 8, 1)), ("0.7", (0, 7, 0)), ("1.0.0rc1", (1, 0, 0)),
-])
+@pytest.mark.parametrize(
+    "text, version",
+    [
+        ("0.6.0", (0, 6, 0)),
+        ("0.8.1", (0, 8, 1)),
+        ("0.10.2", (0, 10, 2)),
+        ("0.8.1.dev20251201", (0, 8, 1)),
+        ("0.7", (0, 7, 0)),
+        ("1.0.0rc1", (1, 0, 0)),
+    ],
+)
 def test_parse_version(text, version):
     assert _jax_compat.parse_version(text) == version
 
@@ -187,14 +224,29 @@ def test_installed_jax_matches_a_row():
 
 def test_public_api():
     assert sorted(mpi4jax_dist.__all__) == [
-        "Topology", "cg", "global_mesh", "initialize", "to_global", "to_local",
-        "topology"]
+        "Topology",
+        "cg",
+        "global_mesh",
+        "initialize",
+        "to_global",
+        "to_local",
+        "topology",
+    ]
 
 
 @pytest.mark.parametrize("name", ["http_proxy", "HTTPS_PROXY", "grpc_proxy"])
 def test_proxy_exemption(monkeypatch, name):
-    for var in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY",
-                "GRPC_PROXY", "no_grpc_proxy", "NO_GRPC_PROXY", "MPI4JAX_DIST_PROXY"):
+    for var in (
+        "http_proxy",
+        "https_proxy",
+        "grpc_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "GRPC_PROXY",
+        "no_grpc_proxy",
+        "NO_GRPC_PROXY",
+        "MPI4JAX_DIST_PROXY",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)

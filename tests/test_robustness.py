@@ -1,4 +1,4 @@
-"""Launch tests of the bootstrap's failure handling: each runs mpiexec with a timeout."""
+"""Launch tests of the bootstrap's failure handling, each mpiexec with a timeout."""
 
 import json
 import socket
@@ -6,33 +6,49 @@ import sys
 import time
 
 import pytest
-
 import util
 
 pytestmark = util.skip_in_mpi_job
 
 
 def results(stdout: str) -> list[dict]:
-    rows = [json.loads(line[7:]) for line in stdout.splitlines()
-            if line.startswith("RESULT ")]
+    rows = [
+        json.loads(line[7:])
+        for line in stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
     return sorted(rows, key=lambda r: r["rank"])
 
 
 def test_rank_that_never_arrives_ends_job_after_deadline():
     start = time.monotonic()
-    proc = util.run_mpi("robust_init.py", 2, 1, 120, check=False, timeout=90,
-                        env=util.clean_env(TEST_INIT_TIMEOUT=3))
+    proc = util.run_mpi(
+        "robust_init.py",
+        2,
+        1,
+        120,
+        check=False,
+        timeout=90,
+        env=util.clean_env(TEST_INIT_TIMEOUT=3),
+    )
     took = time.monotonic() - start
     assert proc.returncode != 0
     assert "gave up after 3 s waiting for all 2 ranks to reach the bootstrap" in (
-        proc.stderr + proc.stdout)
+        proc.stderr + proc.stdout
+    )
     assert took < 60, f"job took {took:.0f} s to end"
 
 
 def test_proxy_exempted_and_service_bound_to_loopback():
-    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
-        http_proxy="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
-        TEST_INIT_TIMEOUT=30))
+    proc = util.run_mpi(
+        "robust_init.py",
+        2,
+        env=util.clean_env(
+            http_proxy="http://127.0.0.1:9",
+            HTTPS_PROXY="http://127.0.0.1:9",
+            TEST_INIT_TIMEOUT=30,
+        ),
+    )
     rows = results(proc.stdout)
     assert [r["process_index"] for r in rows] == [0, 1]
     for r in rows:
@@ -49,8 +65,13 @@ def test_proxy_exempted_and_service_bound_to_loopback():
 
 def test_user_bind_address_wins():
     port = _free_port()
-    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
-        JAX_COORDINATOR_BIND_ADDRESS=f"[::]:{port}", JAX_COORDINATOR_PORT=port))
+    proc = util.run_mpi(
+        "robust_init.py",
+        2,
+        env=util.clean_env(
+            JAX_COORDINATOR_BIND_ADDRESS=f"[::]:{port}", JAX_COORDINATOR_PORT=port
+        ),
+    )
     zero = results(proc.stdout)[0]
     assert zero["bind"] == f"[::]:{port}"
     assert zero["answers_on_other"] is True  # every interface, as the user asked
@@ -68,29 +89,44 @@ def test_port_in_use_fails_fast_naming_port():
         held.listen()
         port = held.getsockname()[1]
         start = time.monotonic()
-        proc = util.run_mpi("robust_init.py", 2, check=False, timeout=90,
-                            env=util.clean_env(JAX_COORDINATOR_PORT=port))
+        proc = util.run_mpi(
+            "robust_init.py",
+            2,
+            check=False,
+            timeout=90,
+            env=util.clean_env(JAX_COORDINATOR_PORT=port),
+        )
         took = time.monotonic() - start
     assert proc.returncode != 0
     assert f"coordinator port {port} on 127.0.0.1" in proc.stderr
     assert took < 30
 
 
-@pytest.mark.parametrize("variable, value", [
-    ("JAX_COORDINATOR_PORT", "eighty"),
-    ("JAX_COORDINATOR_ADDRESS", "nohostport"),
-    ("MPI4JAX_DIST_INTERFACE", "no-such-if0"),
-])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("JAX_COORDINATOR_PORT", "eighty"),
+        ("JAX_COORDINATOR_ADDRESS", "nohostport"),
+        ("MPI4JAX_DIST_INTERFACE", "no-such-if0"),
+    ],
+)
 def test_bad_input_names_variable(variable, value):
-    proc = util.run_mpi("robust_init.py", 2, hosts="nodeA:1,nodeB:1", check=False,
-                        timeout=90, env=util.clean_env(**{variable: value}))
+    proc = util.run_mpi(
+        "robust_init.py",
+        2,
+        hosts="nodeA:1,nodeB:1",
+        check=False,
+        timeout=90,
+        env=util.clean_env(**{variable: value}),
+    )
     assert proc.returncode != 0
     assert f"{variable}={value!r}" in proc.stderr
 
 
 def test_non_boolean_disable_warns_and_keeps_working():
-    proc = util.run_mpi("robust_init.py", 2, env=util.clean_env(
-        MPI4JAX_DIST_DISABLE="maybe"))
+    proc = util.run_mpi(
+        "robust_init.py", 2, env=util.clean_env(MPI4JAX_DIST_DISABLE="maybe")
+    )
     assert [r["process_index"] for r in results(proc.stdout)] == [0, 1]
     assert "MPI4JAX_DIST_DISABLE='maybe' is not a boolean" in proc.stderr
 
@@ -102,31 +138,43 @@ def test_launcher_size_differs_from_mpi_size():
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        env=util.clean_env(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4"))
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=util.clean_env(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4"),
+    )
     assert proc.returncode != 0
     assert "The launcher (openmpi) started 4 ranks but MPI says this job has 1" in (
-        proc.stderr)
+        proc.stderr
+    )
 
 
 def test_diagnostics_check_under_mpiexec():
-    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--json",
-                        "--check")
+    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--json", "--check")
     start = proc.stdout.index("{")
-    report = json.loads(proc.stdout[start:proc.stdout.rindex("}") + 1])
+    report = json.loads(proc.stdout[start : proc.stdout.rindex("}") + 1])
     assert report["problems"] == []
     assert report["launcher"] == util.expected_launcher()
     assert report["topology"]["ranks_per_node"] == {"0": [0, 1]}
     assert report["check"]["allreduce_equals_psum"] is True
     library = report["mpi"]["library"]
-    assert library.startswith({"mpich": "MPICH", "openmpi": "Open MPI"}[util.mpi_family()])
+    assert library.startswith(
+        {"mpich": "MPICH", "openmpi": "Open MPI"}[util.mpi_family()]
+    )
 
 
 def test_diagnostics_without_launcher_exit_nonzero():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "mpi4jax_dist"], capture_output=True,
-                          text=True, timeout=120, env=util.clean_env(), cwd=util.ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpi4jax_dist"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=util.clean_env(),
+        cwd=util.ROOT,
+    )
     assert proc.returncode == 1
     assert "PROBLEM       rank 0: size 1 and no launcher variables" in proc.stdout
 
@@ -134,11 +182,23 @@ def test_diagnostics_without_launcher_exit_nonzero():
 def test_jobs_started_together_on_one_host_all_initialize():
     import subprocess
 
-    jobs = [subprocess.Popen([util.mpiexec(), "-n", "2", sys.executable,
-                              str(util.SCRIPTS / "robust_init.py")],
-                             env=util.clean_env(TEST_INIT_TIMEOUT=60), cwd=util.ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(4)]
+    jobs = [
+        subprocess.Popen(
+            [
+                util.mpiexec(),
+                "-n",
+                "2",
+                sys.executable,
+                str(util.SCRIPTS / "robust_init.py"),
+            ],
+            env=util.clean_env(TEST_INIT_TIMEOUT=60),
+            cwd=util.ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     outputs = []
     try:
         for job in jobs:
@@ -147,10 +207,9 @@ def test_jobs_started_together_on_one_host_all_initialize():
     finally:
         for job in jobs:
             job.kill()
-    for code, out, err in outputs:
+    for code, _, err in outputs:
         assert code == 0, err
-    coordinators = {results(out)[0]["coordinator"]
-                    for _, out, _ in outputs}
+    coordinators = {results(out)[0]["coordinator"] for _, out, _ in outputs}
     assert len(coordinators) == 4, coordinators
 
 
@@ -161,11 +220,18 @@ def test_mpi4py_of_another_mpi_is_caught():
 
     other = os.environ.get("TEST_OTHER_MPI_PYTHON")
     if not other:
-        pytest.skip("needs TEST_OTHER_MPI_PYTHON, a Python whose mpi4py uses another "
-                    "MPI (tools/test.sh sets it in its Open MPI stage)")
+        pytest.skip(
+            "needs TEST_OTHER_MPI_PYTHON, a Python whose mpi4py uses another "
+            "MPI (tools/test.sh sets it in its Open MPI stage)"
+        )
     start = time.monotonic()
-    proc = util.run_mpi(["-c", "import mpi4jax_dist; mpi4jax_dist.topology()"], 2,
-                        check=False, timeout=120, python=other)
+    proc = util.run_mpi(
+        ["-c", "import mpi4jax_dist; mpi4jax_dist.topology()"],
+        2,
+        check=False,
+        timeout=120,
+        python=other,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     # Open MPI's mpi4py under MPICH's mpiexec starts silently as singletons: ours to

@@ -21,10 +21,24 @@ BIN = Path(sys.executable).parent
 # Variables a launcher leaves in our own environment: a child mpiexec must not see
 # them, or it joins (or confuses) the job this test runs in. The user's own MPI
 # settings (OMPI_MCA_*, OMPI_ALLOW_RUN_AS_ROOT, ...) stay.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER",
-                      "OMPI_COMM_WORLD_", "OMPI_UNIVERSE", "OMPI_FIRST", "MPI_LOCAL",
-                      "HYDRA_", "PRTE_LAUNCHED", "PALS_", "MV2_", "JSM_", "FLUX_",
-                      "SLURM_", "ALPS_")
+_LAUNCHER_PREFIXES = (
+    "PMI_",
+    "PMIX_RANK",
+    "PMIX_NAMESPACE",
+    "PMIX_SERVER",
+    "OMPI_COMM_WORLD_",
+    "OMPI_UNIVERSE",
+    "OMPI_FIRST",
+    "MPI_LOCAL",
+    "HYDRA_",
+    "PRTE_LAUNCHED",
+    "PALS_",
+    "MV2_",
+    "JSM_",
+    "FLUX_",
+    "SLURM_",
+    "ALPS_",
+)
 
 
 def mpiexec() -> str:
@@ -38,11 +52,12 @@ def mpiexec() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_family() -> str:
     """Return ``openmpi`` or ``mpich``: whose mpiexec :func:`mpiexec` is."""
-    out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [mpiexec(), "--version"], capture_output=True, text=True, timeout=30
+    )
     text = (out.stdout + out.stderr).lower()
     return "openmpi" if ("open mpi" in text or "prte" in text) else "mpich"
 
@@ -55,8 +70,10 @@ def expected_launcher() -> str:
 def needs_pretend_nodes():
     """Skip unless MPICH's fork launcher can pretend several nodes on this host."""
     if mpi_family() != "mpich":
-        pytest.skip("pretend nodes need MPICH's -launcher fork -hosts; this mpiexec "
-                    f"is {mpi_family()}'s")
+        pytest.skip(
+            "pretend nodes need MPICH's -launcher fork -hosts; this mpiexec "
+            f"is {mpi_family()}'s"
+        )
 
 
 def in_mpi_job() -> bool:
@@ -72,15 +89,23 @@ skip_in_mpi_job = pytest.mark.skipif(
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that
 # are about them.
-_CHOICES = ("MPI4JAX_DIST_", "JAX_COORDINATOR_", "JAX_LOCAL_DEVICE_IDS",
-            "JAX_NUM_CPU_DEVICES", "no_grpc_proxy")
+_CHOICES = (
+    "MPI4JAX_DIST_",
+    "JAX_COORDINATOR_",
+    "JAX_LOCAL_DEVICE_IDS",
+    "JAX_NUM_CPU_DEVICES",
+    "no_grpc_proxy",
+)
 
 
 def clean_env(**extra) -> dict:
     """Return os.environ without launcher variables or our settings, with JAX on CPU,
     plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)
+    }
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     if os.geteuid() == 0:  # Open MPI refuses root without these; MPICH ignores them
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -88,9 +113,17 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 180,
-            env: dict | None = None, check: bool = True, mpiexec_args=(),
-            python: str = sys.executable):
+def run_mpi(
+    script,
+    n: int,
+    *args,
+    hosts: str | None = None,
+    timeout: float = 180,
+    env: dict | None = None,
+    check: bool = True,
+    mpiexec_args=(),
+    python: str = sys.executable,
+):
     """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
 
     Args:
@@ -116,12 +149,20 @@ def run_mpi(script, n: int, *args, hosts: str | None = None, timeout: float = 18
         cmd += ["--oversubscribe"]
     cmd += [*mpiexec_args, "-n", str(n), python, *python_args, *map(str, args)]
     try:
-        proc = subprocess.run(cmd, env=clean_env() if env is None else env,
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(
+            cmd,
+            env=clean_env() if env is None else env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -151,7 +192,8 @@ def load_benchmark(name: str):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+        f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -12,6 +12,9 @@ cd "$here"
 
 run() { echo "+ $*"; "$@"; }
 
+# The code's own habits: black's layout and ruff's lint (versions pinned in setup.cfg).
+run black --check --quiet .
+run ruff check --quiet .
 # What the job looks like, first, so that a failing log shows the environment.
 run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 run timeout -k 10 1200 python -m pytest

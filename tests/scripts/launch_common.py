@@ -66,8 +66,12 @@ def cross_process_checks() -> dict:
     local = jnp.array([float(me + 1)], dtype=jnp.float32)
     global_array = mpi4jax_dist.to_global(local, mesh)
     total = jax.jit(jnp.sum)(global_array)
-    summed = jax.shard_map(lambda x: jax.lax.psum(x, "ranks"), mesh=mesh,
-                           in_specs=P("ranks"), out_specs=P())(global_array)
+    summed = jax.shard_map(
+        lambda x: jax.lax.psum(x, "ranks"),
+        mesh=mesh,
+        in_specs=P("ranks"),
+        out_specs=P(),
+    )(global_array)
     back = mpi4jax_dist.to_local(global_array)
     return {
         "allgather": np.asarray(gathered).reshape(-1).tolist(),

@@ -5,12 +5,17 @@ Usage: python launch_ensemble.py [group_size]   (default 2)
 
 import sys
 
-import mpi4jax_dist
 import jax
+from launch_common import (
+    cross_process_checks,
+    describe,
+    jax_fields,
+    report,
+    topology_fields,
+)
 from mpi4py import MPI
 
-from launch_common import (cross_process_checks, describe, jax_fields, report,
-                           topology_fields)
+import mpi4jax_dist
 
 group = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 world = MPI.COMM_WORLD
@@ -27,8 +32,10 @@ fields = dict(
     **jax_fields(),
     **cross_process_checks(),
 )
-for name, call in (("reinit", lambda: mpi4jax_dist.initialize(comm=comm)),
-                   ("topology_comm", lambda: mpi4jax_dist.topology(comm))):
+for name, call in (
+    ("reinit", lambda: mpi4jax_dist.initialize(comm=comm)),
+    ("topology_comm", lambda: mpi4jax_dist.topology(comm)),
+):
     try:
         fields[name] = "same" if call() == topo else "different"
     except Exception as err:

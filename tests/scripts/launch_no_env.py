@@ -6,11 +6,11 @@ Used without a launcher (plain ``python``) and under ``mpiexec`` with
 the world that gives.
 """
 
-import mpi4jax_dist
 import jax
 import jax._src.distributed as distributed
-
 from launch_common import describe, jax_fields, report, topology_fields
+
+import mpi4jax_dist
 
 fields = {}
 try:

@@ -9,11 +9,16 @@ idempotent call returned the same topology (``reinit``).
 
 import sys
 
-import mpi4jax_dist  # noqa: E402  (registers the cluster env)
 import jax
+from launch_common import (
+    cross_process_checks,
+    describe,
+    jax_fields,
+    report,
+    topology_fields,
+)
 
-from launch_common import (cross_process_checks, describe, jax_fields, report,
-                           topology_fields)
+import mpi4jax_dist  # noqa: E402  (registers the cluster env)
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "jax"
 if mode == "jax":

@@ -1,9 +1,9 @@
 """``mpi4jax_dist.topology(comm)`` called twice with the same sub-communicator."""
 
-import mpi4jax_dist
+from launch_common import describe, report
 from mpi4py import MPI
 
-from launch_common import describe, report
+import mpi4jax_dist
 
 world = MPI.COMM_WORLD
 comm = world.Split(world.Get_rank() // 2, world.Get_rank())
