@@ -1,48 +1,502 @@
-"""What the benchmarks share: timing across ranks, statistics, memory, provenance.
+"""One harness for every benchmark here: what they register, time, print and save.
 
-Every figure is a set of samples; per sample the slowest rank counts (a collective
-is as slow as its last rank), and samples are summarized by min, median and max.
+Every benchmark in this folder is built from the same parts, as mpi4py's ``bench.py``
+and the OSU micro-benchmarks are:
+
+- :class:`Registry`: the implementations (or methods) a benchmark compares, each one
+  record with a declared interface; adding one is one record in one place.
+- :func:`time_rounds`: the one timing loop. Every case runs once untimed (warm-up,
+  compilation), then ``samples`` rounds time every case once in turn (round-robin,
+  so that a drifting machine load touches all alike), each after a barrier; per
+  sample the slowest rank counts (a collective is as slow as its last rank).
+- :func:`summary`: min, median, mean, standard deviation and max of the samples.
+- :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
+  as they are measured.
+- :func:`meta`: provenance (machine, MPI, versions, backend, commit, UTC time).
+- :func:`add_output_arguments` and :func:`save`: ``--json PATH`` and ``--plot PNG``,
+  written one way: ``{"meta": ..., "results": [...]}`` and a matplotlib figure.
+- :func:`run_job`: a parent process that is not itself in an MPI job (the bootstrap
+  and memory benchmarks) starts ``mpiexec`` jobs, each with a time limit, and reads
+  the ``RESULT {json}`` lines they print.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+# ---------------------------------------------------------------------------------
+# Registry
 
-def slowest(samples, comm) -> list[float]:
-    """Return, per sample, the largest time over the ranks of ``comm``."""
+
+class Registry:
+    """Named records of one kind, in registration order.
+
+    ::
+
+        IMPLS = Registry("allreduce implementation")
+
+        @IMPLS.register("mpi4py")
+        class Mpi4py(Allreduce): ...
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._records: dict[str, object] = {}
+
+    def register(self, name: str, record=None):
+        """Add ``record`` under ``name``; without a record, return a decorator."""
+        if record is None:
+            return lambda r: self.register(name, r)
+        if name in self._records:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._records[name] = record
+        return record
+
+    def names(self) -> list[str]:
+        return list(self._records)
+
+    def __getitem__(self, name: str):
+        try:
+            return self._records[name]
+        except KeyError:
+            raise KeyError(
+                f"no {self.kind} {name!r}; choose from {', '.join(self._records)}"
+            ) from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._records
+
+    def choose(self, text: str, option: str) -> list[str]:
+        """Return the names in comma-separated ``text``; ``ValueError`` naming
+        ``option`` for an unknown one."""
+        chosen = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in chosen if t not in self._records]
+        if unknown or not chosen:
+            raise ValueError(
+                f"{option} {text!r}: unknown {', '.join(map(repr, unknown))}; "
+                f"choose from {', '.join(self._records)}"
+            )
+        return chosen
+
+
+# ---------------------------------------------------------------------------------
+# Timing
+
+
+def block(output):
+    """Return ``output`` once it is computed (JAX arrays are asynchronous)."""
+    jax = sys.modules.get("jax")
+    return output if jax is None else jax.block_until_ready(output)
+
+
+def time_rounds(
+    cases: Sequence[Callable[[], object]], comm, samples: int, warmup: int = 1
+) -> list[list[float]]:
+    """Time every case ``samples`` times, round-robin; the one timing loop.
+
+    Args:
+        cases: callables; each is one timed unit (its output is waited for).
+        comm: the communicator whose slowest rank counts (every rank calls this).
+        samples: timed rounds.
+        warmup: untimed runs of each case first (compilation, first touch).
+
+    Returns:
+        Per case, per round, the slowest rank's seconds.
+    """
     from mpi4py import MPI
 
-    local = np.asarray(samples, dtype=np.float64)
-    out = np.empty_like(local)
-    comm.Allreduce(local, out, op=MPI.MAX)
-    return out.tolist()
+    for case in cases:
+        for _ in range(warmup):
+            block(case())
+    local = np.zeros((len(cases), samples))
+    for round_ in range(samples):
+        for index, case in enumerate(cases):
+            comm.Barrier()
+            start = time.perf_counter()
+            block(case())
+            local[index, round_] = time.perf_counter() - start
+    slowest = np.empty_like(local)
+    comm.Allreduce(local, slowest, op=MPI.MAX)
+    return slowest.tolist()
 
 
-def summary(samples) -> dict:
-    """Return ``t_min_s``, ``t_median_s``, ``t_max_s`` of ``samples`` (seconds)."""
+def summary(samples: Iterable[float], prefix: str = "t") -> dict:
+    """Return min, median, mean, standard deviation and max of ``samples`` as
+    ``{prefix}_min_s``, ``{prefix}_median_s``, ... (seconds)."""
+    values = list(samples)
     return {
-        "t_min_s": min(samples),
-        "t_median_s": statistics.median(samples),
-        "t_max_s": max(samples),
+        f"{prefix}_min_s": min(values),
+        f"{prefix}_median_s": statistics.median(values),
+        f"{prefix}_mean_s": statistics.fmean(values),
+        f"{prefix}_stddev_s": statistics.stdev(values) if len(values) > 1 else 0.0,
+        f"{prefix}_max_s": max(values),
     }
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) on Linux; False where unsupported."""
+def steps_for(nbytes: int, most: int) -> int:
+    """Return how many collectives one timed unit holds: ``most`` for small
+    messages, fewer for large ones (about 16 MiB moved per unit), at least 3."""
+    return max(3, min(most, math.ceil(2**24 / max(nbytes, 1))))
+
+
+# ---------------------------------------------------------------------------------
+# Sizes and units
+
+
+# Longest suffix first: "kib" before "b".
+_UNITS = {
+    "gib": 1024**3,
+    "mib": 1024**2,
+    "kib": 1024,
+    "gb": 1000**3,
+    "mb": 1000**2,
+    "kb": 1000,
+    "b": 1,
+}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Return sizes in bytes from ``4,4096,16KiB,1MiB,2GiB``; ``ValueError`` names
+    a bad item."""
+    sizes = []
+    for raw in text.split(","):
+        item, factor = raw.strip().lower(), 1
+        for unit, scale in _UNITS.items():
+            if item.endswith(unit):
+                item, factor = item[: -len(unit)].strip(), scale
+                break
+        if not item.isdigit():
+            raise ValueError(
+                f"--sizes: {raw.strip()!r} is not a size such as 4096 or 1MiB"
+            )
+        sizes.append(int(item) * factor)
+    return sizes
+
+
+def human_bytes(n: int) -> str:
+    """Return ``n`` bytes as ``4 B``, ``16 KiB``, ``64 MiB``, ``2 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.4g} {unit}"
+
+
+# ---------------------------------------------------------------------------------
+# Tables
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: the result key, its title and unit, width, and format.
+
+    ``fmt`` is a format spec (``".1f"``) or a callable ``value -> str``; ``scale``
+    multiplies numbers first (``1e6`` for seconds shown in us). ``None`` prints ``-``.
+    """
+
+    key: str
+    title: str
+    unit: str = ""
+    width: int = 9
+    fmt: str | Callable = ""
+    scale: float = 1.0
+    left: bool = False
+
+    def cell(self, row: dict) -> str:
+        value = row.get(self.key)
+        if value is None:
+            text = "-"
+        elif callable(self.fmt):
+            text = self.fmt(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = format(value * self.scale if self.scale != 1 else value, self.fmt)
+        else:
+            text = str(value)
+        return text.ljust(self.width) if self.left else text.rjust(self.width)
+
+
+class Table:
+    """Fixed-width rows under a two-line ``#`` header (titles, then units)."""
+
+    def __init__(self, columns: Sequence[Column]):
+        self.columns = list(columns)
+
+    def _line(self, texts) -> str:
+        return " ".join(
+            t.ljust(c.width) if c.left else t.rjust(c.width)
+            for c, t in zip(self.columns, texts, strict=True)
+        )
+
+    def header(self) -> str:
+        return "# " + self._line(
+            c.title for c in self.columns
+        ) + "\n" "# " + self._line(c.unit for c in self.columns)
+
+    def row(self, row: dict) -> str:
+        return "  " + " ".join(c.cell(row) for c in self.columns)
+
+
+def say(comm, *lines: str, file=None) -> None:
+    """Print ``lines`` on rank 0 only (flushed); every rank may call it."""
+    if comm is None or comm.Get_rank() == 0:
+        for line in lines:
+            print(line, file=file or sys.stdout, flush=True)
+
+
+# ---------------------------------------------------------------------------------
+# Provenance and output
+
+
+def commit() -> str | None:
+    """Return the git commit of this checkout (with ``-dirty``), or None."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+        sha = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sha.stdout.strip() or None
+
+
+def meta(comm=None, **extra) -> dict:
+    """Return provenance: machine, versions, commit, UTC time, and extra fields.
+
+    With ``comm`` (inside an MPI job with JAX initialized) also the MPI library,
+    the world size and nodes, JAX's backend, devices and CPU collectives.
+    """
+    from mpi4jax_dist import _diagnose
+
+    info = {
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit(),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "versions": _diagnose.versions(),
+    }
+    if comm is not None:
+        import jax
+
+        import mpi4jax_dist
+
+        info.update(
+            mpi_library=_diagnose.mpi_library(),
+            world_size=comm.Get_size(),
+            num_nodes=mpi4jax_dist.topology().num_nodes,
+            backend=jax.default_backend(),
+            devices=[str(d) for d in jax.devices()],
+            cpu_collectives=getattr(
+                jax.config, "jax_cpu_collectives_implementation", None
+            ),
+        )
+    info.update(extra)
+    return info
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--json PATH`` and ``--plot PNG``, which :func:`save` honours."""
+    parser.add_argument("--json", metavar="PATH", help="write meta and results here")
+    parser.add_argument("--plot", metavar="PNG", help="draw the results here")
+
+
+def save(args, meta_: dict, results: list[dict], plot=None, comm=None) -> None:
+    """Write ``--json`` and draw ``--plot`` (with ``plot(results, path)``) on rank 0."""
+    if comm is not None and comm.Get_rank() != 0:
+        return
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta_, "results": results}, f, indent=1)
+    if getattr(args, "plot", None) and plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(results, args.plot)
+
+
+def plot_lines(
+    results: list[dict],
+    path: str,
+    *,
+    x: str,
+    panels: Sequence[tuple[str, str, float]],
+    series: Callable[[dict], str],
+    title: str,
+    xlabel: str,
+    style: Callable[[str], dict] | None = None,
+    logx: int | None = 2,
+) -> None:
+    """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
+    against ``x``, log-log, one line per ``series(row)``."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False
+    )
+    names = list(dict.fromkeys(series(r) for r in results))
+    for ax, (key, label, scale) in zip(axes[0], panels, strict=True):
+        for name in names:
+            rows = sorted(
+                (r for r in results if series(r) == name and r.get(key) is not None),
+                key=lambda r: r[x],
+            )
+            if rows:
+                ax.plot(
+                    [r[x] for r in rows],
+                    [r[key] * scale for r in rows],
+                    marker=".",
+                    label=name,
+                    **(style(name) if style else {}),
+                )
+        if logx:
+            ax.set_xscale("log", base=logx)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bars(
+    results: list[dict],
+    path: str,
+    *,
+    key: str,
+    label: str,
+    scale: float,
+    group: Callable[[dict], str],
+    bar: Callable[[dict], str],
+    color: Callable[[dict], str] | None = None,
+) -> None:
+    """Draw one panel per ``group(row)``: a log-scale bar of ``key * scale`` per
+    row, labelled ``bar(row)``."""
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(group(r) for r in results))
+    fig, axes = plt.subplots(
+        1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False
+    )
+    for ax, name in zip(axes[0], groups, strict=True):
+        rows = [r for r in results if group(r) == name and r.get(key) is not None]
+        ax.bar(
+            range(len(rows)),
+            [r[key] * scale for r in rows],
+            color=[color(r) for r in rows] if color else None,
+        )
+        ax.set_xticks(range(len(rows)), [bar(r) for r in rows], rotation=70, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.set_title(name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------
+# Jobs started by a parent process
+
+RESULT = "RESULT "
+
+
+def report(**fields) -> None:
+    """Print one ``RESULT {json}`` line (a job's answer to :func:`run_job`)."""
+    sys.stdout.write(RESULT + json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def find_mpiexec() -> str:
+    """Return the mpiexec beside this Python (a venv's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpiexec")
+    if found is None:
+        sys.exit("no mpiexec beside this Python nor on PATH (run tools/setup.sh)")
+    return found
+
+
+@dataclass
+class JobResult:
+    """What a job started by :func:`run_job` gave: its exit status, its ``RESULT``
+    lines, and the tail of its output (for a row that reports a failure)."""
+
+    returncode: int | None
+    results: list[dict]
+    tail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_job(
+    procs: int,
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    env: dict | None = None,
+    mpiexec: str | None = None,
+) -> JobResult:
+    """Run ``mpiexec -n procs python *argv`` with a time limit; never raises for
+    the job's own failure (a crash or a timeout is reported in the result)."""
+    cmd = [mpiexec or find_mpiexec(), "-n", str(procs), sys.executable, *argv]
+    environment = dict(os.environ if env is None else env)
+    environment.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = None
+        out = _text(exc.stdout)
+        err = _text(exc.stderr) + f"\n(killed after {timeout:g} s)"
+    results = [
+        json.loads(line[len(RESULT) :])
+        for line in out.splitlines()
+        if line.startswith(RESULT)
+    ]
+    return JobResult(code, results, (out + err)[-3000:])
+
+
+def _text(data) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+# ---------------------------------------------------------------------------------
+# Memory
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -56,63 +510,11 @@ def rss_bytes() -> tuple[int, int]:
     return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
 
 
-def commit() -> str | None:
-    """Return the git commit of this checkout (with ``-dirty``), or None."""
-    here = os.path.dirname(os.path.abspath(__file__))
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) on Linux; False where unsupported."""
     try:
-        sha = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return sha.stdout.strip() or None
-
-
-def meta(comm, **extra) -> dict:
-    """Return provenance: machine, MPI, versions, backend, devices, commit, UTC time."""
-    import jax
-    from mpi4py import MPI
-
-    import mpi4jax_dist
-    from mpi4jax_dist import _diagnose
-
-    topo = mpi4jax_dist.topology()
-    info = {
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": commit(),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "mpi_vendor": "{} {}".format(
-            MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))
-        ),
-        "mpi_library": _diagnose.mpi_library(),
-        "world_size": comm.Get_size(),
-        "num_nodes": topo.num_nodes,
-        "versions": _diagnose.versions(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "cpu_collectives": getattr(
-            jax.config, "jax_cpu_collectives_implementation", None
-        ),
-    }
-    info.update(extra)
-    return info
-
-
-def write_json(path: str, meta_: dict, results: list[dict]) -> None:
-    """Write ``{"meta": ..., "results": [...]}`` to ``path``."""
-    with open(path, "w") as f:
-        json.dump({"meta": meta_, "results": results}, f, indent=1)
-
-
-def human_bytes(n: int) -> str:
-    """Return ``n`` bytes as ``4 B``, ``16 KiB``, ``64 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n} B"
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
