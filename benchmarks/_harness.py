@@ -9,6 +9,8 @@ and the OSU micro-benchmarks are:
   compilation), then ``samples`` rounds time every case once in turn (round-robin,
   so that a drifting machine load touches all alike), each after a barrier; per
   sample the slowest rank counts (a collective is as slow as its last rank).
+- :class:`Compiles`: how many XLA compilations ran in a block (none should run
+  in a timed or measured one).
 - :func:`summary`: min, median, mean, standard deviation and max of the samples.
 - :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
   as they are measured.
@@ -131,6 +133,43 @@ def time_rounds(
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     return slowest.tolist()
+
+
+class Compiles:
+    """Count XLA compilations while in a ``with`` block (JAX's own monitoring
+    event), so that a figure can show that no compilation ran inside it.
+
+    ::
+
+        with Compiles() as compiled:
+            run()
+        assert compiled.count == 0, compiled.names
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def _listen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.names.append(str(kwargs.get("fun_name", "?")))
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+        return False
 
 
 def summary(samples: Iterable[float], prefix: str = "t") -> dict:
@@ -467,26 +506,51 @@ def run_job(
     cmd = [mpiexec or find_mpiexec(), "-n", str(procs), sys.executable, *argv]
     environment = dict(os.environ if env is None else env)
     environment.setdefault("JAX_PLATFORMS", "cpu")
+    # Its own process group, so that a timeout ends mpiexec, its proxies and the
+    # ranks together (killing mpiexec alone leaves the proxies as orphans).
+    proc = subprocess.Popen(
+        cmd,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            cmd,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a rank left its own group: give up
+            out, err = "", ""
         code = None
-        out = _text(exc.stdout)
-        err = _text(exc.stderr) + f"\n(killed after {timeout:g} s)"
+        err = _text(err) + f"\n(killed after {timeout:g} s)"
     results = [
         json.loads(line[len(RESULT) :])
         for line in out.splitlines()
         if line.startswith(RESULT)
     ]
     return JobResult(code, results, (out + err)[-3000:])
+
+
+def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """End mpiexec ``proc`` and its process group: SIGTERM to mpiexec (it passes
+    the signal on and reaps its proxies and ranks), then after ``grace`` seconds
+    SIGKILL to whatever of the group is left."""
+    import signal
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait()
 
 
 def _text(data) -> str:
