@@ -24,7 +24,10 @@ def _print_text(report: dict) -> None:
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
         print(f"  node {node}: ranks {ranks}")
-    print(f"coordinator   {topo['coordinator_address']}")
+    print(
+        f"coordinator   {topo['coordinator_address']} (other ranks released by "
+        f"{topo['release'] or 'nothing: one rank'})"
+    )
     proxy = report["proxy"]
     print(
         f"proxies       {', '.join(proxy['variables']) or 'none'}"

@@ -40,7 +40,7 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
         port = _config.coordinator_port(override_coordinator_port)
         topo = _topology.topology(port=port, timeout_s=timeout_secs)
         restore = _prepare_connection(topo)
-        _topology.release(timeout_secs, on_listening=restore)
+        _topology.release(on_listening=restore)
         return topo.coordinator_address
 
     @classmethod

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 from . import _config, _launch
+from ._mpi import mpi_library, thread_level_name
 
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
 
@@ -21,13 +22,6 @@ def versions(packages=PACKAGES) -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[package] = None
     return found
-
-
-def mpi_library() -> str:
-    """Return the first line of the MPI library's version string (no padding NULs)."""
-    from mpi4py import MPI
-
-    return MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
 
 
 def _mpiexec_version() -> tuple[str | None, str | None]:
@@ -96,7 +90,7 @@ def diagnose(check: bool = False) -> dict:
             "vendor": list(map(str, MPI.get_vendor())),
             "library": library,
             "standard": "{}.{}".format(*MPI.Get_version()),
-            "thread_level": MPI.Query_thread(),
+            "thread_level": thread_level_name(MPI.Query_thread()),
             "mpiexec": mpiexec,
             "mpiexec_version": mpiexec_version,
         },
@@ -104,6 +98,7 @@ def diagnose(check: bool = False) -> dict:
             "size": topo.size,
             "num_nodes": topo.num_nodes,
             "coordinator_address": topo.coordinator_address,
+            "release": _topology.current().release_mode,
         },
         "proxy": {
             "variables": _config.proxies_set(env),

@@ -1,23 +1,36 @@
-"""The one-shot bootstrap: every MPI collective mpi4jax_dist makes lives here.
+"""The bootstrap: every MPI call mpi4jax_dist makes to set up JAX lives here.
 
-An ``Idup()`` of the job's communicator, waited on against a deadline, tells that
-every rank arrived and gives a private communicator. On it, four collectives, each
-O(log P) in time and O(1) in bytes per rank (no gather of hostnames):
+A :class:`Bootstrap` runs once per process (JAX asks the cluster env four or five
+times per initialize, and a second bootstrap on one rank while the others wait
+elsewhere would deadlock). Its MPI calls all go through one
+:class:`~mpi4jax_dist._mpi.RecordingComm`, so :attr:`Bootstrap.calls` is what ran.
 
-1. ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node -> local rank and size.
-2. ``Split`` of the node leaders (local rank 0), ordered by rank -> node index and
-   node count on the leaders.
-3. ``Ibcast`` within each node of (node index, node count) from its leader.
-4. ``Ibcast`` from rank 0 of the coordinator address (or of rank 0's error, so that
-   a failure there raises on every rank instead of leaving them waiting).
+1. **Arrival.** ``Idup()`` of the job's communicator, waited on against a deadline,
+   tells that every rank arrived and gives a private communicator, so that no call
+   here ever meets the user's traffic.
+2. **Topology**, on the private communicator:
 
-The result is cached: JAX calls the cluster env four or five times per initialize,
-and a second bootstrap on one rank while the others wait elsewhere would deadlock.
+   - ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node, its local rank and
+     size;
+   - ``Split`` of the node leaders (local rank 0), ordered by rank: node index and
+     node count on the leaders;
+   - ``Ibcast`` within each node of (node index, node count) from its leader;
+   - ``Ibcast`` from rank 0 of the coordinator address and the release mode, or of
+     rank 0's error, so that a failure there raises on every rank instead of leaving
+     them waiting.
 
-Then the release (``release()``): the other ranks must not contact the coordinator
-before rank 0's service listens, or gRPC backs off for about a second. They wait in
-one ``Ibarrier`` on the private communicator that a thread on rank 0 joins once its
-port accepts connections. The private communicator is freed after it.
+   The payload each rank hands to MPI is 8 bytes or fewer, except the coordinator's
+   fixed 1024-byte message; the broadcasts and barriers are O(log P). The splits
+   are MPI's own: MPICH builds them with an allgather of every rank's (color, key),
+   O(P) bytes per rank.
+3. **Release** (:meth:`Bootstrap.release`): the other ranks must not contact the
+   coordinator before rank 0's service listens, or gRPC backs off for about a
+   second. Under ``MPI_THREAD_MULTIPLE`` a thread on rank 0 joins an ``Ibarrier`` on
+   the private communicator once its port accepts connections, and the other ranks
+   wait in that ``Ibarrier``. Below it, no second thread may call MPI: the other ranks
+   probe rank 0's port themselves with a bounded back-off; on nodes other than rank
+   0's only the leader probes, then releases its node with an ``Ibarrier`` on the
+   node's communicator.
 
 Every wait has a deadline; past it, the rank prints what it waited for and calls
 ``MPI_Abort``, which ends the job: a plain exception would leave ``MPI_Finalize``
@@ -30,22 +43,29 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _config, _launch, _network
+from . import _config, _launch, _mpi, _network
 
-# Fixed-size byte buffer for rank 0's answer: a status byte, then UTF-8 text. Big
-# enough for "[IPv6]:port" and for an error message; fixed so that no rank needs a
-# size first (one collective, O(1) bytes).
+# Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
+# UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
+# no rank needs a size first (one collective, O(1) bytes).
 _MESSAGE_BYTES = 1024
 _OK, _ERROR = 1, 2
-# Rank 0 can release the others from a thread only where MPI allows a second thread
-# to call it; its choice travels with the address (after the status byte).
-_NO_RELEASE, _RELEASE = 0, 1
+# How the other ranks learn that rank 0's service listens; rank 0 decides (from its
+# MPI thread level) and the mode travels with the address, so every rank agrees.
+RELEASE_MODES = ("thread", "probe")
+# Between printing why and MPI_Abort: time for the launcher to forward the message.
+_ABORT_GRACE_S = 0.2
 # JAX's own default for initialization_timeout.
 DEFAULT_TIMEOUT_S = 300
+# Probing rank 0's port: the first pause, and the most probes per second that all
+# probers together may send to rank 0 (each prober's pause grows to its share).
+_PROBE_FIRST_PAUSE_S = 1e-4
+_PROBE_MIN_CAP_S = 2e-3
+_PROBES_PER_S = 50_000
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -74,131 +94,341 @@ class Topology:
     launcher: str
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective of the bootstrap, as counted for tests and diagnostics.
+@dataclass
+class Bootstrap:
+    """One process's bootstrap and release; everything it holds is an attribute.
 
-    ``phase``: ``arrival`` (the Idup every rank must reach), ``topology`` (what
-    computes the topology and the coordinator) or ``release``.
+    Attributes:
+        comm: the communicator JAX's world is made of (``MPI.COMM_WORLD`` unless
+            ``mpi4jax_dist.initialize(comm=...)`` chose another).
+        port: the coordinator port asked for (None: rank 0 picks a free one).
+        timeout_s: the deadline of every wait, in seconds.
+        timeout_explicit: whether someone asked for ``timeout_s`` (else JAX's
+            default, which a later explicit request may still set).
+        topology: the result, None until :meth:`run` has run.
+        release_mode: ``"thread"`` or ``"probe"`` (see the module docstring); None
+            for a job of one rank, which needs no release.
+        released: whether :meth:`release` has run.
+        log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
+        timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
+            rank 0's ``service_listening``; the others' ``released``).
     """
 
-    name: str
-    bytes_per_rank: int
-    phase: str = "topology"
+    comm: object
+    port: int | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_explicit: bool = False
+    topology: Topology | None = None
+    release_mode: str | None = None
+    released: bool = False
+    log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
+    timestamps: dict = field(default_factory=dict)
+    # Kept from run() for release(): the private communicator (thread mode), the
+    # node's communicator (probe mode, nodes other than rank 0's), and rank 0's
+    # socket holding the chosen port until JAX's service binds it.
+    _private: object = None
+    _node: object = None
+    _reservation: object = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @property
+    def calls(self) -> list[_mpi.Call]:
+        """Every MPI call made so far, in order."""
+        return list(self.log.calls)
 
-_lock = threading.Lock()
-_comm = None  # the communicator chosen by initialize(comm=...); None: COMM_WORLD
-_topology: Topology | None = None
-_collectives: list[Collective] = []
-# The private communicator, kept for the release where rank 0 can release the
-# others from a thread (else None).
-_private = None
-_released = False
-_reservation = None  # rank 0's socket holding the chosen port until JAX binds it
-# time.perf_counter() when phases ended, for benchmarks/bootstrap.py.
-timestamps: dict[str, float] = {}
+    # --- settings -----------------------------------------------------------------
 
+    def check_settings(self, comm=None, port=None, timeout_s=None) -> None:
+        """Raise when a later call asks for other settings than this bootstrap's.
 
-def use_communicator(comm) -> None:
-    """Make the bootstrap run on ``comm`` (before it has run).
+        A communicator must be the same (or congruent); a port must be the
+        coordinator's; a timeout must be the one asked for first, unless the first
+        call asked for none (JAX's default): then the new one rules the waits still
+        ahead (the release).
 
-    Raises:
-        RuntimeError: the bootstrap already ran on a different communicator.
-    """
-    global _comm
-    with _lock:
-        if _topology is not None:
-            if comm is not None:
-                _check_same(comm)
-            return
-        _comm = comm
-
-
-def topology(
-    comm=None, port: int | None = None, timeout_s: float | None = None
-) -> Topology:
-    """Return this process's :class:`Topology`, bootstrapping on first call.
-
-    Args:
-        comm: the communicator; default the one set by ``use_communicator``, else
-            ``MPI.COMM_WORLD``. Collective on it the first time.
-        port: the coordinator port; default ``JAX_COORDINATOR_PORT`` or a free one.
-        timeout_s: how long to wait for the other ranks (default 300 s, JAX's
-            ``initialization_timeout``); past it the job is aborted.
-
-    Raises:
-        RuntimeError: rank 0 could not choose a coordinator address (every rank
-            raises the same message), or ``comm`` is not the bootstrap's communicator.
-    """
-    global _topology, _comm
-    with _lock:
-        if _topology is not None:
-            if comm is not None:
-                _check_same(comm)
-            return _topology
+        Raises:
+            RuntimeError: naming what was asked and what this process already uses.
+        """
         from mpi4py import MPI
 
-        _comm = comm or _comm
-        base = _comm or MPI.COMM_WORLD
-        if port is None:
-            port = _config.coordinator_port()
-        timestamps["bootstrap_start"] = time.perf_counter()
-        _topology = _bootstrap(base, port, timeout_s or DEFAULT_TIMEOUT_S)
-        timestamps["bootstrap_done"] = time.perf_counter()
-        return _topology
-
-
-def collectives() -> list[Collective]:
-    """Return the collectives the bootstrap made, in order (empty before it ran)."""
-    return list(_collectives)
-
-
-def communicator():
-    """Return the communicator the bootstrap ran on (or will run on)."""
-    from mpi4py import MPI
-
-    return _comm or MPI.COMM_WORLD
-
-
-def _check_same(comm) -> None:
-    from mpi4py import MPI
-
-    used = _comm or MPI.COMM_WORLD
-    if MPI.Comm.Compare(comm, used) not in (MPI.IDENT, MPI.CONGRUENT):
-        raise RuntimeError(
-            "mpi4jax_dist already bootstrapped on another communicator: one JAX "
-            "world per process. Pass the same comm= to every call."
-        )
-
-
-def _count(name: str, nbytes: int, phase: str = "topology") -> None:
-    _collectives.append(Collective(name, nbytes, phase))
-
-
-def abort(comm, message: str) -> None:
-    """Print ``message`` for this rank and end the whole MPI job."""
-    # Through logging (with no handler configured, Python prints it to stderr).
-    logger.critical(
-        "mpi4jax_dist: rank %d of %d: %s", comm.Get_rank(), comm.Get_size(), message
-    )
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    comm.Abort(1)
-
-
-def wait(request, comm, deadline: float, what: str, timeout_s: float) -> None:
-    """Wait for ``request`` until ``deadline`` (monotonic); abort the job past it."""
-    pause = 1e-5
-    while not request.Test():
-        if time.monotonic() > deadline:
-            abort(
-                comm,
-                f"gave up after {timeout_s:g} s waiting for {what}. "
-                f"Raise initialization_timeout if the job is just slow.",
+        if comm is not None and MPI.Comm.Compare(comm, self.comm) not in (
+            MPI.IDENT,
+            MPI.CONGRUENT,
+        ):
+            raise RuntimeError(
+                "mpi4jax_dist already bootstrapped on another communicator: one JAX "
+                "world per process. Pass the same comm= to every call."
             )
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        if port is not None and self.topology is not None:
+            _, chosen = _config.split_host_port(
+                self.topology.coordinator_address, "coordinator address"
+            )
+            if port != chosen:
+                raise RuntimeError(
+                    f"coordinator port {port} asked for, but this process already "
+                    f"bootstrapped with the coordinator at "
+                    f"{self.topology.coordinator_address}. Set "
+                    f"{_config.COORDINATOR_PORT} (or pass the port) before the first "
+                    f"call, the same on every call."
+                )
+        if timeout_s is not None and timeout_s != self.timeout_s:
+            if self.timeout_explicit:
+                raise RuntimeError(
+                    f"initialization_timeout={timeout_s:g} asked for, but this "
+                    f"process already bootstraps with {self.timeout_s:g} s. Pass the "
+                    f"same timeout to every call."
+                )
+            self.timeout_s, self.timeout_explicit = float(timeout_s), True
+
+    # --- bootstrap ------------------------------------------------------------------
+
+    def run(self) -> Topology:
+        """Compute the topology and the coordinator (collective over ``comm``)."""
+        from mpi4py import MPI
+
+        env = _config.environ()
+        info = _launch.detect(env)
+        launcher = info.launcher if info else "mpi"
+        explicit_address = _config.coordinator_address(env)
+        _check_launch_size(self.comm, info)
+
+        deadline = time.monotonic() + self.timeout_s
+        base = _mpi.RecordingComm(self.comm, self.log)
+        self.log.phase = "arrival"
+        # Non-blocking, so that a rank that never comes is noticed, not waited for.
+        comm, request = base.Idup()
+        self._wait(
+            request,
+            deadline,
+            f"all {self.comm.Get_size()} ranks to reach the bootstrap (some rank "
+            f"never called jax.distributed.initialize or mpi4jax_dist)",
+        )
+        keep = set()
+        self.log.phase = "topology"
+        try:
+            rank, size = comm.Get_rank(), comm.Get_size()
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            try:
+                local_rank, local_size = node.Get_rank(), node.Get_size()
+                node_index, num_nodes = self._node_numbers(
+                    comm, node, local_rank, deadline
+                )
+                if local_size > 1 and node_index > 0:
+                    keep.add("node")
+                    self._node = node
+            finally:
+                if "node" not in keep:
+                    node.Free()
+
+            message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
+            if rank == 0:
+                threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+                mode = "thread" if threads else "probe"
+                status, text = self._choose_coordinator(explicit_address, num_nodes)
+                _encode(message, status, RELEASE_MODES.index(mode), text)
+            self._wait(
+                comm.Ibcast(message, root=0),
+                deadline,
+                "rank 0 to send the coordinator address",
+            )
+            status, mode_index, text = _decode(message)
+            if status != _OK:
+                raise RuntimeError(text)
+            if size > 1:
+                self.release_mode = RELEASE_MODES[mode_index]
+                if self.release_mode == "thread":
+                    keep.add("private")
+                    self._private = comm
+        finally:
+            if "private" not in keep:
+                comm.Free()
+            if "node" in keep and self.release_mode != "probe":
+                self._node.Free()
+                self._node = None
+        self.topology = Topology(
+            rank=rank,
+            size=size,
+            local_rank=local_rank,
+            local_size=local_size,
+            node_index=node_index,
+            num_nodes=num_nodes,
+            coordinator_address=text,
+            launcher=launcher,
+        )
+        self.timestamps["bootstrap_done"] = time.perf_counter()
+        return self.topology
+
+    def _node_numbers(self, comm, node, local_rank, deadline) -> tuple[int, int]:
+        """Return (node index, node count): a split of the leaders, then one
+        broadcast within the node."""
+        from mpi4py import MPI
+
+        leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
+        numbers = np.zeros(2, dtype=np.int64)
+        if leaders:
+            numbers[:] = leaders.Get_rank(), leaders.Get_size()
+            leaders.Free()
+        self._wait(
+            node.Ibcast(numbers, root=0),
+            deadline,
+            "this node's first rank to send the node index",
+        )
+        return int(numbers[0]), int(numbers[1])
+
+    def _choose_coordinator(self, explicit, num_nodes):
+        """Return ``(status, text)``: the address, or the error every rank raises."""
+        if explicit is not None:
+            return _OK, explicit
+        try:
+            host = _network.coordinator_host(num_nodes, _config.interface())
+            port = self.port
+            if port is None:
+                self._reservation = _network.reserve_port(host)
+                port = self._reservation.getsockname()[1]
+            else:
+                _network.check_port_free(host, port)
+            return _OK, _network.format_address(host, port)
+        except Exception as err:  # raised on every rank after the broadcast
+            return _ERROR, f"rank 0 could not choose the coordinator address: {err}"
+
+    # --- release --------------------------------------------------------------------
+
+    def release(self, on_listening=None) -> None:
+        """Hold the other ranks until rank 0's coordination service listens.
+
+        Called where JAX asks for the coordinator address, before any rank
+        connects. Rank 0 returns at once and starts a thread that waits for its own
+        port to accept, closes the port's reservation, calls ``on_listening`` (JAX
+        has read its settings by then) and, in thread mode, joins the ``Ibarrier``
+        the other ranks wait in. Runs once per process.
+        """
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        topo = self.topology
+        deadline = time.monotonic() + self.timeout_s
+        self.log.phase = "release"
+        if topo.rank == 0:
+            threading.Thread(
+                target=self._when_listening,
+                name="mpi4jax_dist-release",
+                args=(deadline, on_listening),
+                daemon=True,
+            ).start()
+            return
+        waiting_for = (
+            f"rank 0's JAX coordination service to listen on "
+            f"{topo.coordinator_address}"
+        )
+        if self.release_mode == "thread":
+            self._wait(self._private.Ibarrier(), deadline, waiting_for)
+            self._private.Free()
+            self._private = None
+        elif self.release_mode == "probe":
+            if self._node is None or topo.local_rank == 0:
+                self._probe(deadline, waiting_for)
+            if self._node is not None:
+                self._wait(self._node.Ibarrier(), deadline, waiting_for)
+                self._node.Free()
+                self._node = None
+        self.timestamps["released"] = time.perf_counter()
+
+    def _when_listening(self, deadline: float, on_listening) -> None:
+        """Rank 0's thread: wait for the service, then release the others."""
+        address = self.topology.coordinator_address
+        host, port = _config.split_host_port(address, "coordinator address")
+        pause = 1e-4
+        while not _network.accepts(host, port):
+            if time.monotonic() > deadline:
+                message = (
+                    f"JAX's coordination service did not listen on {address} "
+                    f"within {self.timeout_s:g} s."
+                )
+                if self.release_mode == "thread":
+                    self._abort(message)
+                logger.warning("mpi4jax_dist: %s", message)
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        self.timestamps["service_listening"] = time.perf_counter()
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
+        if on_listening is not None:
+            on_listening()
+        if self.release_mode == "thread":
+            self._wait(
+                self._private.Ibarrier(),
+                deadline,
+                "the other ranks to wait for the coordinator",
+            )
+            self._private.Free()
+            self._private = None
+
+    def _probe(self, deadline: float, waiting_for: str) -> None:
+        """Poll rank 0's port until it accepts, with a bounded back-off.
+
+        Each prober's pause doubles up to its share of :data:`_PROBES_PER_S` (at
+        least 2 ms), so that rank 0 sees a bounded rate of refused connections
+        however many nodes probe.
+        """
+        topo = self.topology
+        host, port = _config.split_host_port(
+            topo.coordinator_address, "coordinator address"
+        )
+        probers = topo.num_nodes + topo.local_size
+        cap = max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S)
+        pause = _PROBE_FIRST_PAUSE_S
+        while not _network.accepts(host, port, timeout_s=1.0):
+            if time.monotonic() > deadline:
+                self._abort(
+                    f"gave up after {self.timeout_s:g} s waiting for {waiting_for}. "
+                    f"Raise initialization_timeout if the job is just slow."
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, cap)
+
+    def close(self) -> None:
+        """Free what a bootstrap that will not release still holds (tests)."""
+        for name in ("_private", "_node"):
+            comm = getattr(self, name)
+            if comm is not None:
+                comm.Free()
+                setattr(self, name, None)
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
+
+    # --- waiting and failing --------------------------------------------------------
+
+    def _wait(self, request, deadline: float, what: str) -> None:
+        """Wait for ``request`` until ``deadline`` (monotonic); abort past it."""
+        pause = 1e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._abort(
+                    f"gave up after {self.timeout_s:g} s waiting for {what}. "
+                    f"Raise initialization_timeout if the job is just slow."
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _abort(self, message: str) -> None:
+        """Print ``message`` for this rank and end the whole MPI job."""
+        # Through logging (with no handler configured, Python prints it to stderr).
+        logger.critical(
+            "mpi4jax_dist: rank %d of %d: %s",
+            self.comm.Get_rank(),
+            self.comm.Get_size(),
+            message,
+        )
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        # The launcher ends every process at once; give it a moment to forward
+        # what this rank just printed (MPICH's Hydra lost it in 3 of 25 jobs).
+        time.sleep(_ABORT_GRACE_S)
+        _mpi.RecordingComm(self.comm, self.log).Abort(1)
 
 
 def _check_launch_size(base, info) -> None:
@@ -210,205 +440,96 @@ def _check_launch_size(base, info) -> None:
     if MPI.Comm.Compare(base, MPI.COMM_WORLD) != MPI.IDENT:
         return
     if base.Get_size() != info.size:
-        from ._diagnose import mpi_library
-
-        vendor = mpi_library()
         raise RuntimeError(
             f"The launcher ({info.launcher}) started {info.size} ranks but MPI says "
             f"this job has {base.Get_size()}: mpi4py talks to another MPI than the "
-            f"mpiexec that started it (mpi4py uses: {vendor}). Start the job with the "
-            f"mpiexec of that MPI, or rebuild mpi4py against the launcher's "
-            f"(pip install --no-binary mpi4py mpi4py, with its mpicc on PATH)."
+            f"mpiexec that started it (mpi4py uses: {_mpi.mpi_library()}). Start the "
+            f"job with the mpiexec of that MPI, or rebuild mpi4py against the "
+            f"launcher's (pip install --no-binary mpi4py mpi4py, with its mpicc on "
+            f"PATH)."
         )
 
 
-def _bootstrap(base, port: int | None, timeout_s: float) -> Topology:
-    global _private
-    from mpi4py import MPI
-
-    env = _config.environ()
-    info = _launch.detect(env)
-    launcher = info.launcher if info else "mpi"
-    explicit_address = _config.coordinator_address(env)
-    _check_launch_size(base, info)
-
-    _collectives.clear()
-    deadline = time.monotonic() + timeout_s
-    # Private: our collectives never meet the user's traffic. Non-blocking, so that
-    # a rank that never comes is noticed instead of waited for.
-    comm, request = base.Idup()
-    _count("Idup", 0, "arrival")
-    wait(
-        request,
-        base,
-        deadline,
-        f"all {base.Get_size()} ranks to reach the bootstrap (some rank never "
-        f"called jax.distributed.initialize or mpi4jax_dist)",
-        timeout_s,
-    )
-    try:
-        rank, size = comm.Get_rank(), comm.Get_size()
-
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        _count("Split_type(COMM_TYPE_SHARED)", 4)
-        try:
-            local_rank, local_size = node.Get_rank(), node.Get_size()
-
-            color = 0 if local_rank == 0 else MPI.UNDEFINED
-            leaders = comm.Split(color, key=rank)
-            _count("Split(node leaders)", 8)
-            node_info = np.zeros(2, dtype=np.int64)
-            if leaders != MPI.COMM_NULL:
-                node_info[:] = leaders.Get_rank(), leaders.Get_size()
-                leaders.Free()
-            wait(
-                node.Ibcast(node_info, root=0),
-                comm,
-                deadline,
-                "this node's first rank to send the node index",
-                timeout_s,
-            )
-            _count("Ibcast(node index, node count) within node", node_info.nbytes)
-            node_index, num_nodes = (int(v) for v in node_info)
-        finally:
-            node.Free()
-
-        message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-        if rank == 0:
-            status, text = _choose_coordinator(explicit_address, num_nodes, port)
-            threads_ok = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
-            _encode(message, status, _RELEASE if threads_ok else _NO_RELEASE, text)
-        wait(
-            comm.Ibcast(message, root=0),
-            comm,
-            deadline,
-            "rank 0 to send the coordinator address",
-            timeout_s,
-        )
-        _count("Ibcast(coordinator address)", message.nbytes)
-        status, release_flag, text = _decode(message)
-        if status != _OK:
-            raise RuntimeError(text)
-        if release_flag == _RELEASE and size > 1:
-            _private = comm
-    finally:
-        if _private is not comm:
-            comm.Free()
-
-    return Topology(
-        rank=rank,
-        size=size,
-        local_rank=local_rank,
-        local_size=local_size,
-        node_index=node_index,
-        num_nodes=num_nodes,
-        coordinator_address=text,
-        launcher=launcher,
-    )
-
-
-def release(timeout_s: float | None = None, on_listening=None) -> None:
-    """Hold the other ranks until rank 0's coordination service listens.
-
-    Called where JAX asks for the coordinator address, before any rank connects.
-    Rank 0 returns at once and starts a thread that polls its own port, then calls
-    ``on_listening`` (JAX has read its settings by then) and joins an ``Ibarrier``;
-    the other ranks wait in that ``Ibarrier``. Runs once per process.
-    """
-    global _released
-    with _lock:
-        if _released:
-            return
-        _released = True
-    address = _topology.coordinator_address
-    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
-    deadline = time.monotonic() + timeout_s
-    comm = _private
-    if _topology.rank == 0:
-        threading.Thread(
-            target=_when_listening,
-            name="mpi4jax_dist-release",
-            args=(comm, address, deadline, timeout_s, on_listening),
-            daemon=True,
-        ).start()
-    elif comm is not None:
-        _count("Ibarrier (coordinator listens)", 0, "release")
-        wait(
-            comm.Ibarrier(),
-            comm,
-            deadline,
-            f"rank 0's JAX coordination service to listen on {address}",
-            timeout_s,
-        )
-        comm.Free()
-
-
-def _when_listening(
-    comm, address: str, deadline: float, timeout_s: float, on_listening
-) -> None:
-    """Rank 0's thread: wait for the service, then release the ranks held in
-    ``release`` (when ``comm`` is given; else nobody waits and a timeout is logged)."""
-    host, port = _config.split_host_port(address, "coordinator address")
-    pause = 1e-4
-    while not _network.accepts(host, port):
-        if time.monotonic() > deadline:
-            message = (
-                f"JAX's coordination service did not listen on {address} "
-                f"within {timeout_s:g} s."
-            )
-            if comm is not None:
-                abort(comm, message)
-            logger.warning("mpi4jax_dist: %s", message)
-            break
-        time.sleep(pause)
-        pause = min(pause * 2, 5e-3)
-    timestamps["service_listening"] = time.perf_counter()
-    _release_port()
-    if on_listening is not None:
-        on_listening()
-    if comm is not None:
-        _count("Ibarrier (coordinator listens)", 0, "release")
-        wait(
-            comm.Ibarrier(),
-            comm,
-            deadline,
-            "the other ranks to wait for the coordinator",
-            timeout_s,
-        )
-        comm.Free()
-
-
-def _release_port() -> None:
-    """Close rank 0's hold on the coordinator port: JAX's service has it now."""
-    global _reservation
-    if _reservation is not None:
-        _reservation.close()
-        _reservation = None
-
-
-def _choose_coordinator(explicit: str | None, num_nodes: int, port: int | None):
-    """Return ``(status, text)``: the address, or the error every rank will raise."""
-    global _reservation
-    if explicit is not None:
-        return _OK, explicit
-    try:
-        host = _network.coordinator_host(num_nodes, _config.interface())
-        if port is None:
-            _reservation = _network.reserve_port(host)
-            port = _reservation.getsockname()[1]
-        else:
-            _network.check_port_free(host, port)
-        return _OK, _network.format_address(host, port)
-    except Exception as err:  # raised on every rank after the broadcast
-        return _ERROR, f"rank 0 could not choose the coordinator address: {err}"
-
-
-def _encode(buffer: np.ndarray, status: int, flag: int, text: str) -> None:
+def _encode(buffer: np.ndarray, status: int, mode: int, text: str) -> None:
     data = text.encode()[: buffer.size - 2]
-    buffer[0], buffer[1] = status, flag
+    buffer[0], buffer[1] = status, mode
     buffer[2 : 2 + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
 def _decode(buffer: np.ndarray) -> tuple[int, int, str]:
     text = bytes(buffer[2:]).rstrip(b"\0").decode(errors="replace")
     return int(buffer[0]), int(buffer[1]), text
+
+
+# --- the process's one bootstrap ------------------------------------------------------
+
+_lock = threading.Lock()
+_current: Bootstrap | None = None
+_chosen_comm = None  # set by use_communicator() before the bootstrap runs
+
+
+def current() -> Bootstrap | None:
+    """Return this process's bootstrap (None before the first call)."""
+    return _current
+
+
+def use_communicator(comm) -> None:
+    """Make the bootstrap run on ``comm`` (collective on it when it runs).
+
+    Raises:
+        RuntimeError: the bootstrap already ran on a different communicator.
+    """
+    global _chosen_comm
+    with _lock:
+        if _current is not None:
+            _current.check_settings(comm=comm)
+        elif comm is not None:
+            _chosen_comm = comm
+
+
+def topology(comm=None, port: int | None = None, timeout_s: float | None = None):
+    """Return this process's :class:`Topology`, bootstrapping on first call.
+
+    Args:
+        comm: the communicator; default the one set by ``use_communicator``, else
+            ``MPI.COMM_WORLD``. Collective on it the first time.
+        port: the coordinator port; default ``JAX_COORDINATOR_PORT`` or a free one.
+        timeout_s: how long to wait for the other ranks (default 300 s, JAX's
+            ``initialization_timeout``); past it the job is aborted.
+
+    Raises:
+        RuntimeError: rank 0 could not choose a coordinator address (every rank
+            raises the same message), or a later call asks for another
+            communicator, port or timeout than the first (see
+            :meth:`Bootstrap.check_settings`).
+    """
+    global _current
+    with _lock:
+        if _current is None:
+            from mpi4py import MPI
+
+            bootstrap = Bootstrap(
+                comm=comm or _chosen_comm or MPI.COMM_WORLD,
+                port=_config.coordinator_port() if port is None else port,
+                timeout_s=float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s),
+                timeout_explicit=timeout_s is not None,
+            )
+            bootstrap.run()
+            _current = bootstrap
+        else:
+            _current.check_settings(comm, port, timeout_s)
+        return _current.topology
+
+
+def release(on_listening=None) -> None:
+    """Run this process's release (see :meth:`Bootstrap.release`); once."""
+    with _lock:
+        bootstrap = _current
+    if bootstrap is None:
+        raise RuntimeError("mpi4jax_dist: release() before the bootstrap ran")
+    bootstrap.release(on_listening)
+
+
+def collectives() -> list[_mpi.Call]:
+    """Return the calls of this process's bootstrap that communicate, in order."""
+    return [] if _current is None else _current.log.collectives()

@@ -149,6 +149,31 @@ def test_pretend_nodes(hosts):
         _check_world(r, rank, n)
 
 
+# --- 3b. the release at every MPI thread level ----------------------------------------
+
+THREAD_LEVELS = {"single": 0, "funneled": 1, "serialized": 2, "multiple": 3}
+
+
+@skip_in_mpi_job
+@pytest.mark.parametrize("level", sorted(THREAD_LEVELS, key=THREAD_LEVELS.get))
+def test_release_at_each_thread_level(level):
+    """Below THREAD_MULTIPLE no second thread may call MPI: the other ranks probe
+    rank 0's port (on other nodes only their leader does) instead of waiting for
+    rank 0's thread in an Ibarrier."""
+    hosts = "nodeA:2,nodeB:2"
+    results = _run(
+        "launch_plain.py", 4, "jax", hosts=hosts, env=_env(MPI4PY_RC_THREAD_LEVEL=level)
+    )
+    expected = "thread" if level == "multiple" else "probe"
+    for rank, r in results.items():
+        assert r["thread_level"] == THREAD_LEVELS[level], f"rank {rank}"
+        assert r["release"] == expected, f"rank {rank}: {r['release']}"
+        assert (r["topo_node_index"], r["topo_num_nodes"]) == _layout(hosts)[rank][
+            :1
+        ] + (2,)
+        _check_world(r, rank, 4)
+
+
 # --- 4. ensembles: one JAX world per sub-communicator -------------------------------
 
 
@@ -260,6 +285,16 @@ def test_readme_example_runs(tmp_path):
     script.write_text(code)
     proc = util.run_mpi(script, 2, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0
+
+
+@skip_in_mpi_job
+def test_hello_example_runs():
+    """examples/hello.py, the usage example with a psum, on two ranks."""
+    proc = util.run_mpi(
+        util.ROOT / "examples" / "hello.py", 2, timeout=TIMEOUT, env=_env()
+    )
+    for rank in (0, 1):
+        assert f"rank {rank}: mpi4jax [" in proc.stdout, proc.stdout
 
 
 # --- 6, 7. where our env must not answer a plain jax.distributed.initialize() --------

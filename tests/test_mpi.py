@@ -31,18 +31,126 @@ def test_topology_matches_mpi():
     all_ranks(topo.launcher == "mpich-hydra" or topo.launcher != "mpi", topo.launcher)
 
 
-def test_bootstrap_collectives_few_and_small():
+# The bootstrap's budget: at most four communicating calls compute the topology and
+# the coordinator, each with a payload of at most 1024 bytes per rank.
+TOPOLOGY_CALLS = 4
+PAYLOAD_BYTES = 1024
+
+
+def bootstrap_problems(calls) -> list[str]:
+    """Return what breaks the bootstrap's budget in ``calls`` (as recorded)."""
+    problems = [
+        f"{c.name}: not a call we know the cost of"
+        for c in calls
+        if c.kind == "unknown"
+    ]
+    arrival = [c.name for c in calls if c.phase == "arrival"]
+    if arrival != ["Idup"]:
+        problems.append(f"arrival makes {arrival}, expected one Idup")
+    topology = [
+        c
+        for c in calls
+        if c.phase == "topology" and c.kind in ("collective", "unknown")
+    ]
+    if not 0 < len(topology) <= TOPOLOGY_CALLS:
+        problems.append(
+            f"{len(topology)} communicating calls compute the topology: "
+            f"{[c.name for c in topology]}"
+        )
+    problems += [
+        f"{c.name} hands MPI {c.bytes_per_rank} bytes"
+        for c in calls
+        if c.bytes_per_rank is None or c.bytes_per_rank > PAYLOAD_BYTES
+    ]
+    # Where the MPI itself needs O(P) bytes per rank, the record must say so.
+    problems += [
+        f"{c.name} does not say what MPICH adds"
+        for c in calls
+        if c.name.startswith("Split") and "O(P)" not in c.mpi_adds
+    ]
+    return problems
+
+
+def test_bootstrap_calls_counted_as_they_ran():
     from mpi4py import MPI
 
     mpi4jax_dist.topology()
-    made = _topology.collectives()
-    lists = MPI.COMM_WORLD.allgather(made)
+    calls = _topology.current().calls
+    # Every rank makes the same collectives (local calls differ: leaders free
+    # their split).
+    before_release = [
+        (c.name, c.phase, c.bytes_per_rank)
+        for c in _topology.collectives()
+        if c.phase != "release"
+    ]
+    lists = MPI.COMM_WORLD.allgather(before_release)
     all_ranks(all(m == lists[0] for m in lists), f"ranks disagree: {lists}")
-    phases = [c.phase for c in made]
-    # The arrival Idup, then at most four that compute the topology and coordinator.
-    all_ranks(phases[0] == "arrival" and phases.count("arrival") == 1, str(made))
-    all_ranks(0 < phases.count("topology") <= 4, f"{len(made)} collectives: {made}")
-    all_ranks(all(c.bytes_per_rank <= 1024 for c in made), str(made))
+    problems = bootstrap_problems(calls)
+    all_ranks(not problems, f"{problems} in {calls}")
+    names = [c.name for c in _topology.collectives() if c.phase == "topology"]
+    all_ranks(names == ["Split_type", "Split", "Ibcast", "Ibcast"], f"{names}")
+
+
+class ExtraBroadcast(_topology.Bootstrap):
+    """A bootstrap with one collective more than it needs: what the count must see."""
+
+    def _node_numbers(self, comm, node, local_rank, deadline):
+        spare = np.zeros(1)
+        self._wait(comm.Ibcast(spare, root=0), deadline, "a broadcast nobody needs")
+        return super()._node_numbers(comm, node, local_rank, deadline)
+
+
+class ExtraBarrier(_topology.Bootstrap):
+    """A bootstrap calling an MPI function the cost table does not know."""
+
+    def _node_numbers(self, comm, node, local_rank, deadline):
+        comm.Barrier()
+        return super()._node_numbers(comm, node, local_rank, deadline)
+
+
+@pytest.mark.parametrize(
+    "cls, caught",
+    [
+        (_topology.Bootstrap, None),
+        (ExtraBroadcast, "5 communicating calls compute the topology"),
+        (ExtraBarrier, "Barrier: not a call we know the cost of"),
+    ],
+)
+def test_an_added_collective_is_counted(cls, caught):
+    from mpi4py import MPI
+
+    bootstrap = cls(comm=MPI.COMM_WORLD, timeout_s=60)
+    try:
+        topo = bootstrap.run()
+    finally:
+        bootstrap.close()
+    all_ranks(topo.size == MPI.COMM_WORLD.size, str(topo))
+    problems = bootstrap_problems(bootstrap.calls)
+    if caught is None:
+        all_ranks(not problems, str(problems))
+    else:
+        all_ranks(any(caught in p for p in problems), f"not caught: {problems}")
+
+
+def test_later_calls_must_ask_for_the_same_settings():
+    from mpi4py import MPI
+
+    topo = mpi4jax_dist.topology()
+    port = int(topo.coordinator_address.rpartition(":")[2])
+    first = _topology.Bootstrap(
+        comm=MPI.COMM_WORLD, timeout_s=60, timeout_explicit=True, topology=topo
+    )
+    first.check_settings(comm=MPI.COMM_WORLD, port=port, timeout_s=60)
+    with pytest.raises(RuntimeError, match="initialization_timeout=30 asked for"):
+        first.check_settings(timeout_s=30)
+    with pytest.raises(RuntimeError, match=f"coordinator port {port + 1} asked for"):
+        first.check_settings(port=port + 1)
+    with pytest.raises(RuntimeError, match="another communicator"):
+        first.check_settings(comm=MPI.COMM_SELF)
+    # A first call that asked for no timeout (JAX's default) takes a later one.
+    default = _topology.Bootstrap(comm=MPI.COMM_WORLD, topology=topo)
+    default.check_settings(timeout_s=30)
+    assert (default.timeout_s, default.timeout_explicit) == (30, True)
 
 
 def test_initialize_gives_mpi_rank(world):

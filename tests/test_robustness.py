@@ -39,6 +39,19 @@ def test_rank_that_never_arrives_ends_job_after_deadline():
     assert took < 60, f"job took {took:.0f} s to end"
 
 
+def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
+    start = time.monotonic()
+    proc = util.run_mpi("probe_deadline.py", 2, check=False, timeout=90)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "RELEASED" not in proc.stdout
+    assert (
+        "rank 1 of 2: gave up after 2 s waiting for rank 0's JAX coordination "
+        "service to listen on 127.0.0.1:" in proc.stderr
+    ), proc.stderr[-2000:]
+    assert took < 60, f"job took {took:.0f} s to end"
+
+
 def test_proxy_exempted_and_service_bound_to_loopback():
     proc = util.run_mpi(
         "robust_init.py",

@@ -19,6 +19,7 @@ from launch_common import (
 )
 
 import mpi4jax_dist  # noqa: E402  (registers the cluster env)
+from mpi4jax_dist import _topology
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "jax"
 if mode == "jax":
@@ -38,6 +39,8 @@ fields = dict(
     mpi_size=MPI.COMM_WORLD.Get_size(),
     returned_is_topology=None if returned is None else returned == topo,
     jax_coordinator=jax._src.distributed.global_state.coordinator_address,
+    thread_level=MPI.Query_thread(),
+    release=_topology.current().release_mode,
     **topology_fields(topo),
     **jax_fields(),
     **cross_process_checks(),

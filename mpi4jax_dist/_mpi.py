@@ -1,0 +1,147 @@
+"""What the package asks of MPI itself, below everything that uses it.
+
+The MPI library's name, and :class:`RecordingComm`: a communicator whose every call
+is written to a :class:`CallLog` as it runs, so that what the bootstrap reports
+about its own MPI traffic is counted, not declared. ``mpi4py.MPI`` is imported
+only inside functions: importing this module starts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Bytes this rank hands to MPI in each call the bootstrap makes (its payload, not
+# what the MPI moves on its behalf), and what the MPI adds where we know it. A call
+# not listed here is recorded as "unknown", which the tests refuse.
+_INT = 4  # a C int: colors, keys, split types
+
+
+def _no_bytes(*args, **kwargs) -> int:
+    return 0
+
+
+def _buffer_bytes(buf, *args, **kwargs) -> int:
+    return int(getattr(buf, "nbytes", 0))
+
+
+def _two_ints(*args, **kwargs) -> int:
+    return 2 * _INT
+
+
+_COMM_CREATION = (
+    "MPICH agrees on the new context id with an allreduce of a fixed-size bitmask"
+)
+_SPLIT = (
+    "MPICH allgathers every rank's (color, key) to build the groups: O(P) bytes "
+    "per rank (its MPI_Comm_split, src/mpi/comm/comm_split.c)"
+)
+_SPLIT_TYPE = (
+    "MPICH splits by node id through the same Comm_split: an allgather of every "
+    "rank's (color, key), O(P) bytes per rank"
+)
+
+# name: (kind, payload in bytes from the call's arguments, what the MPI adds)
+CALLS = {
+    "Idup": ("collective", _no_bytes, _COMM_CREATION),
+    "Split_type": ("collective", _two_ints, _SPLIT_TYPE),
+    "Split": ("collective", _two_ints, _SPLIT),
+    "Ibcast": ("collective", _buffer_bytes, "a binomial tree: O(log P) steps"),
+    "Ibarrier": ("collective", _no_bytes, "O(log P) messages of no data"),
+    # Collective by the standard, but MPICH and Open MPI only drop a reference.
+    "Free": ("free", _no_bytes, "no communication in MPICH or Open MPI"),
+    "Get_rank": ("local", _no_bytes, ""),
+    "Get_size": ("local", _no_bytes, ""),
+    "Abort": ("abort", _no_bytes, "ends every process of the job"),
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One MPI call, recorded as it ran.
+
+    Attributes:
+        name: the mpi4py method (``Split_type``, ``Ibcast``, ...).
+        phase: what the caller was doing (``arrival``, ``topology``, ``release``).
+        kind: ``collective``, ``local``, ``free``, ``abort`` or ``unknown``.
+        bytes_per_rank: the payload this rank handed to MPI (None when unknown).
+        mpi_adds: what the MPI itself does beyond that payload, where known.
+    """
+
+    name: str
+    phase: str
+    kind: str
+    bytes_per_rank: int | None
+    mpi_adds: str = ""
+
+
+@dataclass
+class CallLog:
+    """The calls made through :class:`RecordingComm` objects, in order; ``phase``
+    is stamped on each call as it is made."""
+
+    phase: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+    def record(self, name: str, args, kwargs) -> None:
+        kind, payload, adds = CALLS.get(name, ("unknown", None, ""))
+        size = None if payload is None else payload(*args, **kwargs)
+        self.calls.append(Call(name, self.phase, kind, size, adds))
+
+    def collectives(self) -> list[Call]:
+        """The calls that communicate (collectives, and any call not known)."""
+        return [c for c in self.calls if c.kind in ("collective", "unknown")]
+
+
+class RecordingComm:
+    """An mpi4py communicator whose every method call is recorded in ``log``.
+
+    Communicators the calls return are wrapped too (the null communicator is
+    returned as is, and is false); requests are returned as they are: their
+    ``Test`` calls are progress, not calls of the bootstrap.
+    """
+
+    def __init__(self, comm, log: CallLog):
+        self.comm, self.log = comm, log
+
+    def __bool__(self) -> bool:
+        return bool(self.comm)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.comm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.log.record(name, args, kwargs)
+            return self._wrap(attr(*args, **kwargs))
+
+        return call
+
+    def _wrap(self, result):
+        from mpi4py import MPI
+
+        if isinstance(result, tuple):
+            return tuple(self._wrap(r) for r in result)
+        if isinstance(result, MPI.Comm) and result:
+            return RecordingComm(result, self.log)
+        return result
+
+
+def mpi_library() -> str:
+    """Return the first line of the MPI library's version string (no padding NULs)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
+
+
+def thread_level_name(level: int) -> str:
+    """Return ``single``, ``funneled``, ``serialized`` or ``multiple``."""
+    from mpi4py import MPI
+
+    names = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    return names.get(level, str(level))
