@@ -1,32 +1,45 @@
 """Time jax.distributed.initialize(): JAX's own mpi4py method against mpi4jax_dist.
 
-    python benchmarks/bootstrap.py --procs 2,4,8 --repeat 5 [--json PATH]
+    python benchmarks/bootstrap.py [--procs 2,4,8] [--repeat 5]
+        [--methods jax-mpi4py,mpi4jax_dist/multiple,...] [--json PATH] [--plot PNG]
 
-For each P, starts ``mpiexec -n P`` jobs alternating the two methods, ``--repeat``
-of each. In every job MPI is initialized first (``from mpi4py import MPI``, timed as
-"MPI init"); then ``jax.distributed.initialize()`` is timed on every rank and the
-slowest rank counts. Reported: the median over jobs for each method, their ratio,
-and mpi4jax_dist's phases (bootstrap done, rank 0's service listening, all
-connected), measured from the start of initialize on rank 0.
+For each P, starts ``mpiexec -n P`` jobs, ``--repeat`` of each method, alternating
+(round-robin, so that a drifting machine load touches every method alike). The
+methods: ``jax-mpi4py`` (``cluster_detection_method="mpi4py"``, JAX's opt-in env)
+and ``mpi4jax_dist/<level>``, our env at each MPI thread level (mpi4py's
+``MPI4PY_RC_THREAD_LEVEL``): at ``multiple`` the other ranks wait for rank 0's
+release thread, below it they probe rank 0's port (see ``_topology.py``).
+
+In every job MPI is initialized first (``from mpi4py import MPI``, timed as "MPI
+init"); then ``jax.distributed.initialize()`` is timed on every rank after a barrier
+and the slowest rank counts. Reported per P and method: the median over jobs, the
+ratio to ``jax-mpi4py``, and mpi4jax_dist's phases from the start of initialize:
+bootstrap done (slowest rank), rank 0's service listening, the other ranks released
+(slowest).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-METHODS = ("jax-mpi4py", "mpi4jax_dist")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
+
+LEVELS = ("multiple", "serialized", "funneled", "single")
+PHASES = ("init_s", "bootstrap_s", "listening_s", "released_s", "mpi_init_s")
+
+METHODS = _harness.Registry("initialization method")
+METHODS.register("jax-mpi4py", {"detection": "mpi4py", "level": "multiple"})
+for _level in LEVELS:
+    METHODS.register(f"mpi4jax_dist/{_level}", {"detection": None, "level": _level})
 
 
 def worker(method: str) -> None:
-    """One MPI job: initialize JAX one way and print rank 0's summary as JSON."""
-    t_start = time.perf_counter()
+    """One MPI job: initialize JAX one way; rank 0 prints the slowest ranks' times."""
     import jax
 
     import mpi4jax_dist
@@ -39,135 +52,139 @@ def worker(method: str) -> None:
     t_mpi1 = time.perf_counter()
     comm.Barrier()
     t0 = time.perf_counter()
-    if method == "jax-mpi4py":
-        jax.distributed.initialize(cluster_detection_method="mpi4py")
+    detection = METHODS[method]["detection"]
+    if detection:
+        jax.distributed.initialize(cluster_detection_method=detection)
     else:
         jax.distributed.initialize()
     t1 = time.perf_counter()
     assert jax.process_index() == comm.rank and jax.process_count() == comm.size
-    stamps = _topology.timestamps if method == "mpi4jax_dist" else {}
-    row = {
-        "mpi_init_s": t_mpi1 - t_mpi0,
+    bootstrap = None if detection else _topology.current()
+    stamps = bootstrap.timestamps if bootstrap else {}
+
+    def since(name):
+        return stamps[name] - t0 if name in stamps else None
+
+    mine = {
         "init_s": t1 - t0,
-        "bootstrap_s": stamps.get("bootstrap_done", t0) - t0,
-        "listening_s": stamps.get("service_listening", t0) - t0,
-        "import_s": t_mpi0 - t_start,
+        "mpi_init_s": t_mpi1 - t_mpi0,
+        "bootstrap_s": since("bootstrap_done"),
+        "listening_s": since("service_listening"),
+        "released_s": since("released"),
     }
-    rows = comm.gather(row)
+    rows = comm.gather(mine)
     if comm.rank == 0:
-        print(
-            "BOOTSTRAP "
-            + json.dumps(
-                {
-                    "method": method,
-                    "procs": comm.size,
-                    "init_s": max(r["init_s"] for r in rows),
-                    "mpi_init_s": max(r["mpi_init_s"] for r in rows),
-                    "bootstrap_s": max(r["bootstrap_s"] for r in rows),
-                    "listening_s": rows[0]["listening_s"],
-                    "coordinator": (
-                        mpi4jax_dist.topology().coordinator_address
-                        if method == "mpi4jax_dist"
-                        else None
-                    ),
-                }
+
+        def slowest(key):
+            values = [r[key] for r in rows if r[key] is not None]
+            return max(values) if values else None
+
+        _harness.report(
+            method=method,
+            procs=comm.size,
+            thread_level=MPI.Query_thread(),
+            release=bootstrap.release_mode if bootstrap else None,
+            coordinator=(
+                mpi4jax_dist.topology().coordinator_address if bootstrap else None
             ),
-            flush=True,
+            listening_s=rows[0]["listening_s"],
+            **{k: slowest(k) for k in PHASES if k != "listening_s"},
         )
 
 
-def run_job(mpiexec: str, procs: int, method: str, timeout: float) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    cmd = [
-        mpiexec,
-        "-n",
-        str(procs),
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        method,
+def _seconds(value) -> str:
+    return f"{value * 1e3:.1f} ms"
+
+
+TABLE = _harness.Table(
+    [
+        _harness.Column("procs", "P", "", 3, "d"),
+        _harness.Column("method", "method", "", 24, left=True),
+        _harness.Column("release", "release", "", 7),
+        _harness.Column("init_s", "init", "median", 10, _seconds),
+        _harness.Column("ratio", "ratio", "to JAX's", 8, ".3f"),
+        _harness.Column("bootstrap_s", "bootstrap", "done", 10, _seconds),
+        _harness.Column("listening_s", "listening", "rank 0", 10, _seconds),
+        _harness.Column("released_s", "released", "others", 10, _seconds),
+        _harness.Column("mpi_init_s", "MPI init", "before", 10, _seconds),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("BOOTSTRAP "):
-            return json.loads(line[len("BOOTSTRAP ") :])
-    raise RuntimeError(
-        f"{' '.join(cmd)} exited {proc.returncode}:\n"
-        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+)
+
+
+def plot(results: list[dict], path: str) -> None:
+    _harness.plot_lines(
+        results,
+        path,
+        x="procs",
+        panels=[("init_s", "jax.distributed.initialize() [ms]", 1e3)],
+        series=lambda r: r["method"],
+        title="initialize, slowest rank, median over jobs",
+        xlabel="processes",
     )
 
 
 def main(argv=None) -> list[dict]:
+    """Run the jobs; return one row per P and method (medians over jobs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", default="2,4,8", help="comma-separated P values")
     parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS.names()),
+        help="comma-separated, from " + ", ".join(METHODS.names()),
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
-    parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    _harness.add_output_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return []
+    try:
+        methods = METHODS.choose(args.methods, "--methods")
+    except ValueError as err:
+        parser.error(str(err))
 
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which("mpiexec") or sys.exit("no mpiexec found")
     print(
-        f"# jax.distributed.initialize() wall, slowest rank, median of "
-        f"{args.repeat} jobs per method (alternating); MPI already initialized"
+        f"# jax.distributed.initialize(), slowest rank, median of {args.repeat} jobs "
+        f"per method (round-robin); MPI initialized before"
     )
     print(
-        "# mpi4jax_dist phases from the start of initialize on rank 0: bootstrap "
-        "done (slowest rank), rank 0's service listening"
+        "# mpi4jax_dist's phases from the start of initialize: bootstrap done "
+        "(slowest rank), rank 0's service listening, the others released (slowest)"
     )
-    print(
-        f"# {'P':>3} {'jax-mpi4py':>12} {'mpi4jax_dist':>13} {'ratio':>7} "
-        f"{'bootstrap':>10} {'listening':>10} {'MPI init':>9}"
-    )
+    print(TABLE.header(), flush=True)
     results = []
     for procs in [int(p) for p in args.procs.split(",")]:
-        samples = {m: [] for m in METHODS}
+        samples: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeat):
-            for method in METHODS:
-                samples[method].append(run_job(mpiexec, procs, method, args.timeout))
-        med = {
-            m: {
-                k: statistics.median(s[k] for s in samples[m])
-                for k in ("init_s", "mpi_init_s", "bootstrap_s", "listening_s")
-            }
-            for m in METHODS
-        }
-        ours, theirs = med["mpi4jax_dist"], med["jax-mpi4py"]
-        ratio = ours["init_s"] / theirs["init_s"]
-        print(
-            f"  {procs:>3} {theirs['init_s'] * 1e3:>9.1f} ms "
-            f"{ours['init_s'] * 1e3:>10.1f} ms {ratio:>7.3f} "
-            f"{ours['bootstrap_s'] * 1e3:>7.1f} ms "
-            f"{ours['listening_s'] * 1e3:>7.1f} ms {ours['mpi_init_s'] * 1e3:>6.1f} ms",
-            flush=True,
-        )
-        results.append(
-            {
-                "procs": procs,
-                "jax_mpi4py_init_s": theirs["init_s"],
-                "mpi4jax_dist_init_s": ours["init_s"],
-                "ratio": ratio,
-                "mpi4jax_dist_phases_s": {
-                    k: ours[k] for k in ("bootstrap_s", "listening_s", "mpi_init_s")
-                },
-                "samples": samples,
-            }
-        )
-    if args.json:
-        import jax
-
-        meta = {
-            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "jax": jax.__version__,
-            "repeat": args.repeat,
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            for method in methods:
+                env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL=METHODS[method]["level"])
+                job = _harness.run_job(
+                    procs,
+                    [os.path.abspath(__file__), "--worker", method],
+                    timeout=args.timeout,
+                    env=env,
+                )
+                if not job.ok or not job.results:
+                    sys.exit(
+                        f"{method} at P={procs} failed (exit {job.returncode}):\n"
+                        f"{job.tail}"
+                    )
+                samples[method].append(job.results[0])
+        theirs = samples.get("jax-mpi4py")
+        base = statistics.median(s["init_s"] for s in theirs) if theirs else None
+        for method in methods:
+            jobs = samples[method]
+            row = {"procs": procs, "method": method, "release": jobs[0]["release"]}
+            for key in PHASES:
+                values = [j[key] for j in jobs if j[key] is not None]
+                row[key] = statistics.median(values) if values else None
+            row["ratio"] = None if base is None else row["init_s"] / base
+            row["jobs"] = jobs
+            results.append(row)
+            print(TABLE.row(row), flush=True)
+    _harness.save(args, _harness.meta(repeat=args.repeat), results, plot)
     return results
 
 
