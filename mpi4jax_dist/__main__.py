@@ -24,10 +24,18 @@ def _print_text(report: dict) -> None:
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
         print(f"  node {node}: ranks {ranks}")
-    print(
-        f"coordinator   {topo['coordinator_address']} (other ranks released by "
-        f"{topo['release'] or 'nothing: one rank'})"
-    )
+    release = {
+        "thread": "rank 0's thread releases the others",
+        "probe": "the others probe its port",
+        None: "one rank",
+    }[topo["release"]]
+    print(f"coordinator   {topo['coordinator_address']} ({release})")
+    print("bootstrap     MPI calls that communicate, as they ran on rank 0:")
+    for call in report["bootstrap_calls"]:
+        print(
+            f"  {call['phase']:<8} {call['name']:<10} {call['bytes_per_rank']:>5} B "
+            f"per rank; {call['mpi_adds']}"
+        )
     proxy = report["proxy"]
     print(
         f"proxies       {', '.join(proxy['variables']) or 'none'}"

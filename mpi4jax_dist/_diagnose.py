@@ -100,6 +100,16 @@ def diagnose(check: bool = False) -> dict:
             "coordinator_address": topo.coordinator_address,
             "release": _topology.current().release_mode,
         },
+        # What the bootstrap asked of MPI, as recorded while it ran (this rank's).
+        "bootstrap_calls": [
+            {
+                "name": c.name,
+                "phase": c.phase,
+                "bytes_per_rank": c.bytes_per_rank,
+                "mpi_adds": c.mpi_adds,
+            }
+            for c in _topology.collectives()
+        ],
         "proxy": {
             "variables": _config.proxies_set(env),
             "no_grpc_proxy": env.get(_config.NO_GRPC_PROXY),

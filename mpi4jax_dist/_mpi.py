@@ -36,8 +36,8 @@ _SPLIT = (
     "per rank (its MPI_Comm_split, src/mpi/comm/comm_split.c)"
 )
 _SPLIT_TYPE = (
-    "MPICH splits by node id through the same Comm_split: an allgather of every "
-    "rank's (color, key), O(P) bytes per rank"
+    "MPICH splits by node id with its Comm_split, which allgathers every rank's "
+    "(color, key): O(P) bytes per rank"
 )
 
 # name: (kind, payload in bytes from the call's arguments, what the MPI adds)

@@ -171,6 +171,15 @@ def test_diagnostics_check_under_mpiexec():
     assert report["launcher"] == util.expected_launcher()
     assert report["topology"]["ranks_per_node"] == {"0": [0, 1]}
     assert report["check"]["allreduce_equals_psum"] is True
+    calls = [(c["phase"], c["name"]) for c in report["bootstrap_calls"]]
+    assert calls == [
+        ("arrival", "Idup"),
+        ("topology", "Split_type"),
+        ("topology", "Split"),
+        ("topology", "Ibcast"),
+        ("topology", "Ibcast"),
+    ]
+    assert "O(P)" in report["bootstrap_calls"][2]["mpi_adds"]
     library = report["mpi"]["library"]
     assert library.startswith(
         {"mpich": "MPICH", "openmpi": "Open MPI"}[util.mpi_family()]
