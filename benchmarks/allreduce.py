@@ -4,7 +4,8 @@
         [--impls mpi4py,mpi4jax,psum,...] [--modes loop,call] [--json PATH] [--plot PNG]
 
 One initialized job (``import mpi4jax_dist`` and a plain
-``jax.distributed.initialize()``) measures, for each message size (bytes per rank):
+``jax.distributed.initialize()``) measures, for each message size (bytes per rank),
+the implementations in :data:`IMPLS`:
 
 - ``mpi4py``: ``Comm.Allreduce`` on NumPy buffers, out of place (the floor);
   ``mpi4py_inplace``: the same with ``MPI.IN_PLACE``;
@@ -12,517 +13,701 @@ One initialized job (``import mpi4jax_dist`` and a plain
 - ``psum``: ``shard_map`` + ``lax.psum`` on the global array;
 - ``gspmd``: a ``jax.jit`` sum over the sharded axis, the collective left to XLA.
 
-Two modes: ``loop``, K collectives back to back inside one jitted call
-(``lax.fori_loop``; for mpi4py a Python loop), divided by K: the collective itself;
-``call``, one dispatch per collective: what a Python loop of jitted calls pays.
+Two modes, each timed on the collective alone (as nccl-tests do): ``loop``,
+``x <- allreduce(x)`` K times back to back from an all-zero input (zeros stay zeros:
+nothing overflows, nothing can be hoisted), for mpi4py a Python loop swapping two
+buffers, for JAX one jitted ``lax.fori_loop`` whose trip count is an argument; divided
+by K, the collective itself. ``call``: K separate allreduces of the held input, one
+dispatch each (for mpi4py a fresh result buffer each, as a functional API pays);
+divided by K, what a Python loop of jitted calls pays.
 
-Every step feeds the next: ``x <- allreduce(x) + e_r + c_m``, where ``e_r`` is this
-rank's pattern (``(i + r) mod P``) and ``c_m`` makes ``x = m + e_r`` after step
-``m``. The data change with every step, nothing can be hoisted, and one comparison
-at the end of a sample checks every step exactly (integers in floating point). Each
-step therefore also does one elementwise pass (two in NumPy) besides the collective.
+Correctness is checked outside the timing, before and after the timed samples, on
+the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,
+``call`` and ``loop(1)`` must give ``S(i) = sum_r e_r(i)`` and ``loop(2)`` must give
+``P * S(i)``, exactly. ``e_r(i) = a(i) + c(i) r + r^2`` (see :func:`pattern`) differs
+between indices and between ranks, so a result that is permuted, one element
+broadcast, one rank's data or P times one rank's data is counted wrong (``loop(1)``
+is there because a reversal undoes itself in ``loop(2)``). ``wrong`` counts the
+wrong elements over ranks, checks and both passes; any wrong element ends the run,
+after the sweep, with exit status 1 and a ``WRONG:`` line naming it. ``compiles``
+counts the XLA compilations during the timing: none, as the checks ran every
+executable first.
 
-Method (OSU ``osu_allreduce`` and nccl-tests ``all_reduce_perf`` style): a barrier
-before each sample, warm-up and compilation excluded, per sample the slowest rank
-counts, min/median/max over samples; ``algbw = bytes / t`` and
-``busbw = algbw * 2 (n - 1) / n``; ``ratio`` is the median over the median of
-``mpi4py`` in the same mode. ``mem`` is the peak RSS during the timed samples of
-one implementation above the RSS before it allocated anything, in units of the
-message (from 1 MiB up; on GPU: peak device memory): its buffers, temporaries and
-compiled code. An out-of-place reduction shows as one more message.
+Method (OSU ``osu_allreduce`` and nccl-tests ``all_reduce_perf`` style, through
+``benchmarks/_harness.py``): JAX code compiled ahead of time, one untimed warm-up of
+every case, then round-robin samples over the cases of one size, a barrier before
+each, the slowest rank per sample; min/median/max over samples;
+``algbw = bytes / t`` and ``busbw = algbw * 2 (P - 1) / P``; ``ratio`` is the median
+over the median of ``mpi4py`` in the same mode. Memory is measured by
+``benchmarks/memory.py``, each case in its own job.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import gc
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 
-IMPLS = ("mpi4py", "mpi4py_inplace", "mpi4jax", "psum", "gspmd")
+IMPLS = _harness.Registry("allreduce implementation")
 MODES = ("loop", "call")
-DEFAULT_SIZES = [4 * 4**i for i in range(13)]  # 4 B .. 64 MiB
+DEFAULT_SIZES = [4 * 8**i for i in range(9)]  # 4 B .. 64 MiB
 DTYPES = ("float32", "float64", "int32")
-MEM_MIN_BYTES = 1 << 20
+
+# ---------------------------------------------------------------------------------
+# The checked pattern
+
+# Values the checks produce must be integers the dtype holds exactly: below 2^24 in
+# float32 (24-bit significand), 2^53 in float64, 2^31 in int32. Every partial sum
+# of non-negative terms is at most the total, so any reduction order is exact.
+EXACT_BELOW = {"float32": 2**24, "float64": 2**53, "int32": 2**31}
+# a(i), c(i) in [0, PATTERN_MAX] at most: enough distinct values that neighbouring
+# indices almost never share S(i), small enough to be exact for many ranks.
+PATTERN_MAX = 1023
 
 
-def parse_sizes(text: str) -> list[int]:
-    """Return sizes from ``4,4096,16KiB,1MiB``-style text (bytes per rank)."""
-    units = {
-        "kib": 1024,
-        "mib": 1024**2,
-        "gib": 1024**3,
-        "kb": 1000,
-        "mb": 1000**2,
-        "b": 1,
-    }
-    sizes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        for unit, factor in units.items():
-            if item.endswith(unit) and item[: -len(unit)].strip().isdigit():
-                sizes.append(int(item[: -len(unit)]) * factor)
-                break
-        else:
-            if not item.isdigit():
-                raise ValueError(
-                    f"--sizes: {item!r} is not a size such as 4096 or 1MiB"
-                )
-            sizes.append(int(item))
-    return sizes
+def _largest(procs: int, limit: int) -> int:
+    """Return the largest M with ``P S(i) < limit`` for ``a, c <= M`` (may be < 1)."""
+    p = procs
+    q = (p - 1) * p * (2 * p - 1) // 6  # sum_r r^2
+    # P S(i) <= P (P M + M P (P - 1) / 2 + Q) = M P^2 (P + 1) / 2 + P Q
+    return (limit - 1 - p * q) // (p * p * (p + 1) // 2)
 
 
-def iterations(nbytes: int, most: int) -> int:
-    """Return K for the loop mode: ``most`` for small messages, fewer for large."""
-    return max(3, min(most, math.ceil(2**24 / max(nbytes, 1))))
+def max_procs(dtype) -> int:
+    """Return the most ranks whose checked values ``dtype`` holds exactly."""
+    limit = EXACT_BELOW[np.dtype(dtype).name]
+    low, high = 1, 2
+    while _largest(high, limit) >= 1:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if _largest(mid, limit) >= 1 else (low, mid)
+    return low
 
 
-class Impl:
-    """One implementation: a state ``x`` (``= m + e`` after ``m`` steps) and steps."""
+def pattern_bound(procs: int, dtype) -> int:
+    """Return M, the bound of ``a(i)`` and ``c(i)`` in ``[0, M]`` for ``procs`` ranks.
 
-    def __init__(self, n: int, dtype, comm, iters: int):
-        self.n, self.dtype, self.comm, self.iters = n, np.dtype(dtype), comm, iters
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.e = ((np.arange(n) + self.rank) % self.size).astype(self.dtype)
-        self.m = 0
+    Every value the checks produce, up to ``P * S(i)``, stays below
+    :data:`EXACT_BELOW` of the dtype, so that it is an exact integer there.
 
-    def shift(self, m):
-        """The constant that takes ``allreduce(m + e) + e`` to ``m + 1 + e``."""
-        size = self.size
-        return 1 - (size - 1) * m - size * (size - 1) // 2
+    Raises:
+        ValueError: not even ``M = 1`` is exact (too many ranks for ``dtype``);
+            the message names ``--dtype`` and what to use instead.
+    """
+    name = np.dtype(dtype).name
+    bound = _largest(procs, EXACT_BELOW[name])
+    if bound < 1:
+        wider = (
+            f"use --dtype float64 (exact up to {max_procs('float64')} ranks)"
+            if name != "float64"
+            else "use fewer ranks"
+        )
+        raise ValueError(
+            f"--dtype {name}: the checked values are exact integers in {name} for "
+            f"at most {max_procs(name)} ranks, not {procs}; {wider}"
+        )
+    return min(PATTERN_MAX, bound)
 
-    def loop(self):
-        """Do ``self.iters`` steps; return when the result is ready."""
+
+def _mix(index: np.ndarray) -> np.ndarray:
+    """Return splitmix64 of ``index`` (uint64): the same on every rank."""
+    z = index.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _coefficients(n: int, procs: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``a(i)`` and ``c(i)``, pseudo-random in ``[0, M]`` (int64)."""
+    span = np.uint64(pattern_bound(procs, dtype) + 1)
+    h = _mix(np.arange(n, dtype=np.uint64))
+    a = (h % span).astype(np.int64)
+    c = ((h >> np.uint64(32)) % span).astype(np.int64)
+    return a, c
+
+
+def pattern(n: int, rank: int, procs: int, dtype) -> np.ndarray:
+    """Return rank ``rank``'s input ``e_r(i) = a(i) + c(i) r + r^2``.
+
+    ``a`` and ``c`` come from a hash of ``i``, so that ``S(i)`` differs between
+    indices (a permuted or broadcast result is wrong) and every rank contributes
+    its own values (one rank's data, or P times one rank's, is wrong: the ``r^2``
+    term keeps the middle rank of an odd P from matching ``S / P``).
+    """
+    a, c = _coefficients(n, procs, dtype)
+    return (a + c * rank + rank * rank).astype(dtype)
+
+
+def expected(n: int, procs: int, dtype, reductions: int = 1) -> np.ndarray:
+    """Return what ``reductions`` chained allreduces of :func:`pattern` give:
+    ``S(i) = P a(i) + c(i) P (P - 1) / 2 + sum_r r^2``, times ``P`` per extra one."""
+    a, c = _coefficients(n, procs, dtype)
+    p = procs
+    s = p * a + c * (p * (p - 1) // 2) + (p - 1) * p * (2 * p - 1) // 6
+    return (s * p ** (reductions - 1)).astype(dtype)
+
+
+def count_wrong(result, want: np.ndarray) -> int:
+    """Return how many elements of ``result`` differ from ``want`` (all of them
+    when the shape is not ``want``'s)."""
+    result = np.asarray(result)
+    if result.shape != want.shape:
+        return want.size
+    return int(np.count_nonzero(result != want))
+
+
+# ---------------------------------------------------------------------------------
+# Implementations
+
+
+class Allreduce:
+    """One allreduce implementation: the interface every record of IMPLS has.
+
+    Args (of the constructor):
+        n: elements per rank.
+        dtype: a NumPy dtype from :data:`DTYPES`.
+        comm: the mpi4py communicator of the job (every rank constructs).
+
+    Construction allocates the buffers and, for JAX, compiles ahead of time
+    (``jax.jit(f).lower(...).compile()``), so that neither the timing nor the memory
+    figures include compilation. Then:
+
+    - ``load(array)``: make this rank's ``n`` elements the input.
+    - ``call()``: one allreduce of the loaded input; blocks until done. The input
+      is held (out-of-place implementations leave it as it was).
+    - ``loop(k)``: ``x <- allreduce(x)`` ``k`` times from the loaded input, in one
+      dispatch; blocks. ``k`` is a runtime value: the same executable runs any k.
+    - ``result()``: this rank's result of the last ``call`` or ``loop``, a NumPy
+      array of ``n`` elements, valid until the next ``load``, ``call`` or ``loop``
+      (it may be a view of the implementation's own buffer).
+
+    ``call`` and ``loop`` may overwrite the loaded input (in-place ones do): load
+    again before a check. Class attribute ``uses_jax`` says whether results live on
+    JAX devices (benchmarks/memory.py then asks the device for its memory).
+    """
+
+    uses_jax = False
+
+    def __init__(self, n: int, dtype, comm):
+        self.n, self.dtype, self.comm = n, np.dtype(dtype), comm
+
+    def load(self, array: np.ndarray) -> None:
         raise NotImplementedError
 
-    def call(self):
-        """Do one step; return when the result is ready."""
+    def call(self) -> None:
         raise NotImplementedError
 
-    def reset(self):
+    def loop(self, k: int) -> None:
         raise NotImplementedError
 
-    def wrong(self) -> int:
-        """Return how many elements differ from the exact ``m + e``."""
-        return int(np.count_nonzero(self.local() != self.m + self.e))
+    def result(self) -> np.ndarray:
+        raise NotImplementedError
 
 
-class Mpi4py(Impl):
-    inplace = False
+@IMPLS.register("mpi4py")
+class Mpi4py(Allreduce):
+    """``Comm.Allreduce(x, y)`` on NumPy buffers, out of place: the floor."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.x = self.e.copy()
-        self.y = None if self.inplace else np.empty_like(self.x)
-
-    def reset(self):
-        np.copyto(self.x, self.e)
-        self.m = 0
-
-    def _step(self):
+    def __init__(self, n, dtype, comm):
+        super().__init__(n, dtype, comm)
         from mpi4py import MPI
 
-        if self.inplace:
-            self.comm.Allreduce(MPI.IN_PLACE, self.x, op=MPI.SUM)
-            self.x += self.e
-        else:
-            self.comm.Allreduce(self.x, self.y, op=MPI.SUM)
-            np.add(self.y, self.e, out=self.x)
-        self.x += self.dtype.type(self.shift(self.m))
-        self.m += 1
+        self.sum = MPI.SUM
+        # Zeros, not empty: pages are touched here, not in the first timed sample.
+        self.x = np.zeros(n, self.dtype)
+        self.y = np.zeros(n, self.dtype)
+        self.out = self.x
 
-    def loop(self):
-        for _ in range(self.iters):
-            self._step()
+    def load(self, array):
+        np.copyto(self.x, array)
+        self.out = None  # the last result is dropped, as the JAX ones drop theirs
 
     def call(self):
-        self._step()
+        # A fresh result buffer per call, as a functional API (and JAX) pays.
+        self.out = np.empty_like(self.x)
+        self.comm.Allreduce(self.x, self.out, op=self.sum)
 
-    def local(self):
-        return self.x
+    def loop(self, k):
+        x, y = self.x, self.y
+        for _ in range(k):
+            self.comm.Allreduce(x, y, op=self.sum)
+            x, y = y, x
+        # The last result is in x: it is the input of the next loop.
+        self.x, self.y, self.out = x, y, x
+
+    def result(self):
+        return self.out
 
 
+@IMPLS.register("mpi4py_inplace")
 class Mpi4pyInplace(Mpi4py):
-    inplace = True
+    """``Comm.Allreduce(MPI.IN_PLACE, x)``: no result buffer at all."""
+
+    def __init__(self, n, dtype, comm):
+        Allreduce.__init__(self, n, dtype, comm)
+        from mpi4py import MPI
+
+        self.sum, self.in_place = MPI.SUM, MPI.IN_PLACE
+        self.x = np.zeros(n, self.dtype)
+        self.out = self.x
+
+    def load(self, array):
+        np.copyto(self.x, array)
+
+    def call(self):
+        self.comm.Allreduce(self.in_place, self.x, op=self.sum)
+
+    def loop(self, k):
+        for _ in range(k):
+            self.comm.Allreduce(self.in_place, self.x, op=self.sum)
 
 
-class JaxImpl(Impl):
-    """Shared by the JAX implementations: a jitted step and a jitted K-step loop."""
+class JaxAllreduce(Allreduce):
+    """Shared by the JAX implementations: two executables compiled ahead of time,
+    ``one(x)`` (one allreduce) and ``chain(x, k)`` (a ``fori_loop`` of ``k``).
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    Subclasses define :meth:`reduce` (one allreduce of a traced value, as seen
+    inside :meth:`wrap`), :meth:`wrap` (jit with the right sharding),
+    :meth:`input_spec`, :meth:`to_device` and :meth:`to_host`.
+    """
+
+    uses_jax = True
+
+    def __init__(self, n, dtype, comm):
+        super().__init__(n, dtype, comm)
         import jax
+        import jax.numpy as jnp
 
         self.jax = jax
-        self.build()
-        self.reset()
+        spec = self.input_spec()
+        trips = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding())
 
-    def reset(self):
-        self.x, self.m = self.x0, 0
+        def one(x):
+            return self.reduce(x)
 
-    def loop(self):
-        self.x = self.run_loop(self.x, self.m)
-        self.x.block_until_ready()
-        self.m += self.iters
+        def chain(x, k):
+            return jax.lax.fori_loop(0, k, lambda _, v: self.reduce(v), x)
+
+        # Compiled ahead of time, but called through jit: jax 0.10's executables
+        # from .compile() drop the effect token on their second call when the
+        # program has ordered effects (mpi4jax's do): "Execution supplied 2
+        # arguments but compiled program expected 3". jit dispatch reuses the
+        # executable compiled here (benchmarks/memory.py counts compilations
+        # during the measured call to show it).
+        self._one = self.wrap(one, 1)
+        self._chain = self.wrap(chain, 2)
+        self._one.lower(spec).compile()
+        self._chain.lower(spec, trips).compile()
+        self._trips = {}
+        self.x = self.to_device(np.zeros(n, self.dtype))
+        self.y = self.x
+
+    def scalar_sharding(self):
+        return None
+
+    def trip_count(self, k: int):
+        """Return ``k`` as the executable's int32 argument (made once per k)."""
+        if k not in self._trips:
+            self._trips[k] = self.jax.device_put(np.int32(k))
+        return self._trips[k]
+
+    def load(self, array):
+        self.x = self.y = None  # free the old buffers first
+        self.x = self.to_device(np.asarray(array, self.dtype))
 
     def call(self):
-        self.x = self.run_step(self.x, self.m)
-        self.x.block_until_ready()
-        self.m += 1
+        self.y = None
+        self.y = self._one(self.x)
+        self.y.block_until_ready()
 
-    def step(self, x, e, m, reduce):
-        jnp = self.jax.numpy
-        return reduce(x) + e + jnp.asarray(self.shift(m), dtype=x.dtype)
+    def loop(self, k):
+        self.y = None
+        self.y = self._chain(self.x, self.trip_count(k))
+        self.y.block_until_ready()
 
-    def fori(self, x, e, m0, reduce):
-        def body(k, x):
-            return self.step(x, e, m0 + k, reduce)
-
-        return self.jax.lax.fori_loop(0, self.iters, body, x)
+    def result(self):
+        return self.to_host(self.y)
 
 
-class Mpi4jax(JaxImpl):
-    def build(self):
-        import jax
+@IMPLS.register("mpi4jax")
+class Mpi4jax(JaxAllreduce):
+    """``mpi4jax.allreduce`` inside ``jax.jit`` on this rank's own array."""
+
+    def reduce(self, v):
         import mpi4jax
         from mpi4py import MPI
 
-        def reduce(v):
-            return mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm)
+        return mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm)
 
-        e = jax.numpy.asarray(self.e)
-        self.x0 = e
-        self.run_step = jax.jit(lambda x, m: self.step(x, e, m, reduce))
-        self.run_loop = jax.jit(lambda x, m0: self.fori(x, e, m0, reduce))
+    def wrap(self, f, arity):
+        return self.jax.jit(f)
 
-    def local(self):
-        return np.asarray(self.x)
+    def input_spec(self):
+        return self.jax.ShapeDtypeStruct((self.n,), self.dtype)
+
+    def to_device(self, array):
+        return self.jax.device_put(array)
+
+    def to_host(self, array):
+        return np.asarray(array)
 
 
-class Psum(JaxImpl):
-    def build(self):
-        import jax
+class GlobalJax(JaxAllreduce):
+    """Shared by psum and gspmd: a global array over ``mpi4jax_dist.global_mesh()``,
+    the trip count replicated."""
+
+    def __init__(self, n, dtype, comm):
+        from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
         import mpi4jax_dist
+
+        self.mesh = mpi4jax_dist.global_mesh()
+        self.axis = self.mesh.axis_names[0]
+        self.replicated = NamedSharding(self.mesh, P())
+        super().__init__(n, dtype, comm)
+
+    def scalar_sharding(self):
+        return self.replicated
+
+    def trip_count(self, k):
+        if k not in self._trips:
+            # Every process holds the same value: a global replicated scalar.
+            self._trips[k] = self.jax.make_array_from_callback(
+                (), self.replicated, lambda _: np.int32(k)
+            )
+        return self._trips[k]
+
+
+@IMPLS.register("psum")
+class Psum(GlobalJax):
+    """``shard_map`` + ``lax.psum`` over the global array, one block per rank."""
+
+    def reduce(self, v):
+        return self.jax.lax.psum(v, self.axis)
+
+    def wrap(self, f, arity):
+        from jax.sharding import PartitionSpec as P
+
         from mpi4jax_dist import _jax_compat
 
-        mesh = mpi4jax_dist.global_mesh()
-        axis = mesh.axis_names[0]
-        e = mpi4jax_dist.to_global(self.e, mesh)
-        self.x0 = e
-
-        def reduce(v):
-            return jax.lax.psum(v, axis)
-
-        def sharded(f):
-            return jax.jit(
-                _jax_compat.shard_map(
-                    f, mesh=mesh, in_specs=(P(axis), P(axis), P()), out_specs=P(axis)
-                )
+        # check=False: a fori_loop carrying psum's result fails the varying-
+        # manual-axes check of current JAX (DESIGN.md section 6).
+        specs = (P(self.axis), P())[:arity]
+        return self.jax.jit(
+            _jax_compat.shard_map(
+                f, mesh=self.mesh, in_specs=specs, out_specs=P(self.axis)
             )
-
-        step = sharded(lambda x, e, m: self.step(x, e, m, reduce))
-        loop = sharded(lambda x, e, m0: self.fori(x, e, m0, reduce))
-        self.run_step = lambda x, m: step(x, e, m)
-        self.run_loop = lambda x, m0: loop(x, e, m0)
-
-    def local(self):
-        import mpi4jax_dist
-
-        return np.asarray(mpi4jax_dist.to_local(self.x))
-
-
-class Gspmd(JaxImpl):
-    """A (P, n) global array sharded by rows; ``x.sum(axis=0)`` left to XLA."""
-
-    def build(self):
-        import jax
-
-        import mpi4jax_dist
-
-        mesh = mpi4jax_dist.global_mesh()
-        e = mpi4jax_dist.to_global(self.e[None, :], mesh)
-        sharding = e.sharding
-        self.x0 = e
-
-        def reduce(v):
-            total = v.sum(axis=0, keepdims=True)
-            return jax.lax.with_sharding_constraint(
-                jax.numpy.broadcast_to(total, v.shape), sharding
-            )
-
-        step = jax.jit(
-            lambda x, e, m: self.step(x, e, m, reduce), out_shardings=sharding
         )
-        loop = jax.jit(
-            lambda x, e, m0: self.fori(x, e, m0, reduce), out_shardings=sharding
-        )
-        # Global arrays are arguments, never closed over (JAX refuses the latter).
-        self.run_step = lambda x, m: step(x, e, m)
-        self.run_loop = lambda x, m0: loop(x, e, m0)
 
-    def local(self):
+    def input_spec(self):
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        return self.jax.ShapeDtypeStruct(
+            (self.comm.Get_size() * self.n,),
+            self.dtype,
+            sharding=NamedSharding(self.mesh, P(self.axis)),
+        )
+
+    def to_device(self, array):
         import mpi4jax_dist
 
-        return np.asarray(mpi4jax_dist.to_local(self.x))[0]
+        return mpi4jax_dist.to_global(array, self.mesh)
+
+    def to_host(self, array):
+        import mpi4jax_dist
+
+        return np.asarray(mpi4jax_dist.to_local(array))
 
 
-CLASSES = {
-    "mpi4py": Mpi4py,
-    "mpi4py_inplace": Mpi4pyInplace,
-    "mpi4jax": Mpi4jax,
-    "psum": Psum,
-    "gspmd": Gspmd,
-}
+@IMPLS.register("gspmd")
+class Gspmd(GlobalJax):
+    """A ``(P, n)`` global array sharded by rows; ``x.sum(axis=0)`` broadcast back,
+    the collective left to XLA's partitioner."""
+
+    def rows(self):
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        return NamedSharding(self.mesh, P(self.axis))
+
+    def reduce(self, v):
+        total = v.sum(axis=0, keepdims=True)
+        return self.jax.lax.with_sharding_constraint(
+            self.jax.numpy.broadcast_to(total, v.shape), self.rows()
+        )
+
+    def wrap(self, f, arity):
+        return self.jax.jit(f, out_shardings=self.rows())
+
+    def input_spec(self):
+        return self.jax.ShapeDtypeStruct(
+            (self.comm.Get_size(), self.n), self.dtype, sharding=self.rows()
+        )
+
+    def to_device(self, array):
+        import mpi4jax_dist
+
+        return mpi4jax_dist.to_global(array[None, :], self.mesh)
+
+    def to_host(self, array):
+        import mpi4jax_dist
+
+        return np.asarray(mpi4jax_dist.to_local(array))[0]
 
 
-def _device_peak():
-    import jax
+# ---------------------------------------------------------------------------------
+# The sweep
 
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+
+def check(impls: dict, n: int, comm, wrong: dict) -> None:
+    """Add to ``wrong[(name, mode)]`` the wrong elements (summed over ranks) of
+    ``call`` and ``loop(1)`` (both ``S``) and ``loop(2)`` (``P S``) from the
+    pattern; untimed. Leaves every implementation loaded with zeros."""
+    rank, procs = comm.Get_rank(), comm.Get_size()
+    dtype = next(iter(impls.values())).dtype
+    mine = pattern(n, rank, procs, dtype)
+    once, twice = expected(n, procs, dtype), expected(n, procs, dtype, 2)
+    zeros = np.zeros(n, dtype)
+    local = []
+    for impl in impls.values():
+        impl.load(mine)
+        impl.call()
+        bad_call = count_wrong(impl.result(), once)
+        impl.load(mine)
+        impl.loop(1)
+        bad_loop = count_wrong(impl.result(), once)
+        impl.load(mine)
+        impl.loop(2)
+        bad_loop += count_wrong(impl.result(), twice)
+        impl.load(zeros)
+        local += [bad_call, bad_loop]
+    total = comm.allreduce(np.asarray(local, np.int64))
+    for index, name in enumerate(impls):
+        wrong[(name, "call")] += int(total[2 * index])
+        wrong[(name, "loop")] += int(total[2 * index + 1])
 
 
 def measure(
-    name: str, nbytes: int, dtype, modes, samples: int, most_iters: int, comm
+    names, nbytes: int, dtype, modes, samples: int, most: int, comm
 ) -> list[dict]:
-    """Measure one implementation at one size in every mode; return result rows."""
-    import gc
-
-    import jax
-
+    """Build every implementation at one size, check, time, check; return rows."""
     itemsize = np.dtype(dtype).itemsize
     n = max(1, nbytes // itemsize)
     nbytes = n * itemsize
-    iters = iterations(nbytes, most_iters)
-    on_cpu = jax.default_backend() == "cpu"
-    gc.collect()
-    base, _ = _harness.rss_bytes()
-    impl = CLASSES[name](n, dtype, comm, iters)
-    rows, wrong, peak = [], 0, 0
-    for mode in modes:
-        run = impl.loop if mode == "loop" else impl.call
-        steps = iters if mode == "loop" else 1
-        impl.reset()
-        run()  # warm-up, compilation
-        wrong += impl.wrong()
-        # The peak over the timed samples: buffers, temporaries, compiled code;
-        # not the compiler's own working memory.
-        _harness.reset_peak_rss()
-        times = []
-        for _ in range(samples):
+    steps = _harness.steps_for(nbytes, most)
+    impls = {name: IMPLS[name](n, dtype, comm) for name in names}
+    wrong = {(name, mode): 0 for name in names for mode in MODES}
+    check(impls, n, comm, wrong)
+    keys, cases = [], []
+    for name, impl in impls.items():
+        for mode in modes:
+            keys.append((name, mode))
             if mode == "loop":
-                impl.reset()
-            comm.Barrier()
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) / steps)
-            wrong += impl.wrong()
-        peak = max(peak, _harness.rss_bytes()[1])
-        rows.append(
-            {
-                "impl": name,
-                "mode": mode,
-                "bytes": nbytes,
-                "count": n,
-                "dtype": str(np.dtype(dtype)),
-                "iters": steps,
-                "samples": samples,
-                **_harness.summary(_harness.slowest(times, comm)),
-            }
-        )
-    if not on_cpu:
-        peak, base = _device_peak(), 0
-    rise = None if peak is None else peak - base
-    # Below MEM_MIN_BYTES the RSS noise (pages, allocator) exceeds the message.
-    mem = None if rise is None or nbytes < MEM_MIN_BYTES else rise / nbytes
-    wrong = comm.allreduce(wrong)
-    del impl
+                cases.append(lambda impl=impl: impl.loop(steps))
+            else:
+                cases.append(lambda impl=impl: [impl.call() for _ in range(steps)])
+    # The checks have run every executable: nothing is left to compile.
+    with _harness.Compiles() as compiled:
+        times = _harness.time_rounds(cases, comm, samples)
+    check(impls, n, comm, wrong)
+    del impls
+    gc.collect()
+    procs = comm.Get_size()
+    rows = []
+    for (name, mode), sample in zip(keys, times, strict=True):
+        row = {
+            "bytes": nbytes,
+            "impl": name,
+            "mode": mode,
+            "count": n,
+            "dtype": np.dtype(dtype).name,
+            "steps": steps,
+            "samples": samples,
+            **_harness.summary(t / steps for t in sample),
+        }
+        row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
+        row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs
+        row["wrong"] = wrong[(name, mode)]
+        row["compiles"] = compiled.count  # during the timing, all cases together
+        rows.append(row)
+    floor = {r["mode"]: r["t_median_s"] for r in rows if r["impl"] == "mpi4py"}
     for row in rows:
-        row["peak_mem_rise_bytes"] = rise
-        row["peak_mem_x"] = mem
-        row["wrong"] = wrong
-        row["algbw_GBps"] = row["bytes"] / row["t_median_s"] / 1e9
-        row["busbw_GBps"] = (
-            row["algbw_GBps"] * 2 * (comm.Get_size() - 1) / comm.Get_size()
-        )
+        base = floor.get(row["mode"])
+        row["ratio"] = None if base is None else row["t_median_s"] / base
     return rows
 
 
-HEADER = (
-    f"# {'bytes':>10} {'impl':<15} {'mode':<5} {'t_min':>9} {'t_median':>9} "
-    f"{'t_max':>9} {'algbw':>7} {'busbw':>7} {'ratio':>6} {'mem':>6} {'wrong':>5}\n"
-    f"# {'per rank':>10} {'':<15} {'':<5} {'us':>9} {'us':>9} {'us':>9} "
-    f"{'GB/s':>7} {'GB/s':>7} {'':>6} {'x msg':>6} {'':>5}"
+TABLE = _harness.Table(
+    [
+        _harness.Column("bytes", "bytes", "per rank", 10),
+        _harness.Column("impl", "impl", "", 16, left=True),
+        _harness.Column("mode", "mode", "", 5, left=True),
+        _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
+        _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
+        _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
+        _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
+        _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
+        _harness.Column("ratio", "ratio", "", 6, ".2f"),
+        _harness.Column("wrong", "wrong", "", 5),
+    ]
 )
 
 
-def format_row(row: dict) -> str:
-    ratio = row.get("ratio")
-    mem = row.get("peak_mem_x")
-    return (
-        f"  {row['bytes']:>10} {row['impl']:<15} {row['mode']:<5} "
-        f"{row['t_min_s'] * 1e6:>9.1f} {row['t_median_s'] * 1e6:>9.1f} "
-        f"{row['t_max_s'] * 1e6:>9.1f} {row['algbw_GBps']:>7.3f} "
-        f"{row['busbw_GBps']:>7.3f} {'-' if ratio is None else f'{ratio:.2f}':>6} "
-        f"{'-' if mem is None else f'{mem:.1f}':>6} {row['wrong']:>5}"
-    )
-
-
 def plot(results: list[dict], path: str, title: str) -> None:
-    """Latency and bus bandwidth against size, log-log, a line per impl and mode."""
-    import matplotlib
+    """Latency and bus bandwidth against size, a line per implementation and mode
+    (solid: loop, dashed: call)."""
+    names = IMPLS.names()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def style(series):
+        impl, mode = series.split(" ")
+        index = names.index(impl) if impl in names else len(names)
+        return {
+            "color": f"C{index}",
+            "linestyle": "-" if mode == "(loop)" else "--",
+        }
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    keys = sorted(
-        {(r["impl"], r["mode"]) for r in results},
-        key=lambda k: (IMPLS.index(k[0]), k[1]),
+    _harness.plot_lines(
+        results,
+        path,
+        x="bytes",
+        panels=[
+            ("t_median_s", "median time per allreduce [us]", 1e6),
+            ("busbw_GBps", "bus bandwidth [GB/s]", 1.0),
+        ],
+        series=lambda r: f"{r['impl']} ({r['mode']})",
+        title=title,
+        xlabel="message size per rank [bytes]",
+        style=style,
     )
-    for impl, mode in keys:
-        rows = sorted(
-            (r for r in results if (r["impl"], r["mode"]) == (impl, mode)),
-            key=lambda r: r["bytes"],
-        )
-        sizes = [r["bytes"] for r in rows]
-        style = dict(
-            linestyle="-" if mode == "loop" else "--",
-            marker=".",
-            color=f"C{IMPLS.index(impl)}",
-            label=f"{impl} ({mode})",
-        )
-        left.plot(sizes, [r["t_median_s"] * 1e6 for r in rows], **style)
-        right.plot(sizes, [r["busbw_GBps"] for r in rows], **style)
-    for ax, label in (
-        (left, "median time per allreduce [us]"),
-        (right, "bus bandwidth [GB/s]"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size per rank [bytes]")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> list[dict]:
-    """Run the sweep; return the result rows (on every rank). Exits 1 on a wrong
-    element, naming the implementation and size."""
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes",
-        type=parse_sizes,
+        type=_harness.parse_sizes,
         default=DEFAULT_SIZES,
         help="bytes per rank, comma-separated (4,4096,1MiB); "
-        "default 4 B to 64 MiB by powers of 4",
+        "default 4 B to 64 MiB by powers of 8",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
         "--impls",
-        default=",".join(IMPLS),
-        help=f"comma-separated, from {', '.join(IMPLS)}",
+        default=",".join(IMPLS.names()),
+        help=f"comma-separated, from {', '.join(IMPLS.names())}",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="loop,call")
     parser.add_argument(
         "--iters",
         type=int,
         default=50,
-        help="K, collectives per loop sample (fewer for large messages)",
+        help="K, allreduces per timed sample (fewer for large messages, "
+        "about 16 MiB moved per sample, at least 3)",
     )
-    parser.add_argument("--samples", type=int, default=10, help="samples per measure")
-    parser.add_argument("--json", metavar="PATH", help="write meta and results here")
-    parser.add_argument("--plot", metavar="PNG", help="latency and busbw plot")
+    parser.add_argument("--samples", type=int, default=10, help="timed samples")
+    _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for name in impls:
-        if name not in IMPLS:
-            parser.error(f"--impls: unknown {name!r}; choose from {', '.join(IMPLS)}")
-    for mode in modes:
+    try:
+        args.impls = IMPLS.choose(args.impls, "--impls")
+    except ValueError as err:
+        parser.error(str(err))
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in args.modes:
         if mode not in MODES:
             parser.error(f"--modes: unknown {mode!r}; choose from loop, call")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    """Run the sweep; return the result rows (on every rank).
+
+    Raises:
+        SystemExit: 1 after the sweep when an element was wrong (each named in a
+            ``WRONG:`` line on rank 0's stderr); 2 for bad arguments, or a
+            ``--dtype`` that cannot hold the checked values for this many ranks.
+    """
+    args = parse_args(argv)
 
     import jax
 
     import mpi4jax_dist  # noqa: F401  (registers the MPI cluster env)
 
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
     if not jax.distributed.is_initialized():
         jax.distributed.initialize()
-    if args.dtype in ("float64",):
-        jax.config.update("jax_enable_x64", True)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rank0 = comm.Get_rank() == 0
+    try:
+        pattern_bound(comm.Get_size(), args.dtype)
+    except ValueError as err:
+        _harness.say(comm, f"allreduce.py: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     meta = _harness.meta(
         comm,
         dtype=args.dtype,
-        impls=impls,
-        modes=modes,
+        impls=args.impls,
+        modes=args.modes,
         iters=args.iters,
         samples=args.samples,
+        pattern="e_r(i) = a(i) + c(i) r + r^2, a and c in [0, "
+        f"{pattern_bound(comm.Get_size(), args.dtype)}] from a hash of i",
     )
-    if rank0:
-        print(
-            f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} "
-            f"node(s), {meta['mpi_library']}, jax {meta['versions']['jax']} "
-            f"({meta['backend']}, CPU collectives {meta['cpu_collectives']}), "
-            f"{args.dtype}"
-        )
-        print(
-            "# time per allreduce: loop = K back to back in one call / K; "
-            "call = one dispatch each; slowest rank per sample"
-        )
-        print(HEADER, flush=True)
+    _harness.say(
+        comm,
+        f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} node(s), "
+        f"{meta['mpi_library']}, jax {meta['versions']['jax']} ({meta['backend']}, "
+        f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
+        "# time per allreduce, collectives alone: loop = x <- allreduce(x) K times "
+        "in one dispatch / K; call = K dispatches / K; slowest rank per sample; "
+        "checked outside the timing",
+        TABLE.header(),
+    )
     results = []
     for index, nbytes in enumerate(args.sizes):
-        if rank0:
-            print(
-                f"# [{index + 1}/{len(args.sizes)}] {_harness.human_bytes(nbytes)}",
-                file=sys.stderr,
-                flush=True,
-            )
-        floor = {}
-        for name in impls:
-            for row in measure(
-                name, nbytes, args.dtype, modes, args.samples, args.iters, comm
-            ):
-                if name == "mpi4py":
-                    floor[row["mode"]] = row["t_median_s"]
-                base = floor.get(row["mode"])
-                row["ratio"] = None if base is None else row["t_median_s"] / base
-                results.append(row)
-                if rank0:
-                    print(format_row(row), flush=True)
-    if rank0 and args.json:
-        _harness.write_json(args.json, meta, results)
-    if rank0 and args.plot:
-        plot(
-            results,
-            args.plot,
-            f"allreduce, {meta['world_size']} ranks, "
-            f"{args.dtype}, {meta['backend']}",
+        _harness.say(
+            comm,
+            f"# [{index + 1}/{len(args.sizes)}] {_harness.human_bytes(nbytes)}",
+            file=sys.stderr,
         )
-    bad = sorted({(r["impl"], r["bytes"]) for r in results if r["wrong"]})
+        rows = measure(
+            args.impls, nbytes, args.dtype, args.modes, args.samples, args.iters, comm
+        )
+        results += rows
+        _harness.say(comm, *(TABLE.row(r) for r in rows))
+    _harness.save(
+        args,
+        meta,
+        results,
+        plot=lambda rows, path: plot(
+            rows,
+            path,
+            f"allreduce, {meta['world_size']} ranks, {args.dtype}, {meta['backend']}",
+        ),
+        comm=comm,
+    )
+    bad = [r for r in results if r["wrong"]]
     if bad:
-        if rank0:
-            for name, nbytes in bad:
-                print(
-                    f"WRONG: {name} gave wrong elements at {nbytes} bytes per rank",
-                    file=sys.stderr,
-                )
+        _harness.say(
+            comm,
+            *(
+                f"WRONG: {r['impl']} {r['mode']} at {r['bytes']} bytes per rank: "
+                f"{r['wrong']} elements"
+                for r in bad
+            ),
+            file=sys.stderr,
+        )
         raise SystemExit(1)
     return results
 
