@@ -1,7 +1,8 @@
 """Distributed CG: mpi4jax against shard_map/psum, classic against one reduction.
 
-    mpiexec -n N python benchmarks/cg.py [--n GRID] [--samples S --params P]
-        [--problems A,B] [--repeat R] [--json PATH] [--plot PATH.png]
+    mpiexec -n N python benchmarks/cg.py [--problems A,B] [--n GRID] [--tol T]
+        [--samples S --params P] [--backends ...] [--variants ...]
+        [--replace-every K] [--repeat R] [--json PATH] [--plot PATH.png]
 
 Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
 split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
@@ -10,23 +11,37 @@ equations ``(J^T J / Ns + eps I) x = f`` with a synthetic Jacobian (``S`` sample
 split across ranks, ``P`` parameters, column scales ``1/sqrt(1+j)``), ``f = J^T e /
 Ns``, checked against a dense SciPy solve (Woodbury form) on rank 0.
 
-Every backend x variant of :mod:`mpi4jax_dist.cg` runs, with the floor (classic CG
-in mpi4py + NumPy) and references: ``jax.scipy.sparse.linalg.cg`` on global arrays
-sharded over ``global_mesh()`` (what a JAX user tries first; XLA inserts the
-collectives), and for B the hand-written ``mpi4jax.allreduce(J.T @ (J @ x))`` inside
-``jax.scipy.sparse.linalg.cg``. All in float64, no preconditioner.
+Methods (``--backends``, default all): every variant (``--variants``) of
+:mod:`mpi4jax_dist.cg` with each of its backends (``mpi4jax``, ``psum``); the floor
+``mpi4py+numpy`` (classic CG in NumPy over mpi4py); the reference ``jax.scipy``
+(``jax.scipy.sparse.linalg.cg`` on global arrays sharded over ``global_mesh()``,
+what a JAX user tries first: XLA inserts the collectives); and for B
+``mpi4jax+jax.scipy`` (the hand-written ``mpi4jax.allreduce(J.T @ (J @ x))`` inside
+``jax.scipy.sparse.linalg.cg``). All in float64, no preconditioner.
 
-Timing: every method of a problem is compiled and run once (not timed); then
-``--repeat`` rounds time each method once in turn (round-robin, so that a drifting
-machine load touches all alike), each solve after a barrier and ended by
-``block_until_ready``; a solve's time is the slowest rank's; t/iter is the median
-over rounds divided by the iterations made (set-up and the final residual check
-included). Residual and error are recomputed here in NumPy for every method alike.
-Share reducing = reductions per iteration x the median time of one reduction of that
-payload, timed as a jitted loop of ``REDUCE_LOOP`` back-to-back reductions with the
-same mechanism (mpi4jax.allreduce, psum in shard_map, or mpi4py Allreduce), over
-t/iter: an estimate of the latency, without the waiting for slower ranks that a
-real iteration adds.
+Timing (``_harness.time_rounds``): every method of a problem runs once untimed
+(compilation, warm-up); then ``--repeat`` rounds time each method once in turn
+(round-robin), each solve after a barrier and ended by ``block_until_ready``; a
+solve's time is the slowest rank's; t/iter is the median over rounds divided by the
+iterations made (set-up and the final residual check included). Residual and error
+are recomputed here in NumPy for every method alike.
+
+Reductions per iteration, counted from what ran: for ``mpi4jax_dist.cg``,
+``info.reductions`` (the reductions in its compiled loop body, the matvec's
+included, times the iterations; see :mod:`mpi4jax_dist._hlo`); for the references,
+the reductions in the one while loop of their compiled program times their
+iterations (counted by a debug callback in an untimed run); for the floor, a counter
+in the communicator it calls. "design" is what the algorithm needs.
+
+Share reducing = counted reductions per iteration x the median time of one
+reduction of that payload, timed as a jitted loop of ``--reduce-loop`` back-to-back
+reductions with the same mechanism (mpi4jax.allreduce, psum in shard_map, or mpi4py
+Allreduce), over t/iter: an estimate of the latency, without the waiting for slower
+ranks that a real iteration adds. Those one-reduction times are printed too.
+
+Problem B also times the two forms of this rank's share of ``J^T J v`` alone,
+``(J @ v) @ J`` (what ``mpi4jax_dist.cg`` computes) and ``J.T @ (J @ v)`` (what the
+references compute, as users write it), and prints their ratio.
 
 Where the ranks fill the cores, run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``:
 NumPy's BLAS threads otherwise spin against the other ranks and the floor's dot
@@ -37,12 +52,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -52,7 +64,16 @@ import _harness  # noqa: E402
 FLOOR = "mpi4py+numpy"
 JAX_SCIPY = "jax.scipy"
 HAND = "mpi4jax+jax.scipy"
-REDUCE_LOOP = 200  # reductions per timed loop for the share estimate
+#: The methods --backends chooses from; mpi4jax_dist.cg's backends run every
+#: --variants, the others classic CG (their own).
+METHODS = _harness.Registry("CG method")
+METHODS.register(FLOOR, "classic CG in NumPy, reductions by mpi4py")
+METHODS.register("mpi4jax", "mpi4jax_dist.cg, backend mpi4jax")
+METHODS.register("psum", "mpi4jax_dist.cg, backend psum")
+METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays")
+METHODS.register(HAND, "jax.scipy.sparse.linalg.cg over mpi4jax.allreduce (B only)")
+REDUCE_LOOP = 200  # default reductions per timed loop for the share estimate
+B_DESIGN = 1  # shape B: the matvec's allreduce; the dot products are local
 THREAD_VARIABLES = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -105,11 +126,12 @@ class Poisson:
         ]
         return np.stack(rows)
 
-    def numpy_matvec(self):
-        """The floor's matvec: halo rows through mpi4py ``Sendrecv``."""
+    def numpy_matvec(self, comm=None):
+        """The floor's matvec: halo rows through mpi4py ``Sendrecv`` on ``comm``
+        (default the problem's)."""
         from mpi4py import MPI
 
-        comm, n = self.comm, self.n
+        comm, n = comm or self.comm, self.n
         up = comm.rank - 1 if comm.rank > 0 else MPI.PROC_NULL
         down = comm.rank + 1 if comm.rank < comm.size - 1 else MPI.PROC_NULL
         above, below = np.zeros(n), np.zeros(n)
@@ -224,42 +246,55 @@ class Jacobian:
                 x = scipy.linalg.solve(A, self.f, assume_a="pos")
         return self.comm.bcast(x, root=0)
 
-    def numpy_matvec(self):
+    def numpy_matvec(self, comm=None):
+        """The floor's matvec: ``J^T J v`` summed over ranks by mpi4py on ``comm``
+        (default the problem's)."""
         from mpi4py import MPI
 
-        J, out = self.J, np.empty(self.params)
+        comm, J, out = comm or self.comm, self.J, np.empty(self.params)
 
         def matvec(v):
-            self.comm.Allreduce(J.T @ (J @ v), out, op=MPI.SUM)
+            comm.Allreduce(J.T @ (J @ v), out, op=MPI.SUM)
             return out / self.samples + self.eps * v
 
         return matvec
 
 
 # ---------------------------------------------------------------------------------
-# Measuring
+# Counting and timing
 
 
-def slowest_median(comm, run, repeat):
-    """Return (median over runs of the slowest rank's seconds, last output).
+class CountingComm:
+    """An mpi4py communicator whose reductions are counted as they are called.
 
-    One untimed run first; then ``repeat`` runs, each after a barrier.
+    ``Allreduce`` and ``allreduce`` add one to :attr:`reductions`, then call the
+    wrapped communicator; every other attribute is the wrapped one's (the halo
+    ``Sendrecv`` is no reduction).
     """
-    import jax
-    from mpi4py import MPI
 
-    out = jax.block_until_ready(run())  # compilation and warm-up: not timed
-    times = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(run())
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return statistics.median(times), out
+    def __init__(self, comm):
+        self._comm, self.reductions = comm, 0
+
+    def Allreduce(self, *args, **kwargs):
+        self.reductions += 1
+        return self._comm.Allreduce(*args, **kwargs)
+
+    def allreduce(self, *args, **kwargs):
+        self.reductions += 1
+        return self._comm.allreduce(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
 
 
 def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
-    """The floor: classic unpreconditioned CG; returns (x, iterations, reductions)."""
+    """The floor: classic unpreconditioned CG.
+
+    ``matvec`` and the dot products reduce through ``comm``, a :class:`CountingComm`.
+
+    Returns:
+        ``(x, iterations, reductions made in the loop, recurrence residual)``.
+    """
     from mpi4py import MPI
 
     def dot(a, c):
@@ -267,10 +302,10 @@ def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
             return float(a @ c)
         return comm.allreduce(float(a @ c), op=MPI.SUM)
 
-    reductions = 0
     x, r = np.zeros_like(b), b.copy()
     p = r.copy()
     bb = rr = dot(r, r)
+    before = comm.reductions
     k = 0
     while k < maxiter and rr > tol * tol * bb:
         q = matvec(p)
@@ -279,21 +314,35 @@ def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
         r -= alpha * q
         rr, rr_old = dot(r, r), rr
         p = r + (rr / rr_old) * p
-        reductions += 2 if dots_global else 0
         k += 1
-    return x, k, reductions
+    return x, k, comm.reductions - before, np.sqrt(rr / (bb if bb > 0 else 1.0))
+
+
+def compiled_loop(jitted, args):
+    """Return the reductions of the one while loop that ``jitted`` compiles to for
+    ``args`` (None when there is not exactly one); compiles it, so that the next call
+    finds the executable in jit's cache."""
+    from mpi4jax_dist import _hlo
+
+    text = jitted.lower(*args).compile().as_text()
+    try:
+        return _hlo.loop_reductions(text)
+    except LookupError:
+        return None
 
 
 class ReductionTimer:
     """Seconds one reduction of a given payload takes, per mechanism, cached."""
 
-    def __init__(self, comm, mesh):
-        self.comm, self.mesh, self.cache = comm, mesh, {}
+    def __init__(self, comm, mesh, loop):
+        self.comm, self.mesh, self.loop, self.cache = comm, mesh, loop, {}
 
     def __call__(self, mechanism: str, count: int, dtype) -> float:
         key = (mechanism, count, np.dtype(dtype).name)
         if key not in self.cache:
-            self.cache[key] = getattr(self, "_" + mechanism)(count, np.dtype(dtype))
+            run = getattr(self, "_" + mechanism)(count, np.dtype(dtype))
+            samples = _harness.time_rounds([run], self.comm, 5)[0]
+            self.cache[key] = statistics.median(samples) / self.loop
         return self.cache[key]
 
     def _mpi4py(self, count, dtype):
@@ -302,11 +351,11 @@ class ReductionTimer:
         buf, out = np.ones(count, dtype), np.empty(count, dtype)
 
         def run():
-            for _ in range(REDUCE_LOOP):
+            for _ in range(self.loop):
                 self.comm.Allreduce(buf, out, op=MPI.SUM)
             return out
 
-        return slowest_median(self.comm, run, 5)[0] / REDUCE_LOOP
+        return run
 
     def _mpi4jax(self, count, dtype):
         import jax
@@ -319,13 +368,13 @@ class ReductionTimer:
         loop = jax.jit(
             lambda v: lax.fori_loop(
                 0,
-                REDUCE_LOOP,
+                self.loop,
                 lambda i, v: mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm) * scale,
                 v,
             )
         )
         v = jnp.ones(count, dtype)
-        return slowest_median(self.comm, lambda: loop(v), 5)[0] / REDUCE_LOOP
+        return lambda: loop(v)
 
     def _psum(self, count, dtype):
         import jax
@@ -339,7 +388,7 @@ class ReductionTimer:
 
         def body(v):
             return lax.fori_loop(
-                0, REDUCE_LOOP, lambda i, v: lax.psum(v, axis) * (1.0 / size), v
+                0, self.loop, lambda i, v: lax.psum(v, axis) * (1.0 / size), v
             )
 
         loop = jax.jit(
@@ -352,33 +401,25 @@ class ReductionTimer:
             )
         )
         v = jnp.ones(count, dtype)
-        return slowest_median(self.comm, lambda: loop(v), 5)[0] / REDUCE_LOOP
+        return lambda: loop(v)
 
 
-HEADER = (
-    f"# {'problem':<7} {'backend':<17} {'variant':<14} {'iters':>6} {'rel.res':>9} "
-    f"{'error':>9} {'t/iter':>10} {'red/it':>6} {'counted':>7} {'B/iter':>8} "
-    f"{'reducing':>8}"
+TABLE = _harness.Table(
+    [
+        _harness.Column("problem", "problem", width=7, left=True),
+        _harness.Column("backend", "backend", width=17, left=True),
+        _harness.Column("variant", "variant", width=14, left=True),
+        _harness.Column("iterations", "iters", width=6),
+        _harness.Column("rel_residual", "rel.res", "true", 9, ".2e"),
+        _harness.Column("recurrence_residual", "rel.res", "recur.", 9, ".2e"),
+        _harness.Column("error", "error", "", 9, ".2e"),
+        _harness.Column("t_iter_s", "t/iter", "[us]", 10, ".1f", 1e6),
+        _harness.Column("reductions_per_iter", "red/it", "design", 6),
+        _harness.Column("reductions_per_iter_counted", "red/it", "counted", 7, ".2f"),
+        _harness.Column("bytes_per_iter", "B/iter", "[bytes]", 8),
+        _harness.Column("reduce_share", "reducing", "[%]", 8, ".0f", 100),
+    ]
 )
-UNITS = (
-    f"# {'':<7} {'':<17} {'':<14} {'':>6} {'':>9} {'':>9} {'[us]':>10} "
-    f"{'design':>6} {'':>7} {'[bytes]':>8} {'[%]':>8}"
-)
-
-
-def format_row(r):
-    counted = (
-        "-"
-        if r["reductions_per_iter_counted"] is None
-        else (f"{r['reductions_per_iter_counted']:.2f}")
-    )
-    share = "-" if r["reduce_share"] is None else f"{100 * r['reduce_share']:.0f}"
-    return (
-        f"  {r['problem']:<7} {r['backend']:<17} {r['variant']:<14} "
-        f"{r['iterations']:>6} {r['rel_residual']:>9.2e} {r['error']:>9.2e} "
-        f"{r['t_iter_s'] * 1e6:>10.1f} {r['reductions_per_iter']:>6} {counted:>7} "
-        f"{r['bytes_per_iter']:>8} {share:>8}"
-    )
 
 
 class Bench:
@@ -386,12 +427,14 @@ class Bench:
 
     def __init__(self, args, comm, mesh):
         self.args, self.comm, self.mesh = args, comm, mesh
-        self.results, self.queue = [], []
-        self.timer = ReductionTimer(comm, mesh)
+        self.results, self.queue, self.notes = [], [], {}
+        self.timer = ReductionTimer(comm, mesh, args.reduce_loop)
 
-    def say(self, text):
-        if self.comm.rank == 0:
-            print(text, flush=True)
+    def say(self, *lines):
+        _harness.say(self.comm, *lines)
+
+    def wants(self, method):
+        return method in self.args.backends
 
     def record(
         self,
@@ -399,7 +442,7 @@ class Bench:
         backend,
         variant,
         *,
-        t_solve,
+        samples,
         iterations,
         x_local,
         check,
@@ -408,97 +451,120 @@ class Bench:
         bytes_per_iter,
         mechanism,
         payload_dtype,
+        recurrence=None,
         extra=None,
     ):
-        """Check ``x_local`` with ``check`` and add one result row."""
+        """Check ``x_local`` with ``check`` and add one result row.
+
+        ``samples`` are the solve's timed rounds (slowest rank each); ``counted`` the
+        reductions made in the loop, counted from what ran (None: not known).
+        """
         rel_residual, error = check(np.asarray(x_local, dtype=np.float64))
         count = bytes_per_iter // max(design, 1) // np.dtype(payload_dtype).itemsize
+        timing = _harness.summary(samples, "t_solve")
+        t_solve = timing["t_solve_median_s"]
         t_iter = t_solve / max(iterations, 1)
+        per_iter = None if counted is None else counted / max(iterations, 1)
         share = None
-        if mechanism is not None and design:
+        reductions = design if per_iter is None else per_iter
+        if mechanism is not None and reductions:
             one = self.timer(mechanism, max(count, 1), payload_dtype)
-            share = design * one / t_iter
+            share = reductions * one / t_iter
         row = {
             "problem": problem,
             "backend": backend,
             "variant": variant,
             "iterations": int(iterations),
             "rel_residual": float(rel_residual),
+            "recurrence_residual": None if recurrence is None else float(recurrence),
             "error": float(error),
             "t_iter_s": t_iter,
             "t_solve_s": t_solve,
+            **timing,
             "reductions_per_iter": design,
-            "reductions_per_iter_counted": (
-                None if counted is None else counted / max(iterations, 1)
-            ),
+            "reductions_per_iter_counted": per_iter,
+            "reductions_counted": counted,
             "bytes_per_iter": int(bytes_per_iter),
             "reduce_share": share,
             "reduce_timing": mechanism,
         }
         row.update(extra or {})
         self.results.append(row)
-        self.say(format_row(row))
+        self.say(TABLE.row(row))
         return row
 
     # Measuring: every method of a problem round-robin ------------------------------
 
     def add(self, run, finish):
-        """Queue a method: ``run()`` solves, ``finish(t_solve, output)`` records."""
+        """Queue a method: ``run()`` solves, ``finish(samples, output)`` records."""
         self.queue.append((run, finish))
 
     def measure(self):
-        """Time the queued methods round-robin, then record them in order.
+        """Time the queued methods round-robin (``_harness.time_rounds``), then
+        record them in order, each with the output of its last run."""
+        outputs = [None] * len(self.queue)
 
-        Each method is compiled and run once first (not timed). Then each of
-        ``--repeat`` rounds times every method once: barrier, solve,
-        ``block_until_ready``, the slowest rank's wall. A drifting machine load thus
-        touches every method alike; each method's time is its median over rounds.
-        """
-        import jax
-        from mpi4py import MPI
+        def keep(index, run):
+            def case():
+                outputs[index] = run()
+                return outputs[index]
 
-        outputs = [jax.block_until_ready(run()) for run, _ in self.queue]
-        times = [[] for _ in self.queue]
-        for _ in range(self.args.repeat):
-            for i, (run, _) in enumerate(self.queue):
-                self.comm.Barrier()
-                t0 = time.perf_counter()
-                outputs[i] = jax.block_until_ready(run())
-                elapsed = time.perf_counter() - t0
-                times[i].append(self.comm.allreduce(elapsed, op=MPI.MAX))
+            return case
+
+        cases = [keep(i, run) for i, (run, _) in enumerate(self.queue)]
+        times = _harness.time_rounds(cases, self.comm, self.args.repeat)
         for (_, finish), samples, output in zip(
             self.queue, times, outputs, strict=True
         ):
-            finish(statistics.median(samples), output)
+            finish(samples, output)
         self.queue = []
 
-    # The three kinds of methods, shared by both problems ---------------------------
+    def reduction_times(self, problem):
+        """Print the one-reduction times this problem's share estimates used."""
+        parts = [
+            f"{mechanism} {count} x {dtype} {seconds * 1e6:.1f} us"
+            for (mechanism, count, dtype), seconds in self.timer.cache.items()
+        ]
+        self.notes.setdefault("one_reduction_s", {}).update(
+            {f"{m}/{c}x{d}": t for (m, c, d), t in self.timer.cache.items()}
+        )
+        if parts:
+            self.say(
+                f"# {problem}: one reduction, median of a jitted loop of "
+                f"{self.args.reduce_loop}: " + ", ".join(parts)
+            )
+        self.timer.cache.clear()
+
+    # The kinds of methods, shared by both problems ---------------------------------
 
     def add_floor(self, problem, prob, check, dots_global):
-        matvec = prob.numpy_matvec()
         b = prob.b if problem == "A" else prob.f
-        tol, maxiter = self.tol, self.maxiter
+        tol, maxiter, comm = self.tol, self.maxiter, self.comm
 
-        def finish(t, output):
-            x, k, reductions = output
+        def run():
+            counting = CountingComm(comm)
+            matvec = prob.numpy_matvec(counting)
+            return numpy_cg(matvec, b, counting, tol, maxiter, dots_global)
+
+        def finish(samples, output):
+            x, k, reductions, recurrence = output
             self.record(
                 problem,
                 FLOOR,
                 "classic",
-                t_solve=t,
+                samples=samples,
                 iterations=k,
                 x_local=x,
                 check=check,
-                design=2 if dots_global else 1,
-                counted=reductions + (0 if dots_global else k),
+                design=2 if dots_global else B_DESIGN,
+                counted=reductions,
                 mechanism="mpi4py",
                 bytes_per_iter=16 if dots_global else 8 * prob.size,
                 payload_dtype=np.float64,
+                recurrence=recurrence,
             )
 
-        self.add(
-            lambda: numpy_cg(matvec, b, self.comm, tol, maxiter, dots_global), finish
-        )
+        self.add(run, finish)
 
     def add_ours(
         self,
@@ -514,24 +580,26 @@ class Bench:
     ):
         from mpi4jax_dist import to_local
 
-        def finish(t, output):
+        def finish(samples, output):
             x, info = output
             self.record(
                 problem,
                 backend,
                 label,
-                t_solve=t,
+                samples=samples,
                 iterations=int(info.iterations),
                 x_local=to_local(x) if backend == "psum" else x,
                 check=check,
                 design=design,
-                counted=int(info.reductions),
+                counted=None if int(info.reductions) < 0 else int(info.reductions),
                 bytes_per_iter=nbytes,
                 mechanism=backend,
                 payload_dtype=payload_dtype,
+                recurrence=float(info.recurrence_residual),
                 extra={
                     "rel_residual_info": float(info.rel_residual),
                     "converged": bool(info.converged),
+                    "matvecs": int(info.matvecs),
                     **(extra or {}),
                 },
             )
@@ -541,18 +609,20 @@ class Bench:
     def add_jax_cg(
         self, problem, backend, make, args_, check, design, nbytes, mechanism, to_numpy
     ):
-        """Queue a ``jax.scipy.sparse.linalg.cg`` reference; iterations counted apart.
+        """Queue a ``jax.scipy.sparse.linalg.cg`` reference.
 
         ``make(counter)`` returns the jitted solve; with a counter, its matvec calls
         it through ``jax.debug.callback``, in an untimed run after the timed ones (on
         rank 0 every matvec fires it: one for the initial residual, one per
-        iteration).
+        iteration). The reductions per iteration are those of the while loop of the
+        timed program (``make(None)``), compiled here.
         """
         import jax
 
         solve = make(None)
+        loop = compiled_loop(solve, args_)
 
-        def finish(t, x):
+        def finish(samples, x):
             calls = [0]
 
             def count():
@@ -560,16 +630,19 @@ class Bench:
 
             jax.block_until_ready(make(count)(*args_))
             iterations = self.comm.bcast(calls[0] - 1, root=0)
+            counted = None
+            if loop is not None and loop.exact:
+                counted = loop.total(iterations)
             self.record(
                 problem,
                 backend,
                 "cg",
-                t_solve=t,
+                samples=samples,
                 iterations=iterations,
                 x_local=to_numpy(x),
                 check=check,
                 design=design,
-                counted=None,
+                counted=counted,
                 bytes_per_iter=nbytes,
                 mechanism=mechanism,
                 payload_dtype=np.float64,
@@ -590,28 +663,35 @@ class Bench:
         prob = Poisson(args.n, comm)
         self.tol = tol = args.tol
         self.maxiter = maxiter = args.maxiter or 10 * args.n * args.n
-        floor_matvec = prob.numpy_matvec()
+        check_matvec = prob.numpy_matvec()
         norms = self._norms(prob.b, prob.x_true)
 
         def check(x):
-            r = prob.b - floor_matvec(x)
+            r = prob.b - check_matvec(x)
             return self._ratio(r, norms[0]), self._ratio(x - prob.x_true, norms[1])
 
         self.say(
             f"# A: 2D Poisson {args.n} x {args.n}, {prob.rows} grid rows per "
             f"rank, tol {self.tol:g}, maxiter {self.maxiter}"
         )
-        self.add_floor("A", prob, check, dots_global=True)
+        if self.wants(FLOOR):
+            self.add_floor("A", prob, check, dots_global=True)
         b_local = jnp.asarray(prob.b)
         b_global = to_global(b_local, mesh)
-        for backend in cg.BACKENDS:
+        for backend in (b for b in cg.BACKENDS if self.wants(b)):
             if backend == "mpi4jax":
                 matvec, b = prob.mpi4jax_matvec(), b_local
             else:
                 matvec, b = prob.shard_matvec(mesh), b_global
-            for variant in cg.VARIANTS:
+            for variant in args.variants:
+                record = cg.VARIANT_RECORDS[variant]
                 solver = cg.make_solver(
-                    matvec, backend=backend, variant=variant, comm=comm, mesh=mesh
+                    matvec,
+                    backend=backend,
+                    variant=variant,
+                    comm=comm,
+                    mesh=mesh,
+                    replace_every=args.replace_every,
                 )
                 solve = functools.partial(solver, b, tol=tol, maxiter=maxiter)
                 self.add_ours(
@@ -620,39 +700,42 @@ class Bench:
                     variant,
                     solve,
                     check,
-                    cg.REDUCTIONS_PER_ITERATION[variant],
-                    8 * cg.SCALARS_PER_ITERATION[variant],
+                    record.reductions_by_design,
+                    8 * record.scalars,
                     np.float64,
+                    extra={"replace_every": solver.replace_every},
                 )
 
-        rows = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
-        global_matvec = prob.global_matvec()
+        if self.wants(JAX_SCIPY):
+            rows = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+            global_matvec = prob.global_matvec()
 
-        def make(counter):
-            def matvec(v):
-                if counter is not None:
-                    jax.debug.callback(counter)
-                return global_matvec(v)
+            def make(counter):
+                def matvec(v):
+                    if counter is not None:
+                        jax.debug.callback(counter)
+                    return global_matvec(v)
 
-            return jax.jit(
-                lambda b: jax.scipy.sparse.linalg.cg(
-                    matvec, b, tol=tol, maxiter=maxiter
-                )[0],
-                out_shardings=rows,
+                return jax.jit(
+                    lambda b: jax.scipy.sparse.linalg.cg(
+                        matvec, b, tol=tol, maxiter=maxiter
+                    )[0],
+                    out_shardings=rows,
+                )
+
+            self.add_jax_cg(
+                "A",
+                JAX_SCIPY,
+                make,
+                (b_global,),
+                check,
+                2,
+                16,
+                "psum",
+                lambda x: np.asarray(to_local(x)),
             )
-
-        self.add_jax_cg(
-            "A",
-            JAX_SCIPY,
-            make,
-            (b_global,),
-            check,
-            2,
-            16,
-            "psum",
-            lambda x: np.asarray(to_local(x)),
-        )
         self.measure()
+        self.reduction_times("A")
 
     def problem_b(self):
         import jax
@@ -661,17 +744,17 @@ class Bench:
         from jax.sharding import NamedSharding, PartitionSpec
         from mpi4py import MPI
 
-        from mpi4jax_dist import cg, to_global
+        from mpi4jax_dist import cg, to_global, to_local
 
         args, comm, mesh = self.args, self.comm, self.mesh
         prob = Jacobian(args.samples, args.params, args.eps, comm)
         self.tol, self.maxiter = tol, maxiter = args.tol_b, args.maxiter_b
         x_ref = prob.reference()
-        floor_matvec = prob.numpy_matvec()
+        check_matvec = prob.numpy_matvec()
         f_norm, ref_norm = np.linalg.norm(prob.f), np.linalg.norm(x_ref)
 
         def check(x):
-            r = prob.f - floor_matvec(x)
+            r = prob.f - check_matvec(x)
             return np.linalg.norm(r) / f_norm, np.linalg.norm(x - x_ref) / ref_norm
 
         P, Ns, eps = args.params, args.samples, args.eps
@@ -680,15 +763,15 @@ class Bench:
             f"per rank) x {P} params, eps {eps:g}, tol {self.tol:g}, maxiter "
             f"{self.maxiter}"
         )
-        self.say(
-            "# mpi4jax_dist.cg computes J^T J v as (J @ v) @ J; the references "
-            "keep J.T @ (J @ v) as users write it (2.4x slower in XLA on CPU)"
-        )
-        self.add_floor("B", prob, check, dots_global=False)
         J_local, f = jnp.asarray(prob.J), jnp.asarray(prob.f)
+        self.matvec_forms(J_local)
+        if self.wants(FLOOR):
+            self.add_floor("B", prob, check, dots_global=False)
         J_global = to_global(J_local, mesh)
-        cases = [(v, None) for v in cg.VARIANTS] + [("classic", "float32")]
-        for backend in cg.BACKENDS:
+        cases = [(v, None) for v in args.variants]
+        if "classic" in args.variants:
+            cases.append(("classic", "float32"))
+        for backend in (b for b in cg.BACKENDS if self.wants(b)):
             J = J_local if backend == "mpi4jax" else J_global
             for variant, narrow in cases:
                 solver = cg.make_normal_solver(
@@ -697,6 +780,7 @@ class Bench:
                     reduce_dtype=narrow,
                     comm=comm,
                     mesh=mesh,
+                    replace_every=args.replace_every,
                 )
                 payload = np.dtype(narrow or np.float64)
                 solve = functools.partial(solver, J, f, eps, tol=tol, maxiter=maxiter)
@@ -706,61 +790,101 @@ class Bench:
                     variant + ("/f32red" if narrow else ""),
                     solve,
                     check,
-                    1,
+                    B_DESIGN,
                     payload.itemsize * P,
                     payload,
-                    extra={"reduce_dtype": payload.name},
+                    extra={
+                        "reduce_dtype": payload.name,
+                        "replace_every": solver.replace_every,
+                    },
                 )
 
-        replicated = NamedSharding(mesh, PartitionSpec())
+        if self.wants(JAX_SCIPY):
+            replicated = NamedSharding(mesh, PartitionSpec())
 
-        def make_global(counter):
-            def matvec(J, v):
-                if counter is not None:
-                    jax.debug.callback(counter)
-                return J.T @ (J @ v) / Ns + eps * v
+            def make_global(counter):
+                def matvec(J, v):
+                    if counter is not None:
+                        jax.debug.callback(counter)
+                    return J.T @ (J @ v) / Ns + eps * v
 
-            return jax.jit(
-                lambda J, f: jax.scipy.sparse.linalg.cg(
-                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
-                )[0],
-                out_shardings=replicated,
-            )
-
-        from mpi4jax_dist import to_local
-
-        self.add_jax_cg(
-            "B",
-            JAX_SCIPY,
-            make_global,
-            (J_global, f),
-            check,
-            1,
-            8 * P,
-            "psum",
-            lambda x: np.asarray(to_local(x)),
-        )
-
-        def make_hand(counter):
-            def matvec(J, v):
-                if counter is not None:
-                    jax.debug.callback(counter)
-                return (
-                    mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm) / Ns
-                    + eps * v
+                return jax.jit(
+                    lambda J, f: jax.scipy.sparse.linalg.cg(
+                        lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
+                    )[0],
+                    out_shardings=replicated,
                 )
 
-            return jax.jit(
-                lambda J, f: jax.scipy.sparse.linalg.cg(
-                    lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
-                )[0]
+            self.add_jax_cg(
+                "B",
+                JAX_SCIPY,
+                make_global,
+                (J_global, f),
+                check,
+                B_DESIGN,
+                8 * P,
+                "psum",
+                lambda x: np.asarray(to_local(x)),
             )
 
-        # Every rank counts its own matvecs here; rank 0's count is broadcast.
-        self.add_jax_cg(
-            "B", HAND, make_hand, (J_local, f), check, 1, 8 * P, "mpi4jax", np.asarray
-        )
+        if self.wants(HAND):
+
+            def make_hand(counter):
+                def matvec(J, v):
+                    if counter is not None:
+                        jax.debug.callback(counter)
+                    return (
+                        mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm) / Ns
+                        + eps * v
+                    )
+
+                return jax.jit(
+                    lambda J, f: jax.scipy.sparse.linalg.cg(
+                        lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
+                    )[0]
+                )
+
+            # Every rank counts its own matvecs here; rank 0's count is broadcast.
+            self.add_jax_cg(
+                "B",
+                HAND,
+                make_hand,
+                (J_local, f),
+                check,
+                B_DESIGN,
+                8 * P,
+                "mpi4jax",
+                np.asarray,
+            )
         self.measure()
+        self.reduction_times("B")
+
+    def matvec_forms(self, J_local):
+        """Time this rank's ``J^T J v`` in both forms, alone, and print the ratio."""
+        import jax
+        import jax.numpy as jnp
+
+        forms = {
+            "(J @ v) @ J": jax.jit(lambda J, v: (J @ v) @ J),
+            "J.T @ (J @ v)": jax.jit(lambda J, v: J.T @ (J @ v)),
+        }
+        v = jnp.ones(J_local.shape[1], J_local.dtype)
+        cases = [functools.partial(form, J_local, v) for form in forms.values()]
+        samples = max(self.args.repeat, 5)
+        times = _harness.time_rounds(cases, self.comm, samples)
+        median = {
+            name: statistics.median(t) for name, t in zip(forms, times, strict=True)
+        }
+        ratio = median["J.T @ (J @ v)"] / median["(J @ v) @ J"]
+        self.notes["matvec_forms_s"] = median
+        self.notes["matvec_forms_ratio"] = ratio
+        rows, cols = J_local.shape
+        self.say(
+            f"# B: this rank's J^T J v ({rows} x {cols} J), median of {samples}: "
+            f"(J @ v) @ J {median['(J @ v) @ J'] * 1e3:.3g} ms (mpi4jax_dist.cg), "
+            f"J.T @ (J @ v) {median['J.T @ (J @ v)'] * 1e3:.3g} ms (the "
+            f"references): {ratio:.2f}x"
+        )
 
     # Helpers --------------------------------------------------------------------
 
@@ -773,22 +897,23 @@ class Bench:
         return np.sqrt(self.comm.allreduce(float(v @ v), op=MPI.SUM)) / norm
 
     def speedups(self):
-        """Add t/iter and solve-time speedups over classic; print them per backend."""
+        """Add t/iter and solve-time speedups over classic and over jax.scipy's cg;
+        print them per problem and backend."""
+        from mpi4jax_dist import cg
+
         lines = []
         for problem in ("A", "B"):
-            for backend in ("mpi4jax", "psum"):
-                mine = {
-                    r["variant"]: r
-                    for r in self.results
-                    if r["problem"] == problem and r["backend"] == backend
-                }
-                if "classic" not in mine:
-                    continue
-                base = mine["classic"]
+            rows = [r for r in self.results if r["problem"] == problem]
+            reference = next((r for r in rows if r["backend"] == JAX_SCIPY), None)
+            for backend in cg.BACKENDS:
+                mine = {r["variant"]: r for r in rows if r["backend"] == backend}
+                base = mine.get("classic")
                 parts = []
-                for variant in ("single", "pipelined"):
-                    if variant in mine:
-                        row = mine[variant]
+                for variant, row in mine.items():
+                    if base is not None and variant not in (
+                        "classic",
+                        "classic/f32red",
+                    ):
                         row["speedup_vs_classic"] = base["t_iter_s"] / row["t_iter_s"]
                         row["solve_speedup_vs_classic"] = (
                             base["t_solve_s"] / row["t_solve_s"]
@@ -797,62 +922,66 @@ class Bench:
                             f"{variant} {row['speedup_vs_classic']:.2f}x "
                             f"({row['solve_speedup_vs_classic']:.2f}x)"
                         )
-                lines.append(
-                    f"# speedup over classic, t/iter (solve): {problem} "
-                    f"{backend}: " + ", ".join(parts)
-                )
-        for line in lines:
-            self.say(line)
+                if parts:
+                    lines.append(
+                        f"# speedup over classic, t/iter (solve): {problem} "
+                        f"{backend}: " + ", ".join(parts)
+                    )
+                if reference is not None and mine:
+                    for row in mine.values():
+                        row["t_iter_over_jax_scipy"] = (
+                            row["t_iter_s"] / reference["t_iter_s"]
+                        )
+                    lines.append(
+                        f"# t/iter over jax.scipy's: {problem} {backend}: "
+                        + ", ".join(
+                            f"{v} {r['t_iter_over_jax_scipy']:.2f}"
+                            for v, r in mine.items()
+                        )
+                    )
+        self.say(*lines)
 
 
-def metadata(args, comm) -> dict:
+def metadata(args, comm, notes) -> dict:
     import scipy
 
     meta = _harness.meta(
         comm,
-        machine=platform.machine(),
-        python=platform.python_version(),
         threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
         args=vars(args),
-        timing="median over --repeat solves of the slowest rank's wall time, "
-        "compilation and one warm-up solve excluded; t_iter_s = that / "
+        timing="median over --repeat solves (round-robin) of the slowest rank's "
+        "wall time, compilation and one warm-up solve excluded; t_iter_s = that / "
         "iterations",
-        reduce_share=f"reductions/iter x median time of one reduction of the "
-        f"same payload in a jitted loop of {REDUCE_LOOP}, / t_iter",
+        reductions_counted="mpi4jax_dist.cg: info.reductions (compiled loop body x "
+        "iterations); jax.scipy references: their compiled while body x "
+        "iterations; floor: a counter in the communicator",
+        reduce_share=f"counted reductions/iter x median time of one reduction of "
+        f"the same payload in a jitted loop of {args.reduce_loop}, / t_iter",
+        **notes,
     )
     meta["versions"]["scipy"] = scipy.__version__
     return meta
 
 
+COLORS = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2", HAND: "C3"}
+
+
 def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    problems = sorted({r["problem"] for r in results})
-    fig, axes = plt.subplots(
-        1, len(problems), figsize=(6 * len(problems), 4.5), squeeze=False
+    _harness.plot_bars(
+        results,
+        path,
+        key="t_iter_s",
+        label="time per iteration [us]",
+        scale=1e6,
+        group=lambda r: f"problem {r['problem']}",
+        bar=lambda r: f"{r['backend']}\n{r['variant']}",
+        color=lambda r: COLORS.get(r["backend"], "C4"),
     )
-    colors = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2", HAND: "C3"}
-    for ax, problem in zip(axes[0], problems, strict=True):
-        rows = [r for r in results if r["problem"] == problem]
-        labels = [f"{r['backend']}\n{r['variant']}" for r in rows]
-        ax.bar(
-            range(len(rows)),
-            [r["t_iter_s"] * 1e6 for r in rows],
-            color=[colors.get(r["backend"], "C4") for r in rows],
-        )
-        ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("time per iteration [us]")
-        ax.set_title(f"problem {problem}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse(argv):
+    from mpi4jax_dist import cg
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default="A,B", help="comma-separated: A,B")
     parser.add_argument("--n", type=int, default=64, help="grid side of problem A")
@@ -874,21 +1003,55 @@ def parse(argv):
     parser.add_argument(
         "--maxiter-b", type=int, default=200, help="iterations cap of problem B"
     )
+    parser.add_argument(
+        "--backends",
+        default=",".join(METHODS.names()),
+        help=f"comma-separated methods (default all): {', '.join(METHODS.names())}",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(cg.VARIANTS),
+        help=f"comma-separated variants of mpi4jax_dist.cg (default all): "
+        f"{', '.join(cg.VARIANTS)}",
+    )
+    parser.add_argument(
+        "--replace-every",
+        type=int,
+        default=cg.DEFAULT_REPLACE_EVERY,
+        help="residual replacement period of the variants that replace "
+        f"(pipelined; 0: none; default {cg.DEFAULT_REPLACE_EVERY})",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed solves each")
-    parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--plot", metavar="PATH", help="bar chart (PNG) here")
+    parser.add_argument(
+        "--reduce-loop",
+        type=int,
+        default=REDUCE_LOOP,
+        help="reductions per timed loop of the share estimate",
+    )
+    _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     problems = [p.strip().upper() for p in args.problems.split(",") if p.strip()]
     bad = [p for p in problems if p not in ("A", "B")]
     if bad or not problems:
         parser.error(f"--problems {args.problems!r}: expected A, B or A,B")
     args.problems = problems
+    variants = _harness.Registry("variant")
+    for name in cg.VARIANTS:
+        variants.register(name, cg.VARIANT_RECORDS[name])
+    try:
+        args.backends = METHODS.choose(args.backends, "--backends")
+        args.variants = variants.choose(args.variants, "--variants")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.replace_every < 0 or args.repeat < 1 or args.reduce_loop < 1:
+        parser.error("--replace-every must be >= 0, --repeat and --reduce-loop >= 1")
     return args
 
 
 def main(argv=None) -> list[dict]:
-    args = parse(argv)
+    # Before anything imports jax (parse imports mpi4jax_dist.cg).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    args = parse(argv)
     import jax
 
     import mpi4jax_dist
@@ -903,39 +1066,32 @@ def main(argv=None) -> list[dict]:
         bench = Bench(args, comm, mpi4jax_dist.global_mesh())
         bench.say(
             f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
-            f"({jax.default_backend()}), float64, no preconditioner"
-        )
-        bench.say(
+            f"({jax.default_backend()}), float64, no preconditioner; "
+            f"replace_every {args.replace_every} (pipelined)",
             "# "
             + ", ".join(
                 f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
-            )
+            ),
+            f"# t/iter: median over {args.repeat} rounds of the slowest rank's solve "
+            f"wall, compile excluded, / iterations; methods timed round-robin",
+            "# red/it counted: from what ran (the compiled loop body x iterations; "
+            "the floor: a counter in its communicator)",
+            f"# reducing: red/it counted x one reduction of that payload, timed in a "
+            f"jitted loop of {args.reduce_loop}, / t/iter",
+            TABLE.header(),
         )
-        bench.say(
-            "# t/iter: median over rounds of the slowest rank's solve wall, "
-            "compile excluded, / iterations; methods timed round-robin"
-        )
-        bench.say(
-            f"# reducing: red/it (design) x one reduction of that payload, "
-            f"timed in a jitted loop of {REDUCE_LOOP}, / t/iter"
-        )
-        bench.say(HEADER)
-        bench.say(UNITS)
         if "A" in args.problems:
             bench.problem_a()
         if "B" in args.problems:
             bench.problem_b()
         bench.speedups()
-        if comm.rank == 0:
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(
-                        {"meta": metadata(args, comm), "results": bench.results},
-                        f,
-                        indent=1,
-                    )
-            if args.plot:
-                plot(bench.results, args.plot)
+        _harness.save(
+            args,
+            metadata(args, comm, bench.notes),
+            bench.results,
+            plot=plot,
+            comm=comm,
+        )
         comm.Barrier()
         return bench.results
     finally:

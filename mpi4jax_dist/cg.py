@@ -32,10 +32,16 @@ variant        recurrences                                          reductions/i
                two can overlap where the runtime allows it
 =============  ===================================================  ==============
 
-The whole solve is one jitted ``lax.while_loop``. Reductions and matvecs are counted
-at run time in the loop carry and returned in :class:`CGInfo`. Outside the loop, the
-set-up makes one reduction (fused with ``||b||``) and one to three matvecs, and the
-final true-residual check one matvec and one reduction; none of these is counted.
+The whole solve is one jitted ``lax.while_loop``; :class:`CGInfo` says what it did.
+Matvecs and residual replacements are counted at run time in the loop carry.
+Reductions are counted in the program that ran: the first call with each input
+signature compiles the solve ahead of time, :mod:`mpi4jax_dist._hlo` counts the
+reductions in the compiled loop body (the dot products', the user's matvec's, after
+XLA dropped or combined what it could) and in the replacement branch, and the solve
+computes ``iterations x body + replacements x branch`` in that same program (the
+call reuses the executable: nothing compiles twice). Outside the loop, the set-up
+makes one reduction (fused with ``||b||``) and one to three matvecs, and the final
+true-residual check one matvec and one reduction; none of these is counted.
 
 Stability: ``pipelined`` propagates four more recurrences than ``single``, and its
 recurrence residual drifts from the true one. It therefore does *residual
@@ -72,7 +78,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -81,18 +89,18 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _jax_compat
+from . import _hlo, _jax_compat
 
 logger = logging.getLogger("mpi4jax_dist")
 
 BACKENDS = ("mpi4jax", "psum")
-VARIANTS = ("classic", "single", "pipelined")
-#: Collective reductions per iteration by design, and the scalars they carry in all,
-#: for a distributed-vector (shape A) solve whose matvec makes no reduction.
-REDUCTIONS_PER_ITERATION = {"classic": 2, "single": 1, "pipelined": 1}
-SCALARS_PER_ITERATION = {"classic": 3, "single": 3, "pipelined": 3}
 #: Residual replacement period of the pipelined variant (0 turns it off).
 DEFAULT_REPLACE_EVERY = 50
+
+# The named scopes that mark, in the compiled program, the CG loop and the residual
+# replacement's conditional: where _hlo looks for the reductions that ran.
+_LOOP_SCOPE = "mpi4jax_dist_cg_loop"
+_REPLACE_SCOPE = "mpi4jax_dist_cg_replacement"
 
 
 class CGInfo(NamedTuple):
@@ -103,8 +111,11 @@ class CGInfo(NamedTuple):
         rel_residual: ``||b - A x|| / ||b||`` recomputed from the returned ``x``
             after the loop (``||b - A x||`` when ``b`` is zero).
         recurrence_residual: the same from the recurrence the loop stopped on.
-        reductions: collective reductions made inside the loop, counted as they
-            ran: those of the dot products, plus ``matvec_reductions`` per matvec.
+        reductions: collective reductions made inside the loop, the matvec's
+            included: the reductions in the compiled loop body (read from the
+            program that ran) times the iterations, plus those of the residual
+            replacement branch times the replacements made. -1 where the program
+            does not fix how many run per iteration (a logged warning says why).
         matvecs: matvecs made inside the loop (pipelined residual replacement adds
             four every ``replace_every`` iterations).
         converged: True when the loop stopped because the recurrence residual
@@ -124,31 +135,28 @@ class CGInfo(NamedTuple):
 
 
 class _Ops(NamedTuple):
-    """The operations a CG iteration is written over, with run-time counting.
+    """The operations a CG iteration is written over.
 
-    ``counts`` is the int32 vector ``[reductions, matvecs]`` carried by the loop.
+    ``counts`` is the int32 vector ``[matvecs, replacements]`` carried by the loop;
+    reductions are not counted here but read from the compiled loop (:class:`_Program`).
     """
 
     matvec: Callable
     inv_diag: jax.Array | None  # Jacobi; None: no preconditioner
     reduce: Callable | None  # sums partial sums over ranks; None: already global
-    matvec_reductions: int
 
     def precond(self, v):
         """Return ``M^-1 v``: ``v`` itself without a preconditioner."""
         return v if self.inv_diag is None else self.inv_diag * v
 
     def apply(self, v, counts):
-        """Return ``A v`` and ``counts`` with this matvec (and its reductions) added."""
-        step = jnp.array([self.matvec_reductions, 1], jnp.int32)
-        return self.matvec(v), counts + step
+        """Return ``A v`` and ``counts`` with this matvec added."""
+        return self.matvec(v), counts + jnp.array([1, 0], jnp.int32)
 
-    def sum(self, partials, counts):
-        """Return the partial sums summed over ranks, in one reduction, and counts."""
+    def sum(self, partials):
+        """Return the partial sums stacked and summed over ranks, in one reduction."""
         stacked = jnp.stack(partials)
-        if self.reduce is None:
-            return stacked, counts
-        return self.reduce(stacked), counts + jnp.array([1, 0], jnp.int32)
+        return stacked if self.reduce is None else self.reduce(stacked)
 
 
 def _dot(a, b):
@@ -186,18 +194,18 @@ def _next_coefficients(gamma, delta, gamma_old, alpha_old):
 
 def _classic_init(ops, x, r, bb, counts):
     z = ops.precond(r)
-    (bb, rz, rr), counts = ops.sum([bb, _dot(r, z), _dot(r, r)], counts)
+    bb, rz, rr = ops.sum([bb, _dot(r, z), _dot(r, r)])
     return {"x": x, "r": r, "p": z, "rz": rz, "rr": rr}, bb, counts
 
 
-def _classic_step(ops, b, st, k, counts):
+def _classic_step(ops, b, st, k, counts, replace_every):
     q, counts = ops.apply(st["p"], counts)
-    (pq,), counts = ops.sum([_dot(st["p"], q)], counts)
+    (pq,) = ops.sum([_dot(st["p"], q)])
     alpha = st["rz"] / pq
     x = st["x"] + alpha * st["p"]
     r = st["r"] - alpha * q
     z = ops.precond(r)
-    (rz, rr), counts = ops.sum([_dot(r, z), _dot(r, r)], counts)
+    rz, rr = ops.sum([_dot(r, z), _dot(r, r)])
     p = z + (rz / st["rz"]) * st["p"]
     return {"x": x, "r": r, "p": p, "rz": rz, "rr": rr}, counts
 
@@ -206,7 +214,7 @@ def _single_init(ops, x, r, bb, counts):
     u = ops.precond(r)
     w, counts = ops.apply(u, counts)
     parts = [bb, _dot(r, u), _dot(w, u), _dot(r, r)]
-    (bb, gamma, delta, rr), counts = ops.sum(parts, counts)
+    bb, gamma, delta, rr = ops.sum(parts)
     zero = jnp.zeros_like(r)
     st = {
         "x": x,
@@ -223,7 +231,7 @@ def _single_init(ops, x, r, bb, counts):
     return st, bb, counts
 
 
-def _single_step(ops, b, st, k, counts):
+def _single_step(ops, b, st, k, counts, replace_every):
     alpha, beta = st["alpha"], st["beta"]
     p = st["u"] + beta * st["p"]
     s = st["w"] + beta * st["s"]  # s = A p
@@ -231,7 +239,7 @@ def _single_step(ops, b, st, k, counts):
     r = st["r"] - alpha * s
     u = ops.precond(r)
     w, counts = ops.apply(u, counts)
-    (gamma, delta, rr), counts = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)], counts)
+    gamma, delta, rr = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)])
     alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
     st = {
         "x": x,
@@ -257,7 +265,9 @@ def _pipelined_init(ops, x, r, bb, counts):
 
 
 def _replace_residual(ops, b, x, p, counts):
-    """Recompute ``r, u, w, s, q, z`` from ``x`` and ``p`` (four matvecs)."""
+    """Recompute ``r, u, w, s, q, z`` from ``x`` and ``p`` (four matvecs), and count
+    the replacement."""
+    counts = counts + jnp.array([0, 1], jnp.int32)
     ax, counts = ops.apply(x, counts)
     r = b - ax
     u = ops.precond(r)
@@ -281,14 +291,17 @@ def _pipelined_step(ops, b, st, k, counts, replace_every):
     u = st["u"] - alpha * q  # u = M r
     w = st["w"] - alpha * z  # w = A u
     if replace_every:
-        vectors, counts = lax.cond(
-            (k + 1) % replace_every == 0,
-            lambda c: _replace_residual(ops, b, x, p, c),
-            lambda c: ((r, u, w, s, q, z), c),
-            counts,
-        )
+        # Marked for _hlo: the reductions of this branch (those of the four
+        # matvecs) are counted per replacement, not per iteration.
+        with jax.named_scope(_REPLACE_SCOPE):
+            vectors, counts = lax.cond(
+                (k + 1) % replace_every == 0,
+                lambda c: _replace_residual(ops, b, x, p, c),
+                lambda c: ((r, u, w, s, q, z), c),
+                counts,
+            )
         r, u, w, s, q, z = vectors
-    (gamma, delta, rr), counts = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)], counts)
+    gamma, delta, rr = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)])
     m = ops.precond(w)
     n, counts = ops.apply(m, counts)  # independent of the reduction above
     alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
@@ -311,34 +324,89 @@ def _pipelined_step(ops, b, st, k, counts, replace_every):
     return st, counts
 
 
-_INIT = {"classic": _classic_init, "single": _single_init, "pipelined": _pipelined_init}
+# ---------------------------------------------------------------------------------
+# The variants: one record each
 
 
-def _step(variant, replace_every):
-    if variant == "classic":
-        return _classic_step
-    if variant == "single":
-        return _single_step
-    return functools.partial(_pipelined_step, replace_every=replace_every)
+@dataclass(frozen=True)
+class Variant:
+    """One CG variant: its recurrences and what an iteration costs by design.
+
+    Adding a variant is adding one record to :data:`VARIANT_RECORDS`: the solvers,
+    :data:`VARIANTS`, the tests and ``benchmarks/cg.py`` derive from it.
+
+    Attributes:
+        name: the ``variant=`` value.
+        init: ``init(ops, x, r, bb, counts) -> (state, bb, counts)``: the loop state
+            from ``x`` and ``r = b - A x``; ``bb`` (the local ``b.b``) rides in its
+            reduction and comes back summed.
+        step: ``step(ops, b, state, k, counts, replace_every) -> (state, counts)``:
+            iteration ``k``; ``state["rr"]`` is the recurrence's ``r.r``.
+        reductions_by_design: collective reductions per iteration on distributed
+            vectors (shape A) with a matvec that makes none: what
+            ``info.reductions / info.iterations`` reads there.
+        scalars: the scalars those reductions carry per iteration, in all.
+        replaces: whether ``replace_every`` (residual replacement) applies.
+        overlaps: whether an iteration's reduction is independent of its matvec,
+            so that the two may overlap; XLA may then also combine a ``psum`` the
+            matvec makes with the dot products' into one all-reduce (one
+            collective, counted once).
+    """
+
+    name: str
+    init: Callable
+    step: Callable
+    reductions_by_design: int
+    scalars: int
+    replaces: bool = False
+    overlaps: bool = False
 
 
-def _cg(ops, variant, replace_every, b, x0, tol, maxiter, check_ops=None):
+VARIANT_RECORDS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("classic", _classic_init, _classic_step, 2, 3),
+        Variant("single", _single_init, _single_step, 1, 3),
+        Variant(
+            "pipelined",
+            _pipelined_init,
+            _pipelined_step,
+            1,
+            3,
+            replaces=True,
+            overlaps=True,
+        ),
+    )
+}
+VARIANTS = tuple(VARIANT_RECORDS)
+#: Collective reductions per iteration by design, and the scalars they carry in all,
+#: for a distributed-vector (shape A) solve whose matvec makes no reduction.
+REDUCTIONS_PER_ITERATION = {
+    n: v.reductions_by_design for n, v in VARIANT_RECORDS.items()
+}
+SCALARS_PER_ITERATION = {n: v.scalars for n, v in VARIANT_RECORDS.items()}
+
+
+def _cg(ops, variant, replace_every, b, x0, tol, maxiter, counted, check_ops=None):
     """Solve ``A x = b`` on local blocks; the one CG driver of every variant.
 
-    ``check_ops`` (default ``ops``) computes the final true residual: shape B checks
-    at full precision what it iterated on with narrowed reductions.
+    ``counted`` is ``(body, branch, condition)``: the reductions per execution of the
+    compiled loop's body, of its replacement branch and of its condition, read from
+    the compiled program (body -1: unknown). ``check_ops`` (default ``ops``)
+    computes the final true residual: shape B checks at full precision what it
+    iterated on with narrowed reductions.
     """
-    counts = jnp.zeros(2, jnp.int32)
+    record = VARIANT_RECORDS[variant]
+    counts = jnp.zeros(2, jnp.int32)  # [matvecs, replacements] made in the loop
     if x0 is None:
         x, r = jnp.zeros_like(b), b
     else:
         x = x0.astype(b.dtype)
         ax, _ = ops.apply(x, counts)
         r = b - ax
-    state, bb, _ = _INIT[variant](ops, x, r, _dot(b, b), counts)
+    state, bb, _ = record.init(ops, x, r, _dot(b, b), counts)
     state = _pack(ops, state)
     threshold = jnp.asarray(tol, bb.dtype) ** 2 * bb
-    step = _step(variant, replace_every)
 
     def cond(carry):
         k, st, _ = carry
@@ -347,24 +415,27 @@ def _cg(ops, variant, replace_every, b, x0, tol, maxiter, check_ops=None):
 
     def body(carry):
         k, st, counts = carry
-        st, counts = step(ops, b, _unpack(ops, st), k, counts)
+        st, counts = record.step(ops, b, _unpack(ops, st), k, counts, replace_every)
         return k + 1, _pack(ops, st), counts
 
-    k, st, counts = lax.while_loop(cond, body, (jnp.int32(0), state, counts))
+    # Marked for _hlo: this loop's body is where the reductions are counted.
+    with jax.named_scope(_LOOP_SCOPE):
+        k, st, counts = lax.while_loop(cond, body, (jnp.int32(0), state, counts))
     x = st["x"]
     check_ops = ops if check_ops is None else check_ops
     ax, _ = check_ops.apply(x, counts)
-    (rr_true,), _ = check_ops.sum([_dot(b - ax, b - ax)], counts)
+    (rr_true,) = check_ops.sum([_dot(b - ax, b - ax)])
 
     def relative(rr):
         return jnp.sqrt(rr / jnp.where(bb > 0, bb, 1))
 
+    per = _hlo.LoopReductions(*(jnp.asarray(c, jnp.int32) for c in counted))
     info = CGInfo(
         iterations=k,
         rel_residual=relative(rr_true),
         recurrence_residual=relative(st["rr"]),
-        reductions=counts[0],
-        matvecs=counts[1],
+        reductions=jnp.where(per.body < 0, -1, per.total(k, counts[1])),
+        matvecs=counts[0],
         converged=st["rr"] <= threshold,
     )
     return x, info
@@ -460,39 +531,120 @@ class _ById:
 
 
 def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
-    """Return ``(compiled, mesh)``: ``fn(*args, total)`` jitted for ``backend``.
+    """Return ``(program, mesh)``: ``fn(*args, counted, total)`` as a :class:`_Program`.
 
     ``total(x)`` sums ``x`` over ranks: ``mpi4jax.allreduce`` in a ``jit`` of per-rank
     arrays, or ``lax.psum`` in a ``jit(shard_map)`` of global arrays whose layouts
     are ``"rows"`` (split along axis 0 over the mesh) or ``"same"`` (replicated).
+    ``counted`` is the triple of loop reduction counts that :class:`_Program`
+    appends to every call's arguments.
     """
+    counts = len(_COUNT_FIELDS)
+
+    def split(*args):
+        return args[:-counts], args[-counts:]
+
     if backend == "mpi4jax":
         total = _mpi4jax_sum(comm)
-        return jax.jit(lambda *args: fn(*args, total)), None
+
+        def local(*args):
+            args, counted = split(*args)
+            return fn(*args, counted, total)
+
+        return _Program(jax.jit(local)), None
     mesh, axis = _mesh_axis(mesh)
     specs = {"rows": PartitionSpec(axis), "same": PartitionSpec()}
+
+    def sharded(*args):
+        args, counted = split(*args)
+        return fn(*args, counted, lambda x: lax.psum(x, axis))
+
     sharded = _jax_compat.shard_map(
-        lambda *args: fn(*args, lambda x: lax.psum(x, axis)),
+        sharded,
         mesh=mesh,
-        in_specs=tuple(specs[layout] for layout in in_layouts),
+        in_specs=tuple(specs[layout] for layout in in_layouts)
+        + (PartitionSpec(),) * counts,
         out_specs=tuple(specs[layout] for layout in out_layouts),
         check=False,  # the loop carries psum results: see _jax_compat.shard_map
     )
-    return jax.jit(sharded), mesh
+    return _Program(jax.jit(sharded)), mesh
+
+
+_COUNT_FIELDS = ("body", "branch", "condition")
+
+
+def _leaf_signature(leaf):
+    if isinstance(leaf, (bool, int, float, complex)):
+        return type(leaf)  # weakly typed: one executable for every value
+    # A tracer (a solve inside the caller's jit) has no sharding to ask for.
+    traced = isinstance(leaf, jax.core.Tracer)
+    sharding = None if traced else getattr(leaf, "sharding", None)
+    return np.shape(leaf), jnp.result_type(leaf), sharding
+
+
+class _Program:
+    """A jitted solve that reports the reductions its own compiled loop makes.
+
+    The first call with each input signature compiles the solve ahead of time
+    (``lower(...).compile()``), counts the reductions of its CG loop in the
+    optimized HLO (:func:`mpi4jax_dist._hlo.loop_reductions`) and keeps the counts;
+    every call passes them as run-time int32 arguments, so that ``info.reductions``
+    is computed in the same program. The call goes through ``jit``, which finds
+    the executable that compilation made in its cache: nothing compiles twice.
+    """
+
+    def __init__(self, jitted):
+        self._jitted, self._counts = jitted, {}
+
+    def _signature(self, args):
+        leaves, tree = jax.tree.flatten(args)
+        return tree, jax.config.jax_enable_x64, tuple(map(_leaf_signature, leaves))
+
+    def loop_reductions(self, *args) -> _hlo.LoopReductions | None:
+        """Return the reductions of the CG loop compiled for ``args`` (None when
+        the loop cannot be found), compiling it if needed."""
+        key = self._signature(args)
+        if key not in self._counts:
+            zeros = (0,) * len(_COUNT_FIELDS)
+            text = self._jitted.lower(*args, *zeros).compile().as_text()
+            try:
+                found = _hlo.loop_reductions(text, _LOOP_SCOPE, _REPLACE_SCOPE)
+            except LookupError as exc:
+                logger.warning(
+                    "mpi4jax_dist.cg: info.reductions is -1: the CG loop was not "
+                    "found in the compiled program (%s)",
+                    exc,
+                )
+                found = None
+            if found is not None and not found.exact:
+                logger.warning(
+                    "mpi4jax_dist.cg: info.reductions is -1: how many reductions "
+                    "an iteration makes depends on the data: %s",
+                    "; ".join(found.doubts),
+                )
+            self._counts[key] = found
+        return self._counts[key]
+
+    def __call__(self, *args):
+        found = self.loop_reductions(*args)
+        if found is None or not found.exact:
+            counted = (-1, 0, 0)
+        else:
+            counted = (found.body, found.branch, found.condition)
+        return self._jitted(*args, *counted)
 
 
 class Solver:
     """A compiled distributed CG for one matvec; see :func:`make_solver`."""
 
-    def __init__(
-        self, matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
-    ):
+    def __init__(self, matvec, backend, variant, comm, mesh, replace_every):
         self.backend, self.variant, self.comm = backend, variant, comm
-        self.replace_every = replace_every if variant == "pipelined" else 0
+        replaces = VARIANT_RECORDS[variant].replaces
+        self.replace_every = replace_every if replaces else 0
 
-        def local(b, x0, diag, tol, maxiter, total):
-            ops = _Ops(matvec, _inverse(diag), total, matvec_reductions)
-            return _cg(ops, variant, self.replace_every, b, x0, tol, maxiter)
+        def local(b, x0, diag, tol, maxiter, counted, total):
+            ops = _Ops(matvec, _inverse(diag), total)
+            return _cg(ops, variant, self.replace_every, b, x0, tol, maxiter, counted)
 
         self._solve, self.mesh = _compile(
             local,
@@ -526,12 +678,13 @@ def make_solver(
     comm=None,
     mesh=None,
     replace_every: int = DEFAULT_REPLACE_EVERY,
-    matvec_reductions: int = 0,
+    matvec_reductions: int | None = None,
 ) -> Solver:
     """Return a compiled CG for the SPD operator ``matvec``, to call many times.
 
-    Building is cheap; the first call of each input shape compiles. :func:`solve`
-    keeps solvers in a small cache keyed on the same arguments.
+    Building is cheap; the first call of each input shape compiles, and reads the
+    reductions of the compiled loop (the matvec's included) for ``info.reductions``.
+    :func:`solve` keeps solvers in a small cache keyed on the same arguments.
 
     Args:
         matvec: ``v_local -> (A v)_local`` on this rank's block (mpi4jax) or, inside
@@ -546,8 +699,8 @@ def make_solver(
             :func:`mpi4jax_dist.global_mesh`); ``matvec`` sees its axis name.
         replace_every: residual replacement period of ``pipelined`` (0: none; see
             the module docstring for the stability limit without it).
-        matvec_reductions: collective reductions one ``matvec`` call makes, added
-            to the count in :class:`CGInfo` (0 for a halo exchange).
+        matvec_reductions: deprecated and ignored: the reductions a ``matvec``
+            makes are counted in the compiled loop.
 
     Returns:
         A :class:`Solver`: ``solver(b, x0=None, diag=None, *, tol, maxiter)``
@@ -559,18 +712,28 @@ def make_solver(
         TypeError: ``matvec`` is not callable.
     """
     _check_options(backend, variant, replace_every)
+    _deprecate_matvec_reductions(matvec_reductions)
     if not callable(matvec):
         raise TypeError(f"matvec={matvec!r} is not callable.")
     logger.debug("mpi4jax_dist.cg: building a %s/%s solver", backend, variant)
-    return Solver(
-        matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
-    )
+    return Solver(matvec, backend, variant, comm, mesh, replace_every)
+
+
+def _deprecate_matvec_reductions(matvec_reductions):
+    # Kept one release so that callers who declared their matvec's reductions keep
+    # working: the count they declared is now read from the compiled loop.
+    if matvec_reductions is not None:
+        warnings.warn(
+            f"matvec_reductions={matvec_reductions!r} is deprecated and ignored: "
+            f"info.reductions counts the reductions in the compiled loop, the "
+            f"matvec's included. Drop the argument.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_solver(
-    matvec, backend, variant, comm, mesh, replace_every, matvec_reductions
-):
+def _cached_solver(matvec, backend, variant, comm, mesh, replace_every):
     return make_solver(
         matvec,
         backend=backend,
@@ -578,7 +741,6 @@ def _cached_solver(
         comm=comm.obj,
         mesh=mesh,
         replace_every=replace_every,
-        matvec_reductions=matvec_reductions,
     )
 
 
@@ -595,7 +757,7 @@ def solve(
     comm=None,
     mesh=None,
     replace_every: int = DEFAULT_REPLACE_EVERY,
-    matvec_reductions: int = 0,
+    matvec_reductions: int | None = None,
 ):
     """Solve the distributed SPD system ``A x = b`` by (Jacobi-preconditioned) CG.
 
@@ -616,7 +778,7 @@ def solve(
         comm: mpi4py communicator (mpi4jax backend).
         mesh: 1-D mesh (psum backend).
         replace_every: residual replacement period of ``pipelined`` (0: none).
-        matvec_reductions: reductions one ``matvec`` call makes, for the count.
+        matvec_reductions: deprecated and ignored (see :func:`make_solver`).
 
     Returns:
         ``(x, info)``: ``x`` laid out like ``b``, and a :class:`CGInfo`.
@@ -628,15 +790,10 @@ def solve(
         TypeError: ``matvec`` is not callable.
     """
     _check_options(backend, variant, replace_every)
+    _deprecate_matvec_reductions(matvec_reductions)
     try:
         solver = _cached_solver(
-            matvec,
-            backend,
-            variant,
-            _ById(comm),
-            mesh,
-            replace_every,
-            matvec_reductions,
+            matvec, backend, variant, _ById(comm), mesh, replace_every
         )
     except TypeError:  # an unhashable matvec: build without the cache
         solver = make_solver(
@@ -646,7 +803,6 @@ def solve(
             comm=comm,
             mesh=mesh,
             replace_every=replace_every,
-            matvec_reductions=matvec_reductions,
         )
     return solver(b, x0, diag, tol=tol, maxiter=maxiter)
 
@@ -675,9 +831,10 @@ class NormalSolver:
     ):
         self.backend, self.variant, self.comm = backend, variant, comm
         self.jacobi, self.reduce_dtype = jacobi, reduce_dtype
-        self.replace_every = replace_every if variant == "pipelined" else 0
+        replaces = VARIANT_RECORDS[variant].replaces
+        self.replace_every = replace_every if replaces else 0
 
-        def local(J, f, x0, eps, num_samples, tol, maxiter, total):
+        def local(J, f, x0, eps, num_samples, tol, maxiter, counted, total):
             dtype = jnp.result_type(J, f)
 
             def matvec(v, narrow=reduce_dtype):
@@ -692,7 +849,7 @@ class NormalSolver:
             if jacobi:
                 diag = total(jnp.sum(J * J, axis=0)) / num_samples + eps
             # The dots are local (x is replicated); each matvec makes one reduction.
-            ops = _Ops(matvec, _inverse(diag), None, 1)
+            ops = _Ops(matvec, _inverse(diag), None)
             check = ops._replace(matvec=functools.partial(matvec, narrow=None))
             return _cg(
                 ops,
@@ -702,6 +859,7 @@ class NormalSolver:
                 x0,
                 tol,
                 maxiter,
+                counted,
                 check_ops=check,
             )
 
