@@ -35,8 +35,10 @@ executable first.
 
 Method (OSU ``osu_allreduce`` and nccl-tests ``all_reduce_perf`` style, through
 ``benchmarks/_harness.py``): JAX code compiled ahead of time, one untimed warm-up of
-every case, then round-robin samples over the cases of one size, a barrier before
-each, the slowest rank per sample; min/median/max over samples;
+every case, then round-robin samples over the cases of one size and transport (MPI,
+then XLA's gloo: interleaved, gloo's collectives slowed the MPI ones that followed
+them within a few ms), a barrier before each, the slowest rank per sample;
+min/median/max over samples;
 ``algbw = bytes / t`` and ``busbw = algbw * 2 (P - 1) / P``; ``ratio`` is the median
 over the median of ``mpi4py`` in the same mode. Memory is measured by
 ``benchmarks/memory.py``, each case in its own job.
@@ -191,10 +193,13 @@ class Allreduce:
 
     ``call`` and ``loop`` may overwrite the loaded input (in-place ones do): load
     again before a check. Class attribute ``uses_jax`` says whether results live on
-    JAX devices (benchmarks/memory.py then asks the device for its memory).
+    JAX devices (benchmarks/memory.py then asks the device for its memory);
+    ``transport`` names what carries the data (``"mpi"``, or ``"xla"`` for XLA's
+    own collectives): cases are timed round-robin within one transport at a time.
     """
 
     uses_jax = False
+    transport = "mpi"
 
     def __init__(self, n: int, dtype, comm):
         self.n, self.dtype, self.comm = n, np.dtype(dtype), comm
@@ -364,6 +369,8 @@ class GlobalJax(JaxAllreduce):
     """Shared by psum and gspmd: a global array over ``mpi4jax_dist.global_mesh()``,
     the trip count replicated."""
 
+    transport = "xla"
+
     def __init__(self, n, dtype, comm):
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -508,17 +515,25 @@ def measure(
     impls = {name: IMPLS[name](n, dtype, comm) for name in names}
     wrong = {(name, mode): 0 for name in names for mode in MODES}
     check(impls, n, comm, wrong)
-    keys, cases = [], []
+    # Round-robin within each transport, one transport after the other: MPI
+    # collectives run within a few ms after XLA's gloo ones are slowed (256 B:
+    # 13 us instead of 3), which made mpi4py and mpi4jax rows 2-15x too slow
+    # when interleaved with psum and gspmd.
+    groups = {}
     for name, impl in impls.items():
+        group = groups.setdefault(impl.transport, ([], []))
         for mode in modes:
-            keys.append((name, mode))
+            group[0].append((name, mode))
             if mode == "loop":
-                cases.append(lambda impl=impl: impl.loop(steps))
+                group[1].append(lambda impl=impl: impl.loop(steps))
             else:
-                cases.append(lambda impl=impl: [impl.call() for _ in range(steps)])
+                group[1].append(lambda impl=impl: [impl.call() for _ in range(steps)])
+    keys, times = [], []
     # The checks have run every executable: nothing is left to compile.
     with _harness.Compiles() as compiled:
-        times = _harness.time_rounds(cases, comm, samples)
+        for group_keys, cases in groups.values():
+            keys += group_keys
+            times += _harness.time_rounds(cases, comm, samples)
     check(impls, n, comm, wrong)
     del impls
     gc.collect()
@@ -529,6 +544,7 @@ def measure(
             "bytes": nbytes,
             "impl": name,
             "mode": mode,
+            "transport": IMPLS[name].transport,
             "count": n,
             "dtype": np.dtype(dtype).name,
             "steps": steps,
@@ -558,7 +574,7 @@ TABLE = _harness.Table(
         _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
         _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
         _harness.Column("ratio", "ratio", "", 6, ".2f"),
-        _harness.Column("wrong", "wrong", "", 5),
+        _harness.Column("wrong", "wrong", "", 7),
     ]
 )
 
