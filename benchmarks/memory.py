@@ -14,7 +14,8 @@ move. In the job, every rank:
 
 1. builds the implementation from benchmarks/allreduce.py's ``IMPLS`` (JAX ones
    compile ahead of time) and loads its checked input (``allreduce.pattern``);
-2. ``gc.collect()``; baseline = current RSS; resets the peak RSS (VmHWM);
+2. lets the set-up settle (``gc.collect()``, JAX's pending work done, RSS still
+   for 20 ms), resets the peak RSS (VmHWM); baseline = current RSS;
 3. runs one allreduce, ``call()``: the input held, a result produced;
 4. peak = VmHWM; reports ``(peak - baseline) / message bytes``, the time of that
    call, the XLA compilations during it (none: the executables were compiled in
@@ -36,10 +37,11 @@ A fixed threshold gives every block from 128 KiB up its own mapping, returned to
 the OS when freed, so the rise is what the call itself touched. Measured here (2
 ranks, MPICH 5, float32, rise in messages for mpi4py / mpi4py_inplace / mpi4jax):
 
-- first call, as measured by default: the same either way (1 MiB 1.77/0.79/1.50
-  fixed vs 1.73/0.86/1.47 glibc's; 16 MiB 1.51/0.52/1.50 vs 1.52/0.52/1.51; 64 MiB
-  1.50/0.51/1.50 vs 1.50/0.50/1.50): this set-up's freed blocks are temporaries
-  larger than the message, which glibc trims from the top of the heap anyway;
+- first call, as measured by default: the same either way (1 MiB 1.88/0.70/1.41
+  fixed vs 1.69/0.89/1.50 glibc's, within the run-to-run spread of 0.2 at 1 MiB;
+  16 MiB 1.51/0.52/1.50 vs 1.52/0.52/1.51; 64 MiB 1.50/0.50/1.50 vs
+  1.50/0.51/1.50): this set-up's freed blocks are temporaries larger than the
+  message, which glibc trims from the top of the heap anyway;
 - after one warm-up call (``--warm``), whose freed MPI scratch and result are
   exactly the call's sizes: at 16 MiB glibc's default gives mpi4py_inplace 0.00
   and mpi4jax 1.00 (the scratch reused), the fixed threshold 0.50 and 1.49, as
@@ -47,7 +49,8 @@ ranks, MPICH 5, float32, rise in messages for mpi4py / mpi4py_inplace / mpi4jax)
 
 The threshold therefore costs nothing and keeps the figure from depending on what
 the set-up happened to free. At 1 MiB a constant of about 0.25 MiB (MPI's and
-Python's first-call allocations, page granularity) adds about 0.25 messages.
+Python's first-call allocations, page granularity) adds about 0.25 messages, and
+the figures there move by about 0.2 from run to run.
 
 On a GPU (not run here: this machine has none) a JAX implementation is measured by
 its device's ``memory_stats()``: ``bytes_in_use`` before the call is the baseline
@@ -100,6 +103,30 @@ TABLE = _harness.Table(
 # One case, inside its own MPI job
 
 
+def settle(uses_jax: bool, most: float = 2.0) -> None:
+    """Wait until the set-up's memory is freed: garbage collected, JAX's pending
+    work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
+
+    Memory freed after the baseline but during the call offsets what the call
+    allocates: jaxlib released the host array of a load at the next dispatch,
+    which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
+    (``load`` now releases it; this waits for anything else still moving).
+    """
+    gc.collect()
+    if uses_jax:
+        import jax
+
+        jax.effects_barrier()
+    deadline = time.monotonic() + most
+    last = _harness.rss_bytes()[0]
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = _harness.rss_bytes()[0]
+        if now == last:
+            return
+        last = now
+
+
 def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
 
@@ -128,7 +155,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     if warm:
         impl.call()
         impl.load(allreduce.pattern(n, rank, procs, dtype))
-    gc.collect()
+    settle(record.uses_jax)
     comm.Barrier()
     peak_before = None
     if device is not None:
@@ -136,8 +163,9 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
         base, peak_before = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
         reset = True
     else:
-        base = _harness.rss_bytes()[0]
+        # The peak restarts from the current RSS: the baseline is read after.
         reset = _harness.reset_peak_rss()
+        base = _harness.rss_bytes()[0]
     # Counting compilations needs JAX, which the mpi4py jobs do not import.
     compiled = _harness.Compiles() if record.uses_jax else None
     with compiled or contextlib.nullcontext():
