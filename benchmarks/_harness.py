@@ -431,9 +431,10 @@ def plot_bars(
     group: Callable[[dict], str],
     bar: Callable[[dict], str],
     color: Callable[[dict], str] | None = None,
+    logy: bool = True,
 ) -> None:
-    """Draw one panel per ``group(row)``: a log-scale bar of ``key * scale`` per
-    row, labelled ``bar(row)``."""
+    """Draw one panel per ``group(row)``: a bar of ``key * scale`` per row,
+    labelled ``bar(row)``, on a log scale unless ``logy`` is False."""
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(group(r) for r in results))
@@ -448,7 +449,8 @@ def plot_bars(
             color=[color(r) for r in rows] if color else None,
         )
         ax.set_xticks(range(len(rows)), [bar(r) for r in rows], rotation=70, fontsize=7)
-        ax.set_yscale("log")
+        if logy:
+            ax.set_yscale("log")
         ax.set_ylabel(label)
         ax.set_title(name)
     fig.tight_layout()
