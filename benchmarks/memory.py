@@ -270,6 +270,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
         scale=1.0,
         group=lambda r: _harness.human_bytes(r["bytes"]),
         bar=lambda r: r["impl"],
+        logy=False,
     )
 
 

@@ -3,6 +3,7 @@ implementation and mode runs, reports the fields, and gets every element right;
 the JAX implementations run what was compiled ahead of time."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -21,9 +22,11 @@ def test_tiny_sweep(world, tmp_path_factory):
     bench = load_benchmark()
     comm = MPI.COMM_WORLD
     path = comm.bcast(str(tmp_path_factory.mktemp("bench") / "ar.json"))
+    png = path[: -len(".json")] + ".png"
     # 4100 bytes: a count that is not a power of two.
     results = bench.main(
-        ["--sizes", "4,4100", "--samples", "2", "--iters", "3", "--json", path]
+        ["--sizes", "4,4100", "--samples", "2", "--iters", "3"]
+        + ["--json", path, "--plot", png]
     )
     keys = {(r["impl"], r["mode"], r["bytes"]) for r in results}
     assert keys == {
@@ -50,6 +53,7 @@ def test_tiny_sweep(world, tmp_path_factory):
             and data["meta"]["impls"] == bench.IMPLS.names()
             and "pattern" in data["meta"]
             and len(data["results"]) == len(results)
+            and os.path.exists(png)
         )
     util.all_ranks(ok, "the JSON file lacks meta or results")
 
