@@ -134,6 +134,8 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     """
     from mpi4py import MPI
 
+    from mpi4jax_dist import _diagnose
+
     comm = MPI.COMM_WORLD
     record = IMPLS[name]
     device = None
@@ -199,6 +201,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
             peak_reset=all(r["reset"] for r in everyone),
             rise_upper_bound=any(r["upper_bound"] for r in everyone),
             measure="rss" if device is None else "device",
+            mpi_library=_diagnose.mpi_library(),
         )
 
 
@@ -365,6 +368,10 @@ def main(argv=None) -> list[dict]:
         row = measure(name, nbytes, args, env)
         results.append(row)
         _harness.say(None, TABLE.row(row))
+    # The parent is not in an MPI job: the MPI library is the jobs' word.
+    meta["mpi_library"] = next(
+        (r["mpi_library"] for r in results if r.get("mpi_library")), None
+    )
     _harness.save(
         args,
         meta,
