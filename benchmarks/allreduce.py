@@ -227,7 +227,8 @@ class Mpi4py(Allreduce):
         from mpi4py import MPI
 
         self.sum = MPI.SUM
-        # Zeros, not empty: pages are touched here, not in the first timed sample.
+        # The timed input is all zeros. (np.zeros of a large array maps zero pages
+        # without touching them: the checks and the warm-up touch them first.)
         self.x = np.zeros(n, self.dtype)
         self.y = np.zeros(n, self.dtype)
         self.out = self.x
@@ -278,7 +279,8 @@ class Mpi4pyInplace(Mpi4py):
 
 class JaxAllreduce(Allreduce):
     """Shared by the JAX implementations: two executables compiled ahead of time,
-    ``one(x)`` (one allreduce) and ``chain(x, k)`` (a ``fori_loop`` of ``k``).
+    ``one(x)`` (one allreduce) and ``chain(x, k)`` (a ``fori_loop`` of ``k``),
+    called through ``jax.jit`` (see the constructor for why).
 
     Subclasses define :meth:`reduce` (one allreduce of a traced value, as seen
     inside :meth:`wrap`), :meth:`wrap` (jit with the right sharding),
