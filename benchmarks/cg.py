@@ -870,7 +870,7 @@ class Bench:
         }
         v = jnp.ones(J_local.shape[1], J_local.dtype)
         cases = [functools.partial(form, J_local, v) for form in forms.values()]
-        samples = max(self.args.repeat, 5)
+        samples = max(4 * self.args.repeat, 20)  # cheap: one matvec each
         times = _harness.time_rounds(cases, self.comm, samples)
         median = {
             name: statistics.median(t) for name, t in zip(forms, times, strict=True)
