@@ -600,7 +600,9 @@ class _Program:
     optimized HLO (:func:`mpi4jax_dist._hlo.loop_reductions`) and keeps the counts;
     every call passes them as run-time int32 arguments, so that ``info.reductions``
     is computed in the same program. The call goes through ``jit``, which finds
-    the executable that compilation made in its cache: nothing compiles twice.
+    the executable that compilation made in its cache: nothing compiles twice
+    (``Compiled.__call__`` itself refuses mpi4jax's ordered effects). Called inside
+    the caller's own ``jit``, the counts are those of the solve compiled alone.
     """
 
     def __init__(self, jitted):
