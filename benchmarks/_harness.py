@@ -324,7 +324,7 @@ def meta(comm=None, **extra) -> dict:
     With ``comm`` (inside an MPI job with JAX initialized) also the MPI library,
     the world size and nodes, JAX's backend, devices and CPU collectives.
     """
-    from mpi4jax_dist import _diagnose
+    from mpi4jax_dist import _diagnose, _mpi
 
     info = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -341,7 +341,7 @@ def meta(comm=None, **extra) -> dict:
         import mpi4jax_dist
 
         info.update(
-            mpi_library=_diagnose.mpi_library(),
+            mpi_library=_mpi.mpi_library(),
             world_size=comm.Get_size(),
             num_nodes=mpi4jax_dist.topology().num_nodes,
             backend=jax.default_backend(),

@@ -134,7 +134,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     """
     from mpi4py import MPI
 
-    from mpi4jax_dist import _diagnose
+    from mpi4jax_dist import _mpi
 
     comm = MPI.COMM_WORLD
     record = IMPLS[name]
@@ -201,7 +201,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
             peak_reset=all(r["reset"] for r in everyone),
             rise_upper_bound=any(r["upper_bound"] for r in everyone),
             measure="rss" if device is None else "device",
-            mpi_library=_diagnose.mpi_library(),
+            mpi_library=_mpi.mpi_library(),
         )
 
 
