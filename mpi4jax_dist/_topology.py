@@ -203,22 +203,13 @@ class Bootstrap:
             f"all {self.comm.Get_size()} ranks to reach the bootstrap (some rank "
             f"never called jax.distributed.initialize or mpi4jax_dist)",
         )
-        keep = set()
+        node = None
         self.log.phase = "topology"
         try:
             rank, size = comm.Get_rank(), comm.Get_size()
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-            try:
-                local_rank, local_size = node.Get_rank(), node.Get_size()
-                node_index, num_nodes = self._node_numbers(
-                    comm, node, local_rank, deadline
-                )
-                if local_size > 1 and node_index > 0:
-                    keep.add("node")
-                    self._node = node
-            finally:
-                if "node" not in keep:
-                    node.Free()
+            local_rank, local_size = node.Get_rank(), node.Get_size()
+            node_index, num_nodes = self._node_numbers(comm, node, local_rank, deadline)
 
             message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
             if rank == 0:
@@ -236,15 +227,16 @@ class Bootstrap:
                 raise RuntimeError(text)
             if size > 1:
                 self.release_mode = RELEASE_MODES[mode_index]
-                if self.release_mode == "thread":
-                    keep.add("private")
-                    self._private = comm
+            # Kept for the release: the private communicator in thread mode; in
+            # probe mode the node's, where a leader other than rank 0 releases it.
+            if self.release_mode == "thread":
+                self._private, comm = comm, None
+            if self.release_mode == "probe" and node_index > 0 and local_size > 1:
+                self._node, node = node, None
         finally:
-            if "private" not in keep:
-                comm.Free()
-            if "node" in keep and self.release_mode != "probe":
-                self._node.Free()
-                self._node = None
+            for unused in (node, comm):
+                if unused is not None:
+                    unused.Free()
         self.topology = Topology(
             rank=rank,
             size=size,
