@@ -40,9 +40,11 @@ waiting for the ranks that never came.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +67,8 @@ DEFAULT_TIMEOUT_S = 300
 # probers together may send to rank 0 (each prober's pause grows to its share).
 _PROBE_FIRST_PAUSE_S = 1e-4
 _PROBE_MIN_CAP_S = 2e-3
+# Rank 0 polling its own port: one prober, on its own host.
+_RANK0_PAUSE_CAP_S = 5e-3
 _PROBES_PER_S = 50_000
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -328,21 +332,14 @@ class Bootstrap:
 
     def _when_listening(self, deadline: float, on_listening) -> None:
         """Rank 0's thread: wait for the service, then release the others."""
-        address = self.topology.coordinator_address
-        host, port = _config.split_host_port(address, "coordinator address")
-        pause = 1e-4
-        while not _network.accepts(host, port):
-            if time.monotonic() > deadline:
-                message = (
-                    f"JAX's coordination service did not listen on {address} "
-                    f"within {self.timeout_s:g} s."
-                )
-                if self.release_mode == "thread":
-                    self._abort(message)
-                logger.warning("mpi4jax_dist: %s", message)
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
+        if not self._port_accepts(deadline, _RANK0_PAUSE_CAP_S):
+            message = (
+                f"JAX's coordination service did not listen on "
+                f"{self.topology.coordinator_address} within {self.timeout_s:g} s."
+            )
+            if self.release_mode == "thread":
+                self._abort(message)
+            logger.warning("mpi4jax_dist: %s", message)
         self.timestamps["service_listening"] = time.perf_counter()
         if self._reservation is not None:
             self._reservation.close()
@@ -359,27 +356,32 @@ class Bootstrap:
             self._private = None
 
     def _probe(self, deadline: float, waiting_for: str) -> None:
-        """Poll rank 0's port until it accepts, with a bounded back-off.
+        """Poll rank 0's port until it accepts, with a bounded back-off; abort the
+        job past ``deadline``.
 
         Each prober's pause doubles up to its share of :data:`_PROBES_PER_S` (at
         least 2 ms), so that rank 0 sees a bounded rate of refused connections
         however many nodes probe.
         """
-        topo = self.topology
+        probers = self.topology.num_nodes + self.topology.local_size
+        if not self._port_accepts(
+            deadline, max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S)
+        ):
+            self._give_up(waiting_for)
+
+    def _port_accepts(self, deadline: float, cap: float) -> bool:
+        """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
+        return whether it accepted connections before ``deadline``."""
         host, port = _config.split_host_port(
-            topo.coordinator_address, "coordinator address"
+            self.topology.coordinator_address, "coordinator address"
         )
-        probers = topo.num_nodes + topo.local_size
-        cap = max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S)
         pause = _PROBE_FIRST_PAUSE_S
-        while not _network.accepts(host, port, timeout_s=1.0):
+        while not _network.accepts(host, port):
             if time.monotonic() > deadline:
-                self._abort(
-                    f"gave up after {self.timeout_s:g} s waiting for {waiting_for}. "
-                    f"Raise initialization_timeout if the job is just slow."
-                )
+                return False
             time.sleep(pause)
             pause = min(pause * 2, cap)
+        return True
 
     def close(self) -> None:
         """Free what a bootstrap that will not release still holds (tests)."""
@@ -399,15 +401,20 @@ class Bootstrap:
         pause = 1e-5
         while not request.Test():
             if time.monotonic() > deadline:
-                self._abort(
-                    f"gave up after {self.timeout_s:g} s waiting for {what}. "
-                    f"Raise initialization_timeout if the job is just slow."
-                )
+                self._give_up(what)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def _abort(self, message: str) -> None:
-        """Print ``message`` for this rank and end the whole MPI job."""
+    def _give_up(self, what: str) -> typing.NoReturn:
+        """Abort the job: this rank waited ``timeout_s`` for ``what``."""
+        self._abort(
+            f"gave up after {self.timeout_s:g} s waiting for {what}. "
+            f"Raise initialization_timeout if the job is just slow."
+        )
+
+    def _abort(self, message: str) -> typing.NoReturn:
+        """Print ``message`` for this rank and end the whole MPI job; never
+        returns."""
         # Through logging (with no handler configured, Python prints it to stderr).
         logger.critical(
             "mpi4jax_dist: rank %d of %d: %s",
@@ -421,6 +428,10 @@ class Bootstrap:
         # what this rank just printed (MPICH's Hydra lost it in 3 of 25 jobs).
         time.sleep(_ABORT_GRACE_S)
         _mpi.RecordingComm(self.comm, self.log).Abort(1)
+        # MPICH 5's MPI_Abort returned here before the launcher ended the process,
+        # and the caller carried on (out of a wait, into the next collective).
+        # Nothing after an abort may run.
+        os._exit(1)
 
 
 def _check_launch_size(base, info) -> None:
