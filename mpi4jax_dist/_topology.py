@@ -40,8 +40,6 @@ waiting for the ranks that never came.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 import typing
@@ -59,8 +57,6 @@ _OK, _ERROR = 1, 2
 # How the other ranks learn that rank 0's service listens; rank 0 decides (from its
 # MPI thread level) and the mode travels with the address, so every rank agrees.
 RELEASE_MODES = ("thread", "probe")
-# Between printing why and MPI_Abort: time for the launcher to forward the message.
-_ABORT_GRACE_S = 0.2
 # JAX's own default for initialization_timeout.
 DEFAULT_TIMEOUT_S = 300
 # Probing rank 0's port: the first pause, and the most probes per second that all
@@ -422,16 +418,7 @@ class Bootstrap:
             self.comm.Get_size(),
             message,
         )
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        # The launcher ends every process at once; give it a moment to forward
-        # what this rank just printed (MPICH's Hydra lost it in 3 of 25 jobs).
-        time.sleep(_ABORT_GRACE_S)
-        _mpi.RecordingComm(self.comm, self.log).Abort(1)
-        # MPICH 5's MPI_Abort returned here before the launcher ended the process,
-        # and the caller carried on (out of a wait, into the next collective).
-        # Nothing after an abort may run.
-        os._exit(1)
+        _mpi.abort(_mpi.RecordingComm(self.comm, self.log), 1)
 
 
 def _check_launch_size(base, info) -> None:
