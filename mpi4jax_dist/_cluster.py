@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from . import _config, _devices, _jax_compat, _launch, _topology
+from . import _config, _devices, _failfast, _jax_compat, _launch, _topology
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -38,25 +38,25 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
         # connects: the place to prepare the connection and hold the other ranks
         # until rank 0's service listens.
         port = _config.coordinator_port(override_coordinator_port)
-        topo = _topology.topology(port=port, timeout_s=timeout_secs)
+        topo = _bootstrapped(port=port, timeout_s=timeout_secs)
         restore = _prepare_connection(topo)
         _topology.release(on_listening=restore)
         return topo.coordinator_address
 
     @classmethod
     def get_process_count(cls) -> int:
-        return _topology.topology().size
+        return _bootstrapped().size
 
     @classmethod
     def get_process_id(cls) -> int:
-        return _topology.topology().rank
+        return _bootstrapped().rank
 
     @classmethod
     def get_local_process_id(cls) -> int | None:
         # JAX turns this into local_device_ids=[value]; it is only called when the
         # user gave no local_device_ids. A block of several devices cannot pass that
         # way, so it is set directly and JAX told nothing.
-        topo = _topology.topology()
+        topo = _bootstrapped()
         ids = _devices.local_device_ids(topo.local_rank, topo.local_size)
         if ids is None:
             return None
@@ -64,6 +64,14 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
             return ids[0]
         _jax_compat.restrict_visible_devices(ids)
         return None
+
+
+def _bootstrapped(**settings) -> _topology.Topology:
+    """Return the topology (bootstrapping on first call) for the JAX world being
+    initialized, in which a failing rank now ends the job (``_failfast``)."""
+    topo = _topology.topology(**settings)
+    _failfast.install(topo.rank, topo.size)
+    return topo
 
 
 def _prepare_connection(topo):

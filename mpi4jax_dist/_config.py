@@ -15,6 +15,10 @@ import warnings
 from collections.abc import Mapping
 
 DISABLE = "MPI4JAX_DIST_DISABLE"
+FAIL_FAST = "MPI4JAX_DIST_FAIL_FAST"
+# JAX's own variable for its preemption service (which catches SIGTERM): set to a
+# true value, it tells us the user wants JAX's preemption handling.
+JAX_PREEMPTION = "JAX_ENABLE_PREEMPTION_SERVICE"
 INTERFACE = "MPI4JAX_DIST_INTERFACE"
 COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
@@ -33,8 +37,8 @@ VISIBLE_DEVICES = (
     "HIP_VISIBLE_DEVICES",
 )
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_TRUE = ("1", "true", "yes", "on", "t", "y")
+_FALSE = ("0", "false", "no", "off", "f", "n", "")
 
 
 def environ() -> Mapping[str, str]:
@@ -69,6 +73,18 @@ def get_bool(name: str, default: bool = False, env: Mapping[str, str] | None = N
 def disabled(env: Mapping[str, str] | None = None) -> bool:
     """Return True when ``MPI4JAX_DIST_DISABLE`` turns automatic detection off."""
     return get_bool(DISABLE, False, env)
+
+
+def fail_fast(env: Mapping[str, str] | None = None) -> bool:
+    """Return True unless ``MPI4JAX_DIST_FAIL_FAST=0`` turns off what makes a
+    failing rank end the job (see ``_failfast``)."""
+    return get_bool(FAIL_FAST, True, env)
+
+
+def jax_preemption_requested(env: Mapping[str, str] | None = None) -> bool:
+    """Return True when ``JAX_ENABLE_PREEMPTION_SERVICE`` asks for JAX's preemption
+    service (and with it JAX's SIGTERM handler) by name."""
+    return get_bool(JAX_PREEMPTION, False, env)
 
 
 def interface(env: Mapping[str, str] | None = None) -> str | None:

@@ -87,6 +87,25 @@ def restrict_visible_devices(device_ids) -> None:
             pass
 
 
+def preemption_service() -> bool | None:
+    """Return whether ``jax.distributed.initialize`` will start JAX's preemption
+    service (whose notifier catches SIGTERM); None when this JAX has no such
+    option."""
+    try:
+        return bool(jax.config.jax_enable_preemption_service)
+    except AttributeError:
+        return None
+
+
+def disable_preemption_service() -> None:
+    """Keep the next ``jax.distributed.initialize`` from starting JAX's preemption
+    service, so that SIGTERM keeps its default action."""
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+    except (AttributeError, KeyError, ValueError):  # option not in this jax
+        pass
+
+
 def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     """Return ``shard_map(f)`` with replication checks set to ``check``.
 

@@ -1,0 +1,208 @@
+"""When one rank fails, the whole job ends: uncaught exceptions, non-zero exits, and
+the launcher's SIGTERM.
+
+Under an MPI launch, JAX turns one rank's failure into a job that hangs:
+
+- ``import jax`` registers an atexit handler (``jax._src.api.clean_up``) that calls
+  ``jax.distributed.shutdown()``: a barrier of every process (5-minute timeout)
+  that a rank waiting in an MPI call never reaches. It runs before mpi4py's own
+  abort of ``python -m mpi4py``, which comes at MPI finalization.
+- JAX's preemption service installs a SIGTERM handler (XLA's ``SigtermNotifier``)
+  that only takes note: the launcher's SIGTERM no longer ends the process.
+
+Once this package has bootstrapped JAX's world of more than one process,
+:func:`install` (unless ``MPI4JAX_DIST_FAIL_FAST=0``) sets:
+
+- ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception in any
+  thread prints its traceback once, each line prefixed with the rank, and calls
+  ``MPI_Abort(MPI_COMM_WORLD, 1)`` (130 for a KeyboardInterrupt). Python calls
+  these hooks before any atexit handler.
+- ``sys.exit``: a non-zero status from the main thread is remembered, and an atexit
+  handler registered at that moment (so it runs before JAX's) calls ``MPI_Abort``
+  with that status, provided that this ``SystemExit`` is what ended the program (a
+  program that catches it and carries on exits as it then chooses). A
+  ``raise SystemExit(n)`` that bypasses ``sys.exit`` is not seen: Python offers no
+  hook for it.
+- JAX's preemption service is turned off for the initialize under way, so that
+  SIGTERM keeps its default action (the process ends), unless
+  ``JAX_ENABLE_PREEMPTION_SERVICE`` asks for it (codes that checkpoint on
+  preemption).
+
+A normal exit (status 0) changes nothing: JAX's clean shutdown runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dis
+import functools
+import os
+import sys
+import threading
+import traceback
+import typing
+from dataclasses import dataclass
+
+from . import _config, _jax_compat, _mpi
+
+# MPI_Abort's error code for a KeyboardInterrupt: what a shell reports for SIGINT
+# (and what python -m mpi4py uses).
+_SIGINT_CODE = 128 + 2
+
+
+@dataclass
+class _State:
+    installed: bool = False
+    rank: int = 0
+    size: int = 1
+    # The non-zero SystemExit the main thread raised last through sys.exit.
+    exiting: SystemExit | None = None
+    previous_excepthook: object = None
+    previous_thread_excepthook: object = None
+    original_exit: object = None
+
+
+_state = _State()
+
+
+def install(rank: int, size: int) -> bool:
+    """Make a failing rank end the job (see the module docstring); return whether
+    the hooks are in place. Runs once per process; does nothing for a world of
+    one process or when ``MPI4JAX_DIST_FAIL_FAST=0``."""
+    if _state.installed or size < 2 or not _config.fail_fast():
+        return _state.installed
+    _state.rank, _state.size = rank, size
+    if not _config.jax_preemption_requested():
+        _jax_compat.disable_preemption_service()
+    _state.previous_excepthook = sys.excepthook
+    _state.previous_thread_excepthook = threading.excepthook
+    _state.original_exit = sys.exit
+    sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook
+    sys.exit = _exit
+    _state.installed = True
+    return True
+
+
+def report() -> dict:
+    """Return what is in force in this process (or will be once JAX initializes
+    through this package), for the diagnostics."""
+    enabled = _config.fail_fast()
+    if _state.installed:
+        jax_catches = bool(_jax_compat.preemption_service())
+    else:
+        jax_catches = not enabled or _config.jax_preemption_requested()
+    return {
+        "abort_on_failure": enabled,
+        "installed": _state.installed,
+        "sigterm": (
+            "caught by JAX's preemption service"
+            if jax_catches
+            else "default action (the process ends)"
+        ),
+        "settings": {
+            name: _config.environ().get(name)
+            for name in (_config.FAIL_FAST, _config.JAX_PREEMPTION)
+        },
+    }
+
+
+# --- the hooks ----------------------------------------------------------------------
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    code = _SIGINT_CODE if issubclass(exc_type, KeyboardInterrupt) else 1
+    lines = None
+    if _state.previous_excepthook is sys.__excepthook__:
+        lines = traceback.format_exception(exc_type, exc, tb)
+    else:  # the user's own hook, which prints it its way
+        _state.previous_excepthook(exc_type, exc, tb)
+    _abort(f"uncaught {exc_type.__name__}", lines, code)
+
+
+def _thread_excepthook(args) -> None:
+    if issubclass(args.exc_type, SystemExit):  # ends its thread only, as in Python
+        return
+    lines = None
+    if _state.previous_thread_excepthook is threading.__excepthook__:
+        lines = traceback.format_exception(
+            args.exc_type, args.exc_value, args.exc_traceback
+        )
+    else:
+        _state.previous_thread_excepthook(args)
+    name = args.thread.name if args.thread is not None else "?"
+    _abort(f"uncaught {args.exc_type.__name__} in thread {name!r}", lines, 1)
+
+
+@functools.wraps(sys.exit)
+def _exit(status=None):
+    try:
+        _state.original_exit(status)
+    except SystemExit as exc:
+        if threading.current_thread() is threading.main_thread():
+            _state.exiting = exc if _exit_code(exc) else None
+            if _state.exiting is not None:
+                # Registered last, so called first: before JAX's clean_up.
+                atexit.unregister(_at_exit)
+                atexit.register(_at_exit)
+        raise
+
+
+def _at_exit() -> None:
+    exc = _state.exiting
+    if exc is None or not _ended_program(exc):
+        return
+    _abort(f"sys.exit({exc.code!r})", None, _exit_code(exc))
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status Python exits with for ``exc``: 0 for None, the int, else 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    return 1
+
+
+def _ended_program(exc: BaseException) -> bool:
+    """Return whether ``exc`` left the outermost frame that saw it by being raised.
+
+    Python records frames in ``exc.__traceback__`` as the exception passes them, up
+    to the frame that caught it (3.11 stops at the last frame that caught it, even
+    to raise it again). That frame either ended right where the exception passed,
+    or by raising it again (``raise``): then nothing caught it afterwards, and it
+    ended the program. A frame that caught it and carried on ended elsewhere.
+    """
+    tb = exc.__traceback__
+    if tb is None:
+        return True
+    frame = tb.tb_frame
+    if frame.f_lasti == tb.tb_lasti:
+        return True
+    last = next(
+        (i for i in dis.get_instructions(frame.f_code) if i.offset == frame.f_lasti),
+        None,
+    )
+    return last is not None and last.opname in ("RERAISE", "RAISE_VARARGS")
+
+
+def _abort(what: str, lines, code: int) -> typing.NoReturn:
+    """Print ``what`` (and the traceback ``lines``, prefixed with the rank) and end
+    the job with ``MPI_Abort(MPI_COMM_WORLD, code)``; never returns."""
+    from mpi4py import MPI
+
+    rank, size = _state.rank, _state.size
+    text = (
+        f"mpi4jax_dist: rank {rank} of {size}: {what}; MPI_Abort ends the job "
+        f"({_config.FAIL_FAST}=0 turns this off).\n"
+    )
+    if lines:
+        prefix = f"[rank {rank}] "
+        text += "".join(prefix + line + "\n" for line in "".join(lines).splitlines())
+    try:
+        sys.stderr.write(text)
+    except Exception:  # a closed stderr must not stop the abort
+        pass
+    if MPI.Is_finalized():  # no MPI left to abort: end this process alone
+        os._exit(code)
+    _mpi.abort(MPI.COMM_WORLD, code)
