@@ -44,6 +44,16 @@ def _print_text(report: dict) -> None:
     print(
         "versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
     )
+    failure = report["on_failure"]
+    if failure["abort_on_failure"]:
+        when = "in force" if failure["installed"] else "once JAX initializes"
+        print(f"on failure    a failing rank calls MPI_Abort ({when})")
+    else:
+        print("on failure    JAX's own behaviour: the other ranks may wait")
+    print(f"  SIGTERM: {failure['sigterm']}")
+    for name, value in failure["settings"].items():
+        if value is not None:
+            print(f"  {name}={value}")
     if "check" in report:
         check = report["check"]
         print(f"backend       {check['backend']}: {', '.join(check['devices'])}")

@@ -7,7 +7,7 @@ import importlib.metadata
 import shutil
 import subprocess
 
-from . import _config, _launch
+from . import _config, _failfast, _launch
 from ._mpi import mpi_library, thread_level_name
 
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
@@ -124,6 +124,8 @@ def diagnose(check: bool = False) -> dict:
         report["topology"]["ranks_per_node"] = {str(k): v for k, v in per_node.items()}
     if check:
         report["check"] = _check(topo, problems)
+    # After the check, which initializes JAX and with it the hooks.
+    report["on_failure"] = _failfast.report()
     all_problems = comm.allgather(problems)
     report["problems"] = [
         f"rank {r}: {p}" for r, ps in enumerate(all_problems) for p in ps
