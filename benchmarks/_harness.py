@@ -483,16 +483,24 @@ def find_mpiexec() -> str:
 
 @dataclass
 class JobResult:
-    """What a job started by :func:`run_job` gave: its exit status, its ``RESULT``
-    lines, and the tail of its output (for a row that reports a failure)."""
+    """What a job started by :func:`run_job` gave: its exit status (None when it
+    was killed at its time limit), its ``RESULT`` lines, its output, and how long it
+    ran."""
 
     returncode: int | None
     results: list[dict]
-    tail: str
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
+
+    @property
+    def tail(self) -> str:
+        """The end of the output, for a row that reports a failure."""
+        return (self.stdout + self.stderr)[-3000:]
 
 
 def run_job(
@@ -510,6 +518,7 @@ def run_job(
     environment.setdefault("JAX_PLATFORMS", "cpu")
     # Its own process group, so that a timeout ends mpiexec, its proxies and the
     # ranks together (killing mpiexec alone leaves the proxies as orphans).
+    start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
         env=environment,
@@ -521,7 +530,9 @@ def run_job(
     try:
         out, err = proc.communicate(timeout=timeout)
         code = proc.returncode
+        seconds = time.perf_counter() - start
     except subprocess.TimeoutExpired:
+        seconds = time.perf_counter() - start
         _end_group(proc)
         try:
             out, err = proc.communicate(timeout=10)
@@ -534,7 +545,7 @@ def run_job(
         for line in out.splitlines()
         if line.startswith(RESULT)
     ]
-    return JobResult(code, results, (out + err)[-3000:])
+    return JobResult(code, results, _text(out), _text(err), seconds)
 
 
 def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

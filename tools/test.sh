@@ -34,7 +34,7 @@ done
 if [ -x "$ompi/bin/mpiexec" ]; then
     run env PATH="$ompi/bin:$PATH" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
-        tests/test_launch.py tests/test_robustness.py
+        tests/test_launch.py tests/test_robustness.py tests/test_failfast.py
 else
     echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
 fi

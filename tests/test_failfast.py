@@ -1,0 +1,177 @@
+"""When one rank fails, the whole job ends in seconds (``mpi4jax_dist._failfast``).
+
+Each test launches ``benchmarks/rank_failure.py --worker CASE`` on 2 ranks (the
+scenarios the benchmark times), in which rank 1 fails
+while rank 0 waits for it in a jitted ``mpi4jax.allreduce`` (or, before the
+backend starts, in JAX's backend start-up), and asserts the exit status, the first
+line printed, and that the job ended within 15 s. Without the package's hooks these
+jobs hang for minutes (README, "When a rank fails").
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import util
+
+pytestmark = util.skip_in_mpi_job
+
+bench = util.load_benchmark("rank_failure")
+ENDS_WITHIN_S = 15
+HEADER = "mpi4jax_dist: rank 1 of 2: {what}; MPI_Abort ends the job"
+
+
+def launch(case, *python_args, **env):
+    start = time.monotonic()
+    proc = util.run_mpi(
+        [*python_args, util.ROOT / "benchmarks" / "rank_failure.py", "--worker", case],
+        2,
+        check=False,
+        timeout=90,
+        env=util.clean_env(**env),
+    )
+    return proc, time.monotonic() - start
+
+
+def first_line(proc) -> str:
+    return bench.first_line(proc.stdout, proc.stderr)
+
+
+def sigterm_caught(proc) -> list[bool]:
+    """Per rank, whether SIGTERM had a handler once JAX's backend was up."""
+    found = re.findall(r"READY (\d) (True|False)", proc.stdout)
+    return [caught == "True" for _, caught in sorted(found)]
+
+
+def show(proc) -> str:
+    return f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize(
+    "case, runner, code, what",
+    [
+        ("raise_before_backend", (), 1, "uncaught ValueError"),
+        ("raise", (), 1, "uncaught ValueError"),
+        ("raise", ("-m", "mpi4py"), 1, "uncaught ValueError"),
+        ("thread", (), 1, "uncaught ValueError in thread 'Thread-1 (<lambda>)'"),
+        ("exit3", (), 3, "sys.exit(3)"),
+        ("exit3", ("-m", "mpi4py"), 3, "sys.exit(3)"),
+    ],
+)
+def test_failing_rank_aborts_the_job(case, runner, code, what):
+    proc, took = launch(case, *runner)
+    assert proc.returncode == code, show(proc)
+    assert first_line(proc).startswith(HEADER.format(what=what)), show(proc)
+    assert "RANK0 DONE" not in proc.stdout
+    assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+    if case in ("raise", "raise_before_backend", "thread"):
+        # The traceback once, every line prefixed with the rank.
+        assert proc.stderr.count("Traceback (most recent call last):") == 1
+        assert "[rank 1] ValueError: rank 1 failed on purpose" in proc.stderr
+
+
+@pytest.mark.parametrize("case, signal", [("kill9", 9), ("sigterm", 15)])
+def test_signalled_rank_ends_the_job(case, signal):
+    proc, took = launch(case)
+    # MPICH's mpiexec exits with the signal's number, Open MPI's with 128 + it.
+    assert proc.returncode in (signal, 128 + signal), show(proc)
+    expected = {
+        "mpich": "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+        "openmpi": "prterun noticed that process rank 1",
+    }[util.mpi_family()]
+    assert first_line(proc).startswith(expected), show(proc)
+    assert "RANK0 DONE" not in proc.stdout
+    assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+
+
+@pytest.mark.parametrize("case", ["ok", "caught_exit"])
+def test_normal_exit_keeps_jax_shutdown(case):
+    proc, _ = launch(case)
+    assert proc.returncode == 0, show(proc)
+    assert "RANK0 DONE 2.0" in proc.stdout
+    assert "MPI_Abort" not in proc.stderr + proc.stdout
+    # JAX's preemption service (and its SIGTERM handler) is off.
+    assert sigterm_caught(proc) == [False, False], show(proc)
+
+
+def test_switch_off_brings_back_jax_behaviour():
+    # Rank 1 raises where nobody waits for it, so that the job ends either way.
+    on, _ = launch("raise_after")
+    assert on.returncode == 1, show(on)
+    assert first_line(on).startswith(HEADER.format(what="uncaught ValueError"))
+    assert sigterm_caught(on) == [False, False], show(on)
+
+    off, _ = launch("raise_after", MPI4JAX_DIST_FAIL_FAST=0)
+    assert off.returncode == 1, show(off)
+    assert first_line(off) == "Traceback (most recent call last):", show(off)
+    assert "MPI_Abort" not in off.stderr + off.stdout
+    assert "RANK0 DONE 2.0" in off.stdout
+    assert sigterm_caught(off) == [True, True], show(off)  # JAX's notifier
+
+
+def test_jax_preemption_service_on_request():
+    proc, took = launch("raise", JAX_ENABLE_PREEMPTION_SERVICE=1)
+    assert sigterm_caught(proc) == [True, True], show(proc)
+    # Exceptions still end the job.
+    assert proc.returncode == 1, show(proc)
+    assert first_line(proc).startswith(HEADER.format(what="uncaught ValueError"))
+    assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+
+
+@pytest.mark.parametrize(
+    "env, installed, sigterm",
+    [
+        ({}, True, "default action (the process ends)"),
+        ({"MPI4JAX_DIST_FAIL_FAST": "0"}, False, "caught by JAX's preemption service"),
+        (
+            {"JAX_ENABLE_PREEMPTION_SERVICE": "1"},
+            True,
+            "caught by JAX's preemption service",
+        ),
+    ],
+)
+def test_diagnostics_report_what_is_in_force(env, installed, sigterm):
+    proc = util.run_mpi(
+        ["-m", "mpi4jax_dist"], 2, "--json", "--check", env=util.clean_env(**env)
+    )
+    report = json.loads(
+        proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1]
+    )
+    failure = report["on_failure"]
+    assert failure["abort_on_failure"] is (env.get("MPI4JAX_DIST_FAIL_FAST") != "0")
+    assert failure["installed"] is installed
+    assert failure["sigterm"] == sigterm
+    assert {k: v for k, v in failure["settings"].items() if v is not None} == env
+
+
+# --- the sys.exit hook's judgement, without MPI -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, code, aborts",
+    [
+        ("module", 3, True),
+        ("nested", 3, True),
+        ("string", 1, True),
+        ("reraise_bare", 3, True),
+        ("reraise_named", 3, True),
+        ("zero", 0, False),
+        ("caught_at_module", 0, False),
+        ("caught_in_function", 0, False),
+        ("suppressed", 0, False),
+        ("caught_then_zero", 0, False),
+    ],
+)
+def test_exit_hook_aborts_only_when_the_exit_ends_the_program(shape, code, aborts):
+    proc = subprocess.run(
+        [sys.executable, str(util.SCRIPTS / "exit_shapes.py"), shape],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=util.clean_env(),
+    )
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert ("ABORT" in proc.stdout) == aborts, proc.stdout + proc.stderr
