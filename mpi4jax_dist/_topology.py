@@ -16,7 +16,8 @@ elsewhere would deadlock). Its MPI calls all go through one
      node count on the leaders;
    - ``Ibcast`` within each node of (node index, node count) from its leader;
    - ``Ibcast`` from rank 0 of the coordinator address and the release mode, or of
-     rank 0's error, so that a failure there raises on every rank instead of leaving
+     rank 0's error (an open-file limit too low for its coordination service, or
+     no address), so that a failure there raises on every rank instead of leaving
      them waiting.
 
    The payload each rank hands to MPI is 8 bytes or fewer, except the coordinator's
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _config, _launch, _mpi, _network
+from . import _config, _launch, _limits, _mpi, _network
 
 # Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
 # UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
@@ -109,6 +110,8 @@ class Bootstrap:
         release_mode: ``"thread"`` or ``"probe"`` (see the module docstring); None
             for a job of one rank, which needs no release.
         released: whether :meth:`release` has run.
+        file_limit_raised: on rank 0, ``(old, new)`` soft open-file limit when the
+            bootstrap raised it for the coordination service, else None.
         log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
         timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
             rank 0's ``service_listening``; the others' ``released``).
@@ -121,6 +124,7 @@ class Bootstrap:
     topology: Topology | None = None
     release_mode: str | None = None
     released: bool = False
+    file_limit_raised: tuple | None = None
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
     # Kept from run() for release(): the private communicator (thread mode), the
@@ -215,7 +219,9 @@ class Bootstrap:
             if rank == 0:
                 threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
                 mode = "thread" if threads else "probe"
-                status, text = self._choose_coordinator(explicit_address, num_nodes)
+                status, text = self._choose_coordinator(
+                    explicit_address, num_nodes, size
+                )
                 _encode(message, status, RELEASE_MODES.index(mode), text)
             self._wait(
                 comm.Ibcast(message, root=0),
@@ -267,8 +273,16 @@ class Bootstrap:
         )
         return int(numbers[0]), int(numbers[1])
 
-    def _choose_coordinator(self, explicit, num_nodes):
-        """Return ``(status, text)``: the address, or the error every rank raises."""
+    def _choose_coordinator(self, explicit, num_nodes, size):
+        """Return ``(status, text)``: the address, or the error every rank raises.
+
+        First rank 0's open-file limit, raised to the hard one where its
+        coordination service would run out (one connection per process).
+        """
+        try:
+            self.file_limit_raised = _limits.ensure_file_limit(size)
+        except RuntimeError as err:
+            return _ERROR, str(err)
         if explicit is not None:
             return _OK, explicit
         try:

@@ -262,3 +262,38 @@ def test_mpi4py_of_another_mpi_is_caught():
     assert ours or "internal_Init_thread" in proc.stderr, proc.stderr[-3000:]
     if util.mpi_family() == "mpich":
         assert ours, proc.stderr[-3000:]
+
+
+def _nofile(soft, hard):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_hard_file_limit_too_low_fails_every_rank_at_once():
+    start = time.monotonic()
+    proc = util.run_mpi(
+        "file_limit.py", 2, check=False, timeout=90, preexec_fn=_nofile(200, 200)
+    )
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    message = (
+        "rank 0 needs 258 open files for JAX's coordination service (2 processes, "
+        "one connection each, + 256 for the rest), but its hard limit is 200 (soft "
+        "200)"
+    )
+    # Every rank raises rank 0's message (the bootstrap's error broadcast).
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
+    assert "RESULT" not in proc.stdout
+    assert took < 30, f"job took {took:.0f} s to end"
+
+
+def test_soft_file_limit_is_raised_to_the_hard_one():
+    proc = util.run_mpi("file_limit.py", 2, preexec_fn=_nofile(100, 4096))
+    rows = results(proc.stdout)
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert rows[0]["before"] == [100, 4096]
+    assert rows[0]["after"] == [4096, 4096]
+    assert rows[0]["raised"] == [100, 4096]
+    # Only rank 0 runs the service.
+    assert rows[1]["after"] == [100, 4096] and rows[1]["raised"] is None

@@ -123,6 +123,7 @@ def run_mpi(
     check: bool = True,
     mpiexec_args=(),
     python: str = sys.executable,
+    preexec_fn=None,
 ):
     """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
 
@@ -133,6 +134,8 @@ def run_mpi(
         timeout: seconds before the whole job is killed (the test then fails).
         check: fail the test, showing the output, when the exit status is not 0.
         python: the interpreter the ranks run (default: this one).
+        preexec_fn: run in the child before mpiexec starts (e.g. to lower a
+            resource limit that mpiexec and the ranks inherit).
     """
     if isinstance(script, (list, tuple)):  # Python's own arguments, e.g. ["-m", "x"]
         python_args = [str(a) for a in script]
@@ -156,6 +159,7 @@ def run_mpi(
             text=True,
             timeout=timeout,
             cwd=ROOT,
+            preexec_fn=preexec_fn,
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")

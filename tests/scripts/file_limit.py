@@ -1,0 +1,19 @@
+"""Initialize under mpiexec and report rank 0's open-file limits, for the tests of
+the bootstrap's file-limit check. One line "RESULT {json}" per rank."""
+
+import resource
+
+import jax
+from launch_common import report
+
+import mpi4jax_dist  # noqa: F401  (registers the cluster env)
+from mpi4jax_dist import _topology
+
+before = resource.getrlimit(resource.RLIMIT_NOFILE)
+jax.distributed.initialize(initialization_timeout=60)
+report(
+    rank=jax.process_index(),
+    before=list(before),
+    after=list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+    raised=_topology.current().file_limit_raised,
+)
