@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from . import _cluster, _jax_compat, _topology
+from . import _cluster, _jax_compat, _limits, _topology
 
 
 def topology(comm=None) -> _topology.Topology:
@@ -35,7 +35,9 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
             own JAX world, e.g. ensembles of independent jobs in one MPI launch.
         **kwargs: passed to ``jax.distributed.initialize`` (``coordinator_address``,
             ``local_device_ids``, ``initialization_timeout``, ...); what is given
-            there wins over what MPI says.
+            there wins over what MPI says. ``initialization_timeout`` and
+            ``heartbeat_timeout_seconds``, when not given, grow with the number of
+            processes (:func:`mpi4jax_dist._limits.timeouts`).
 
     Raises:
         RuntimeError: JAX's process index or count differs from the communicator's
@@ -44,15 +46,34 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
     initialized, _, _ = _jax_compat.distributed_state()
     _topology.use_communicator(comm)
     if not initialized:
-        if _jax_compat.detection_accepts_name():
-            kwargs.setdefault(
-                "cluster_detection_method", _cluster.Mpi4jaxDistCluster.name
-            )
         with _cluster.explicitly_requested():
-            jax.distributed.initialize(**kwargs)
+            jax.distributed.initialize(**jax_arguments(_size(comm), kwargs))
     topo = _topology.topology(comm)
     _check_matches(topo)
     return topo
+
+
+def jax_arguments(size: int, kwargs: dict) -> dict:
+    """Return ``kwargs`` for ``jax.distributed.initialize`` with what this JAX
+    accepts filled in: our cluster env by name, and the timeouts for ``size``
+    processes where the caller gave none."""
+    wanted = {"cluster_detection_method": _cluster.Mpi4jaxDistCluster.name}
+    wanted.update(_limits.timeouts(size))
+    arguments = dict(kwargs)
+    for name, value in wanted.items():
+        if _jax_compat.initialize_accepts(name):
+            arguments.setdefault(name, value)
+    return arguments
+
+
+def _size(comm) -> int:
+    """The number of processes the JAX world will have."""
+    from mpi4py import MPI
+
+    bootstrap = _topology.current()
+    if comm is None and bootstrap is not None:
+        comm = bootstrap.comm
+    return (MPI.COMM_WORLD if comm is None else comm).Get_size()
 
 
 def _check_matches(topo: _topology.Topology) -> None:

@@ -61,10 +61,10 @@ def register_first(cls) -> None:
     registry[:] = [cls] + [c for c in registry if c is not cls]
 
 
-def detection_accepts_name() -> bool:
-    """Return True when ``jax.distributed.initialize`` takes a detection method."""
-    params = inspect.signature(jax.distributed.initialize).parameters
-    return "cluster_detection_method" in params
+def initialize_accepts(name: str) -> bool:
+    """Return True when ``jax.distributed.initialize`` takes the argument ``name``
+    (``cluster_detection_method``, ``heartbeat_timeout_seconds``, ...)."""
+    return name in inspect.signature(jax.distributed.initialize).parameters
 
 
 def distributed_state() -> tuple[bool, int, int]:

@@ -1,4 +1,4 @@
-"""Rank 0's open-file limit against what JAX's coordination service needs.
+"""What grows with the process count: rank 0's open files, and JAX's timeouts.
 
 JAX's coordination service on rank 0 holds one TCP connection, so one file
 descriptor, per process of the job, beside what the process already has open. With
@@ -73,3 +73,92 @@ def ensure_file_limit(num_processes: int) -> tuple[int, int | None] | None:
         num_processes,
     )
     return soft, hard
+
+
+# --- timeouts -------------------------------------------------------------------------
+
+# JAX's defaults for jax.distributed.initialize.
+JAX_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout_seconds": 100}
+# What each process adds to them in mpi4jax_dist.initialize() (seconds): rank 0's
+# service registers every process and relays the topology exchange, and receives
+# P heartbeats per half period.
+PER_PROCESS_S = {"initialization_timeout": 0.01, "heartbeat_timeout_seconds": 0.001}
+
+
+def timeouts(num_processes: int) -> dict[str, int]:
+    """Return the timeouts ``mpi4jax_dist.initialize()`` gives JAX for a job of
+    ``num_processes``: JAX's defaults plus 10 ms (initialization) and 1 ms
+    (heartbeat) per process, in whole seconds (below 100 processes JAX's own;
+    P = 10^5: 1300 s and 200 s)."""
+    return {
+        name: default + int(num_processes * PER_PROCESS_S[name])
+        for name, default in JAX_TIMEOUTS.items()
+    }
+
+
+# --- what the diagnostics say ---------------------------------------------------------
+
+# Bytes of JAX's topology exchange per pair of processes, per platform: every
+# process's local topology (about 80 bytes each) gathered through rank 0's service
+# and the global one sent back to every process.
+TOPOLOGY_BYTES_PER_PAIR = 80
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
+
+
+def listen_backlog() -> int | None:
+    """Return the kernel's cap on a listening socket's backlog, None if unknown."""
+    try:
+        with open(SOMAXCONN) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def topology_exchange_bytes(num_processes: int) -> int:
+    """Return the bytes rank 0's service relays in JAX's topology exchange."""
+    return TOPOLOGY_BYTES_PER_PAIR * num_processes**2
+
+
+def report(num_processes: int) -> dict:
+    """Return this process's limits against a job of ``num_processes``, and what
+    will be hit (``problems``: initialize will fail; ``warnings``: it may be slow)."""
+    soft, hard = file_limits()
+    needed = files_needed(num_processes)
+    backlog = listen_backlog()
+    exchange = topology_exchange_bytes(num_processes)
+    problems, warnings = [], []
+    if hard is not None and hard < needed:
+        problems.append(
+            f"the hard open-file limit, {hard}, is below the {needed} that rank 0's "
+            f"coordination service needs for {num_processes} processes: initialize "
+            f"will fail (ulimit -Hn)."
+        )
+    elif soft is not None and soft < needed:
+        warnings.append(
+            f"the soft open-file limit, {soft}, is below {needed}: rank 0 raises it "
+            f"to the hard limit ({hard or 'unlimited'}) at initialize."
+        )
+    if backlog is not None and num_processes > backlog:
+        warnings.append(
+            f"{num_processes} processes connect to rank 0, more than the listen "
+            f"backlog ({backlog}, {SOMAXCONN}): dropped connection requests cost "
+            f"1 s or more each."
+        )
+    if exchange > 10**9:
+        warnings.append(
+            f"JAX's topology exchange relays about {exchange / 1e9:.0f} GB through "
+            f"rank 0 (80 B per pair of processes): use one process per node with all "
+            f"its devices where the platform allows it."
+        )
+    return {
+        "processes": num_processes,
+        "open_files": {"soft": soft, "hard": hard, "needed": needed},
+        "listen_backlog": backlog,
+        "timeouts": {
+            "jax_defaults": dict(JAX_TIMEOUTS),
+            "mpi4jax_dist.initialize": timeouts(num_processes),
+        },
+        "topology_exchange_bytes": exchange,
+        "problems": problems,
+        "warnings": warnings,
+    }

@@ -219,7 +219,7 @@ def test_coordinator_call_of_each_version(version, kwargs):
 
 def test_installed_jax_matches_a_row():
     assert _jax_compat.JAX_VERSION >= _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0]
-    assert _jax_compat.detection_accepts_name()
+    assert _jax_compat.initialize_accepts("cluster_detection_method")
 
 
 def test_public_api():

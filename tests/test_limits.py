@@ -1,0 +1,96 @@
+"""What grows with the process count (``mpi4jax_dist._limits``): open files, JAX's
+timeouts, and what the diagnostics say about a planned job size."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import util
+
+from mpi4jax_dist import _api, _limits
+
+pytestmark = util.skip_in_mpi_job
+
+
+def test_timeouts_grow_with_the_process_count():
+    assert _limits.timeouts(2) == _limits.JAX_TIMEOUTS  # JAX's own below 100
+    assert _limits.timeouts(1000) == {
+        "initialization_timeout": 310,
+        "heartbeat_timeout_seconds": 101,
+    }
+    assert _limits.timeouts(100_000) == {
+        "initialization_timeout": 1300,
+        "heartbeat_timeout_seconds": 200,
+    }
+
+
+def test_initialize_fills_in_only_what_the_caller_left_out():
+    arguments = _api.jax_arguments(100_000, {"initialization_timeout": 5})
+    assert arguments["initialization_timeout"] == 5  # the caller's
+    assert arguments["heartbeat_timeout_seconds"] == 200
+    assert arguments["cluster_detection_method"] == "mpi4jax_dist"
+
+
+def _limit_script(soft, hard, procs):
+    return (
+        "import resource\n"
+        "from mpi4jax_dist import _limits\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "try:\n"
+        f"    print('RAISED', _limits.ensure_file_limit({procs}))\n"
+        "except RuntimeError as err:\n"
+        "    print('ERROR', err)\n"
+        "print('NOW', resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "soft, hard, procs, expected",
+    [
+        (100, 2000, 300, ["RAISED (100, 2000)", "NOW (2000, 2000)"]),
+        (1000, 2000, 300, ["RAISED None", "NOW (1000, 2000)"]),
+        (100, 400, 300, ["ERROR rank 0 needs 556 open files", "NOW (100, 400)"]),
+    ],
+)
+def test_soft_limit_raised_hard_limit_reported(soft, hard, procs, expected):
+    proc = subprocess.run(
+        [sys.executable, "-c", _limit_script(soft, hard, procs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout + proc.stderr
+    for line, start in zip(lines, expected, strict=True):
+        assert line.startswith(start), proc.stdout
+
+
+def test_diagnostics_judge_a_planned_job_size():
+    def low_hard_limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))
+
+    proc = util.run_mpi(
+        ["-m", "mpi4jax_dist"],
+        2,
+        "--json",
+        "--procs",
+        "100000",
+        check=False,
+        preexec_fn=low_hard_limit,
+    )
+    assert proc.returncode == 1  # initialize would fail: a problem
+    report = json.loads(
+        proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1]
+    )
+    scale = report["scale"]
+    assert scale["open_files"] == {"soft": 1024, "hard": 4096, "needed": 100256}
+    assert scale["timeouts"]["mpi4jax_dist.initialize"] == _limits.timeouts(100_000)
+    assert scale["topology_exchange_bytes"] == 80 * 10**10
+    assert any(
+        "hard open-file limit, 4096, is below the 100256" in p
+        for p in report["problems"]
+    ), report["problems"]
+    assert any("topology exchange relays about 800 GB" in w for w in scale["warnings"])
