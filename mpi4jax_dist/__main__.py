@@ -44,6 +44,21 @@ def _print_text(report: dict) -> None:
     print(
         "versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
     )
+    scale = report["scale"]
+    files = scale["open_files"]
+    print(
+        f"scale         P={scale['processes']}: rank 0's open files soft {files['soft']}, hard "
+        f"{files['hard']}, needed {files['needed']}; listen backlog "
+        f"{scale['listen_backlog']}; topology exchange "
+        f"{scale['topology_exchange_bytes']:,} B"
+    )
+    for name, values in scale["timeouts"].items():
+        print(
+            f"  timeouts of {name}: "
+            + ", ".join(f"{k} {v} s" for k, v in values.items())
+        )
+    for warning in scale["warnings"]:
+        print(f"WARNING       {warning}")
     failure = report["on_failure"]
     if failure["abort_on_failure"]:
         when = "in force" if failure["installed"] else "once JAX initializes"
@@ -74,13 +89,21 @@ def main(argv=None) -> int:
         action="store_true",
         help="also initialize JAX and compare allreduce with psum",
     )
+    parser.add_argument(
+        "--procs",
+        type=int,
+        metavar="N",
+        help="judge rank 0's limits for a job of N processes (default: this one's)",
+    )
     args = parser.parse_args(argv)
+    if args.procs is not None and args.procs < 1:
+        parser.error(f"--procs {args.procs}: expected a process count of 1 or more")
 
     from mpi4py import MPI
 
     from ._diagnose import diagnose
 
-    report = diagnose(check=args.check)
+    report = diagnose(check=args.check, procs=args.procs)
     if MPI.COMM_WORLD.Get_rank() == 0:
         if args.json:
             print(json.dumps(report, indent=1))

@@ -7,7 +7,7 @@ import importlib.metadata
 import shutil
 import subprocess
 
-from . import _config, _failfast, _launch
+from . import _config, _failfast, _launch, _limits
 from ._mpi import mpi_library, thread_level_name
 
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
@@ -46,12 +46,14 @@ def _family(text: str) -> str | None:
     return None
 
 
-def diagnose(check: bool = False) -> dict:
+def diagnose(check: bool = False, procs: int | None = None) -> dict:
     """Return a report of this job (collective: every rank must call it).
 
     Args:
         check: also initialize JAX and compare one ``mpi4jax.allreduce`` with one
             ``psum`` over :func:`global_mesh`.
+        procs: judge rank 0's limits for a job of this many processes (default:
+            this job's size), e.g. to plan a large job from a small one.
 
     Returns:
         On every rank, a dict; ``problems`` lists what looks wrong (empty: fine).
@@ -122,6 +124,11 @@ def diagnose(check: bool = False) -> dict:
         for node, rank, _ in sorted(nodes):
             per_node.setdefault(node, []).append(rank)
         report["topology"]["ranks_per_node"] = {str(k): v for k, v in per_node.items()}
+    # Rank 0's limits, where JAX's coordination service runs.
+    scale = _limits.report(procs or topo.size)
+    report["scale"] = scale
+    if topo.rank == 0:
+        problems += scale["problems"]
     if check:
         report["check"] = _check(topo, problems)
     # After the check, which initializes JAX and with it the hooks.
