@@ -47,9 +47,9 @@ def _print_text(report: dict) -> None:
     scale = report["scale"]
     files = scale["open_files"]
     print(
-        f"scale         P={scale['processes']}: rank 0's open files soft {files['soft']}, hard "
-        f"{files['hard']}, needed {files['needed']}; listen backlog "
-        f"{scale['listen_backlog']}; topology exchange "
+        f"scale         P={scale['processes']}: rank 0's open files soft "
+        f"{files['soft']}, hard {files['hard']}, needed {files['needed']}; "
+        f"listen backlog {scale['listen_backlog']}; topology exchange "
         f"{scale['topology_exchange_bytes']:,} B"
     )
     for name, values in scale["timeouts"].items():
