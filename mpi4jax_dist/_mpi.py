@@ -50,6 +50,8 @@ CALLS = {
     "Split_type": ("collective", _two_ints, _SPLIT_TYPE),
     "Split": ("collective", _two_ints, _SPLIT),
     "Ibcast": ("collective", _buffer_bytes, "a binomial tree: O(log P) steps"),
+    "Iexscan": ("collective", _buffer_bytes, "O(log P) steps (recursive doubling)"),
+    "Iallreduce": ("collective", _buffer_bytes, "O(log P) steps (recursive doubling)"),
     "Ibarrier": ("collective", _no_bytes, "O(log P) messages of no data"),
     # Collective by the standard, but MPICH and Open MPI only drop a reference.
     "Free": ("free", _no_bytes, "no communication in MPICH or Open MPI"),

@@ -12,18 +12,18 @@ elsewhere would deadlock). Its MPI calls all go through one
 
    - ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node, its local rank and
      size;
-   - ``Split`` of the node leaders (local rank 0), ordered by rank: node index and
-     node count on the leaders;
+   - ``Iexscan`` and ``Iallreduce`` of "I lead a node" flags (local rank 0), posted
+     together: node index and node count on the leaders;
    - ``Ibcast`` within each node of (node index, node count) from its leader;
    - ``Ibcast`` from rank 0 of the coordinator address and the release mode, or of
      rank 0's error (an open-file limit too low for its coordination service, or
      no address), so that a failure there raises on every rank instead of leaving
      them waiting.
 
-   The payload each rank hands to MPI is 8 bytes or fewer, except the coordinator's
-   fixed 1024-byte message; the broadcasts and barriers are O(log P). The splits
-   are MPI's own: MPICH builds them with an allgather of every rank's (color, key),
-   O(P) bytes per rank.
+   The payload each rank hands to MPI is 16 bytes or fewer, except the
+   coordinator's fixed 1024-byte message; the scans, reductions, broadcasts and
+   barriers are O(log P). The node split is MPI's own: MPICH builds it with an
+   allgather of every rank's (color, key), O(P) bytes per rank.
 3. **Release** (:meth:`Bootstrap.release`): the other ranks must not contact the
    coordinator before rank 0's service listens, or gRPC backs off for about a
    second. Under ``MPI_THREAD_MULTIPLE`` a thread on rank 0 joins an ``Ibarrier`` on
@@ -257,15 +257,27 @@ class Bootstrap:
         return self.topology
 
     def _node_numbers(self, comm, node, local_rank, deadline) -> tuple[int, int]:
-        """Return (node index, node count): a split of the leaders, then one
-        broadcast within the node."""
+        """Return (node index, node count): node leaders (local rank 0) count the
+        leaders below them (an exclusive scan) and all of them (an allreduce), both
+        posted at once; then one broadcast within the node.
+
+        Nodes are numbered in order of their lowest rank. A ``Split`` of the leaders
+        gives the same numbers, but MPICH's gathers every rank's color and key:
+        O(P) bytes per rank against O(1) here, and it cannot be waited on with a
+        deadline.
+        """
         from mpi4py import MPI
 
-        leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
-        numbers = np.zeros(2, dtype=np.int64)
-        if leaders:
-            numbers[:] = leaders.Get_rank(), leaders.Get_size()
-            leaders.Free()
+        leader = np.array([1 if local_rank == 0 else 0], dtype=np.int64)
+        below = np.zeros(1, dtype=np.int64)
+        count = np.zeros(1, dtype=np.int64)
+        scan = comm.Iexscan(leader, below, op=MPI.SUM)
+        total = comm.Iallreduce(leader, count, op=MPI.SUM)
+        what = "every rank to count the nodes"
+        self._wait(scan, deadline, what)
+        self._wait(total, deadline, what)
+        # MPI leaves rank 0's exclusive scan undefined: nothing is below it.
+        numbers = np.array([0 if comm.Get_rank() == 0 else below[0], count[0]])
         self._wait(
             node.Ibcast(numbers, root=0),
             deadline,

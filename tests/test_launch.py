@@ -74,13 +74,21 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _layout(hosts: str) -> list[tuple[int, int, int]]:
-    """Return ``(node_index, local_rank, local_size)`` per rank for MPICH's -hosts."""
-    layout = []
-    for node, entry in enumerate(hosts.split(",")):
-        count = int(entry.rpartition(":")[2])
-        layout += [(node, local, count) for local in range(count)]
-    return layout
+def _layout(hosts: str, n: int | None = None) -> list[tuple[int, int, int]]:
+    """Return ``(node_index, local_rank, local_size)`` per rank for MPICH's -hosts:
+    each host gets its count of consecutive ranks, round after round until ``n``
+    (default: one round)."""
+    counts = [int(entry.rpartition(":")[2]) for entry in hosts.split(",")]
+    n = sum(counts) if n is None else n
+    nodes: list[int] = []
+    while len(nodes) < n:
+        for node, count in enumerate(counts):
+            nodes += [node] * count
+    nodes = nodes[:n]
+    return [
+        (node, nodes[:rank].count(node), nodes.count(node))
+        for rank, node in enumerate(nodes)
+    ]
 
 
 # --- 1. plain jax.distributed.initialize() on one node -----------------------------
@@ -123,10 +131,16 @@ def test_initialize_after_plain_initialize_is_idempotent():
 
 
 @skip_in_mpi_job
-@pytest.mark.parametrize("hosts", ["nodeA:2,nodeB:2", "nodeA:1,nodeB:2,nodeC:1"])
-def test_pretend_nodes(hosts):
-    layout = _layout(hosts)
-    n = len(layout)
+@pytest.mark.parametrize(
+    "hosts, n",
+    [
+        ("nodeA:2,nodeB:2", 4),
+        ("nodeA:1,nodeB:2,nodeC:1", 4),
+        ("nodeA:1,nodeB:1,nodeC:1", 6),  # round-robin: a node's ranks not adjacent
+    ],
+)
+def test_pretend_nodes(hosts, n):
+    layout = _layout(hosts, n)
     results = _run("launch_plain.py", n, "jax", hosts=hosts)
     addresses = {r["topo_coordinator_address"] for r in results.values()}
     assert len(addresses) == 1, addresses
