@@ -11,6 +11,7 @@ interpreted in ``_launch.py``; this module only owns the ones that configure us.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -253,3 +254,39 @@ def default_bind_address(address: str):
             del os.environ[BIND_ADDRESS]
 
     return restore
+
+
+ALLREDUCE_CHUNK_BYTES = "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES"
+# 64 MiB: measured with 1 GiB float32 messages on 2 ranks, MPI's scratch memory
+# falls from 0.50 of the message to 0.03 at no cost in time.
+DEFAULT_ALLREDUCE_CHUNK_BYTES = 64 << 20
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def allreduce_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
+    """Return the most bytes ``mpi4jax_dist.allreduce`` hands to one MPI call.
+
+    ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` (default 64 MiB) bounds the scratch
+    memory MPI allocates for a reduction (about one chunk, instead of up to the
+    whole message): the message is reduced chunk by chunk. ``0`` means one call
+    for the whole message (``MPI_Allreduce_c`` where the MPI has MPI-4's
+    large-count calls, else calls of at most ``INT_MAX`` elements, which apply
+    whatever this is set to). Plain bytes or with a binary unit: ``16777216``,
+    ``16M``, ``16MiB``, ``1G``. It is read when a call is compiled, and must be
+    the same on every rank (each chunk is a collective of its own).
+
+    Raises:
+        ValueError: the value is not a non-negative size.
+    """
+    env = environ() if env is None else env
+    value = env.get(ALLREDUCE_CHUNK_BYTES, "").strip()
+    if not value:
+        return DEFAULT_ALLREDUCE_CHUNK_BYTES
+    match = re.fullmatch(r"(\d+)\s*(?:([kmg])(?:i?b)?|b)?", value.lower())
+    if match is None:
+        raise ValueError(
+            f"{ALLREDUCE_CHUNK_BYTES}={value!r} is not a size in bytes; expected a "
+            f"non-negative integer with an optional unit (67108864, 64M, 64MiB), "
+            f"or 0 for one MPI call per message."
+        )
+    return int(match.group(1)) * _BYTE_UNITS[match.group(2) or ""]
