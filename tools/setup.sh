@@ -62,7 +62,9 @@ if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
         pip install --no-build-isolation --no-cache-dir mpi4jax
 fi
 
-pip install -e "$here[test,bench]"
+# Our extension compiles against jaxlib's FFI headers and the MPI installed above:
+# no build isolation, so that both are the ones this environment runs with.
+pip install --no-build-isolation -e "$here[test,bench]"
 echo "setup.sh: ready: $venv"
 
 if [ "$with_openmpi" = 1 ]; then

