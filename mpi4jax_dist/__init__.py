@@ -3,17 +3,22 @@
 ``import mpi4jax_dist`` registers an mpi4py-based cluster environment with JAX, asked
 before JAX's own, so that a plain ``jax.distributed.initialize()`` finds the
 coordinator, the process count and the process id from MPI, with
-``jax.process_index()`` equal to the MPI rank. Importing does not initialize MPI or
-a JAX backend. This module defines the public API.
+``jax.process_index()`` equal to the MPI rank. ``allreduce`` reduces arrays in
+place and with counts above 2**31, through a compiled XLA FFI handler loaded on its
+first call. Importing does not initialize MPI or a JAX backend. This module defines
+the public API.
 """
 
 from __future__ import annotations
 
 from . import _cluster, _jax_compat
+from ._allreduce import allreduce as allreduce
 from ._api import initialize, topology
 from ._topology import Topology
 from .interop import global_mesh, to_global, to_local
 
+# TODO: "allreduce" belongs here too, once tests/test_package.py's
+# test_public_api (not ours to edit) lists it; until then it is exported by name.
 __all__ = [
     "Topology",
     "cg",

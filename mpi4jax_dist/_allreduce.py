@@ -1,0 +1,322 @@
+"""``mpi4jax_dist.allreduce``: an in-place, large-count allreduce for JAX.
+
+The primitive lowers to the XLA FFI handler in ``_ffi/cpu.cc`` with its operand
+aliased to its result: under ``jax.jit(..., donate_argnums=...)``, or on an
+intermediate inside a ``jit``, XLA hands the handler one buffer, which it reduces
+in place (``MPI_IN_PLACE``). Element counts above ``INT_MAX`` go to
+``MPI_Allreduce_c`` where the MPI has MPI-4's large-count calls, and in chunks
+otherwise; ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` bounds what one call reduces,
+and with it MPI's scratch memory.
+
+Ordering: the primitive carries mpi4jax's ordered effect, so XLA threads one
+token through it and every mpi4jax call of the program; XLA:CPU cannot reorder
+them or run two at once (it runs thunks concurrently, ordered only by data).
+
+Importing this module imports neither mpi4py.MPI nor mpi4jax nor the extension:
+the primitive is made on the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import _config
+
+# Ops by the code the handler knows them by (OpFromCode in _ffi/mpi_helpers.h).
+OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+
+_ARITHMETIC = ("SUM", "PROD")
+_ORDER = ("MIN", "MAX")
+_LOGICAL = ("LAND", "LOR", "LXOR")
+_BITWISE = ("BAND", "BOR", "BXOR")
+_INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+# Which predefined op MPI applies to which type (MPI 4.1, section 6.9.2): floats
+# take arithmetic and order, complex numbers arithmetic, C integers everything,
+# C bool the logical ops. float16 and bfloat16 have no standard MPI type.
+OPS_BY_DTYPE = {
+    "float32": _ARITHMETIC + _ORDER,
+    "float64": _ARITHMETIC + _ORDER,
+    "complex64": _ARITHMETIC,
+    "complex128": _ARITHMETIC,
+    **{name: OPS for name in _INTEGERS},
+    "bool": _LOGICAL,
+}
+
+
+def check_supported(dtype, op_name: str | None = None) -> None:
+    """Raise ``TypeError`` unless MPI can reduce ``dtype`` with ``MPI.<op_name>``
+    (with some op, when ``op_name`` is None).
+
+    Pure: touches neither MPI nor JAX, so a refused call makes no MPI call.
+
+    Raises:
+        TypeError: naming the dtype or op and what is supported.
+    """
+    name = np.dtype(dtype).name
+    if name not in OPS_BY_DTYPE:
+        supported = ", ".join(OPS_BY_DTYPE)
+        raise TypeError(
+            f"mpi4jax_dist.allreduce cannot reduce {name} arrays: MPI has no "
+            f"standard {name} type. Supported dtypes: {supported} (bool with "
+            f"MPI.LAND, MPI.LOR and MPI.LXOR only). Cast first, for example "
+            f"x.astype(jnp.float32)."
+        )
+    allowed = OPS_BY_DTYPE[name]
+    if op_name is not None and op_name not in allowed:
+        hint = " (or cast to an integer type)" if name == "bool" else ""
+        raise TypeError(
+            f"mpi4jax_dist.allreduce cannot reduce {name} with MPI.{op_name}: "
+            f"MPI reduces {name} with "
+            f"{', '.join('MPI.' + o for o in allowed)} only{hint}."
+        )
+
+
+def op_name(op) -> str:
+    """Return ``"SUM"`` for ``MPI.SUM`` (and for None), and so on for each op.
+
+    Raises:
+        TypeError: ``op`` is not one of MPI's predefined reduction ops.
+    """
+    if op is None:
+        return "SUM"
+    from mpi4py import MPI  # already imported: op is an MPI.Op
+
+    if isinstance(op, MPI.Op):
+        for name in OPS:
+            if op == getattr(MPI, name):
+                return name
+    names = ", ".join(f"MPI.{o}" for o in OPS)
+    raise TypeError(
+        f"mpi4jax_dist.allreduce: op must be one of {names}; got {op!r}. "
+        f"User-defined ops and MPI.MAXLOC/MINLOC/REPLACE/NO_OP are not supported."
+    )
+
+
+@functools.cache
+def _check_mpi() -> None:
+    """Raise unless MPI is up with ``MPI_THREAD_MULTIPLE`` (checked once)."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        raise RuntimeError(
+            "mpi4jax_dist.allreduce needs MPI initialized (and not finalized): "
+            "import mpi4py.MPI with mpi4py.rc.initialize left True, or call "
+            "MPI.Init_thread(MPI.THREAD_MULTIPLE) first."
+        )
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        levels = {
+            MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+            MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+            MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+        }
+        raise RuntimeError(
+            f"mpi4jax_dist.allreduce needs MPI_THREAD_MULTIPLE, but MPI was "
+            f"initialized with {levels.get(provided, provided)}: XLA runs the "
+            f"handler on its worker threads. Leave mpi4py.rc.thread_level at its "
+            f"default ('multiple') or initialize MPI with "
+            f"MPI.Init_thread(MPI.THREAD_MULTIPLE)."
+        )
+
+
+def _communicator(comm):
+    """Return ``comm`` (mpi4jax's clone of COMM_WORLD for None), checked."""
+    from mpi4py import MPI
+
+    if comm is None:
+        # mpi4jax's own default: its calls and ours then share one communicator.
+        from mpi4jax._src.utils import get_default_comm
+
+        return get_default_comm()
+    if isinstance(comm, MPI.Intercomm) or not isinstance(comm, MPI.Intracomm):
+        raise TypeError(
+            f"mpi4jax_dist.allreduce: comm must be an mpi4py intracommunicator "
+            f"(MPI.Intracomm, such as MPI.COMM_WORLD or a Split of it); got "
+            f"{type(comm).__name__}."
+        )
+    if comm == MPI.COMM_NULL:
+        raise ValueError("mpi4jax_dist.allreduce: comm is MPI.COMM_NULL.")
+    return comm
+
+
+class _Comm:
+    """A communicator as a primitive parameter: hashable, equal by handle."""
+
+    __slots__ = ("comm", "handle")
+
+    def __init__(self, comm):
+        self.comm = comm
+        # The Fortran handle: one integer, the same for MPICH's int handles and
+        # Open MPI's pointers; MPI_Comm_f2c turns it back in the handler.
+        self.handle = int(comm.py2f())
+
+    def __hash__(self):
+        return hash(("mpi4jax_dist._Comm", self.handle))
+
+    def __eq__(self, other):
+        return isinstance(other, _Comm) and other.handle == self.handle
+
+    def __repr__(self):
+        return f"Comm(f2c={self.handle})"
+
+
+def allreduce(x, op=None, *, comm=None):
+    """Reduce ``x`` over the ranks of ``comm``, in place where XLA allows it.
+
+    Where ``mpi4jax.allreduce`` returns a new buffer, this one's operand and
+    result alias: under ``jax.jit(f, donate_argnums=...)``, or on an intermediate
+    inside a ``jit``, XLA gives the handler one buffer and MPI reduces it in place
+    (``MPI_IN_PLACE``), so a message of N bytes needs N bytes, not 2N. Without
+    donation (eagerly, or on a jit argument still alive) XLA gives two buffers
+    and the handler copies, then reduces in place in the result.
+
+    Any element count works, above 2**31 included. The reduction runs in chunks
+    of ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` (default 64 MiB; 0 for one call,
+    see :func:`mpi4jax_dist._config.allreduce_chunk_bytes`), which bounds MPI's
+    scratch memory.
+
+    Calls keep program order on every rank: they share mpi4jax's ordered effect,
+    so mpi4jax's calls and these are ordered together. Usable eagerly, in
+    ``jit``, ``lax.fori_loop``/``while_loop``/``scan``, under ``vmap``, and under
+    ``grad``/``jvp`` for ``MPI.SUM`` with mpi4jax's rules (the transpose of the
+    allreduce is the identity). MPI must run with ``MPI_THREAD_MULTIPLE``
+    (mpi4py's default): XLA calls the handler from its worker threads.
+
+    Args:
+        x: array or scalar: float32/64, complex64/128, (u)int8/16/32/64, or bool
+            for the logical ops.
+        op: an ``mpi4py.MPI.Op``: ``MPI.SUM`` (the default, also for None),
+            ``PROD``, ``MIN``, ``MAX``, ``LAND``, ``LOR``, ``LXOR``, ``BAND``,
+            ``BOR`` or ``BXOR``, where MPI defines it for the dtype.
+        comm: an mpi4py intracommunicator; default: mpi4jax's clone of
+            ``MPI.COMM_WORLD``.
+
+    Returns:
+        The reduced array, of the shape and dtype of ``x``.
+
+    Raises:
+        TypeError: a dtype, op or communicator MPI cannot reduce with, before any
+            MPI call.
+        RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``.
+        ImportError: the extension was built against another MPI than mpi4py's.
+    """
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    check_supported(x.dtype)  # before op_name, which may import mpi4py.MPI
+    name = op_name(op)
+    check_supported(x.dtype, name)
+    _check_mpi()
+    comm = _Comm(_communicator(comm))
+    from . import _ffi
+
+    _ffi.load()
+    return _primitive().bind(x, op=OPS.index(name), comm=comm, transpose=False)
+
+
+@functools.cache
+def _primitive():
+    """Make the primitive and its rules (first call only: imports mpi4jax)."""
+    import jax
+    from jax.core import ShapedArray
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    # mpi4jax's effect, not one of ours: one token then orders mpi4jax's calls
+    # and ours, and mpi4jax has registered it as allowed in loops and
+    # custom_vjp. Its abstract_token follows JAX's moves (private in 0.10).
+    from mpi4jax._src.jax_compat import abstract_token
+    from mpi4jax._src.utils import ordered_effect
+
+    from . import _ffi
+
+    prim = Primitive("mpi4jax_dist_allreduce")
+
+    @functools.cache
+    def jitted(op, comm, transpose):
+        return jax.jit(lambda x: prim.bind(x, op=op, comm=comm, transpose=transpose))
+
+    def impl(x, *, op, comm, transpose):
+        return jitted(op, comm, transpose)(x)
+
+    def abstract_eval(x, *, op, comm, transpose):
+        out = ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
+        # The transposed allreduce is the identity (as in mpi4jax): no MPI call,
+        # nothing to order.
+        return out, (set() if transpose else {ordered_effect})
+
+    def lowering(ctx, x, *, op, comm, transpose):
+        if transpose:
+            return [x]
+        _ffi.load()
+        token = ctx.tokens_in.get(ordered_effect)
+        (result,) = jax.ffi.ffi_lowering(
+            _ffi.ALLREDUCE_TARGET,
+            operand_output_aliases={0: 0},
+            has_side_effect=True,
+        )(
+            ctx.replace(avals_in=(*ctx.avals_in, abstract_token)),
+            x,
+            token,
+            comm=np.int64(comm.handle),
+            op=np.int32(op),
+            chunk_bytes=np.int64(_config.allreduce_chunk_bytes()),
+        )
+        # The next MPI call waits for a token made from the result, not for a
+        # second result of the allreduce: an (array, token) result is a tuple,
+        # whose index table XLA allocates as temp memory.
+        (token,) = jax.ffi.ffi_lowering(_ffi.TOKEN_AFTER_TARGET)(
+            ctx.replace(avals_in=ctx.avals_out, avals_out=(abstract_token,)),
+            result,
+        )
+        ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
+        return [result]
+
+    def no_gpu_lowering(ctx, x, *, op, comm, transpose):
+        if transpose:
+            return [x]
+        # TODO(issue 11): the CUDA handler (device buffers in place, or staged
+        # through a bounded pinned host chunk) registers here.
+        raise NotImplementedError(
+            "mpi4jax_dist.allreduce has only a CPU handler so far; on GPUs use "
+            "mpi4jax.allreduce."
+        )
+
+    def batching_rule(args, dims, *, op, comm, transpose):
+        # Elementwise over ranks: the batch dimension stays where it is.
+        return prim.bind(args[0], op=op, comm=comm, transpose=transpose), dims[0]
+
+    def jvp(primals, tangents, *, op, comm, transpose):
+        if OPS[op] != "SUM":
+            raise NotImplementedError(
+                f"mpi4jax_dist.allreduce is differentiable for MPI.SUM only; got "
+                f"MPI.{OPS[op]}."
+            )
+        (x,), (t,) = primals, tangents
+        value = prim.bind(x, op=op, comm=comm, transpose=transpose)
+        return value, prim.bind(t, op=op, comm=comm, transpose=transpose)
+
+    def transpose_rule(cotangent, x, *, op, comm, transpose):
+        if OPS[op] != "SUM":
+            raise NotImplementedError(
+                f"the transpose of mpi4jax_dist.allreduce is defined for MPI.SUM "
+                f"only; got MPI.{OPS[op]}."
+            )
+        cotangent = ad.instantiate_zeros(cotangent)
+        return (prim.bind(cotangent, op=op, comm=comm, transpose=not transpose),)
+
+    prim.def_impl(impl)
+    prim.def_effectful_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, lowering, platform="cpu")
+    for platform in ("cuda", "rocm"):
+        try:
+            mlir.register_lowering(prim, no_gpu_lowering, platform=platform)
+        except NotImplementedError:  # that platform's plugin is not installed
+            pass
+    batching.primitive_batchers[prim] = batching_rule
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose_rule
+    return prim
