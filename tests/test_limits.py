@@ -67,11 +67,6 @@ def test_soft_limit_raised_hard_limit_reported(soft, hard, procs, expected):
 
 
 def test_diagnostics_judge_a_planned_job_size():
-    def low_hard_limit():
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))
-
     proc = util.run_mpi(
         ["-m", "mpi4jax_dist"],
         2,
@@ -79,7 +74,7 @@ def test_diagnostics_judge_a_planned_job_size():
         "--procs",
         "100000",
         check=False,
-        preexec_fn=low_hard_limit,
+        nofile=(1024, 4096),
     )
     assert proc.returncode == 1  # initialize would fail: a problem
     report = json.loads(

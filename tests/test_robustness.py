@@ -265,17 +265,9 @@ def test_mpi4py_of_another_mpi_is_caught():
         assert ours, proc.stderr[-3000:]
 
 
-def _nofile(soft, hard):
-    import resource
-
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
 def test_hard_file_limit_too_low_fails_every_rank_at_once():
     start = time.monotonic()
-    proc = util.run_mpi(
-        "file_limit.py", 2, check=False, timeout=90, preexec_fn=_nofile(200, 200)
-    )
+    proc = util.run_mpi("file_limit.py", 2, check=False, timeout=90, nofile=(200, 200))
     took = time.monotonic() - start
     assert proc.returncode != 0
     message = (
@@ -290,7 +282,7 @@ def test_hard_file_limit_too_low_fails_every_rank_at_once():
 
 
 def test_soft_file_limit_is_raised_to_the_hard_one():
-    proc = util.run_mpi("file_limit.py", 2, preexec_fn=_nofile(100, 4096))
+    proc = util.run_mpi("file_limit.py", 2, nofile=(100, 4096))
     rows = results(proc.stdout)
     assert [r["rank"] for r in rows] == [0, 1]
     assert rows[0]["before"] == [100, 4096]

@@ -123,7 +123,7 @@ def run_mpi(
     check: bool = True,
     mpiexec_args=(),
     python: str = sys.executable,
-    preexec_fn=None,
+    nofile: tuple[int, int] | None = None,
 ):
     """Run ``mpiexec -n n python script args`` and return the CompletedProcess.
 
@@ -134,8 +134,9 @@ def run_mpi(
         timeout: seconds before the whole job is killed (the test then fails).
         check: fail the test, showing the output, when the exit status is not 0.
         python: the interpreter the ranks run (default: this one).
-        preexec_fn: run in the child before mpiexec starts (e.g. to lower a
-            resource limit that mpiexec and the ranks inherit).
+        nofile: ``(soft, hard)`` open-file limits for mpiexec and the ranks,
+            set by a small Python that then becomes mpiexec (no fork of this
+            process, which JAX warns against).
     """
     if isinstance(script, (list, tuple)):  # Python's own arguments, e.g. ["-m", "x"]
         python_args = [str(a) for a in script]
@@ -151,6 +152,8 @@ def run_mpi(
     if mpi_family() == "openmpi":  # more ranks than the 2 cores here
         cmd += ["--oversubscribe"]
     cmd += [*mpiexec_args, "-n", str(n), python, *python_args, *map(str, args)]
+    if nofile is not None:
+        cmd = [sys.executable, "-c", _WITH_NOFILE, *map(str, nofile), *cmd]
     try:
         proc = subprocess.run(
             cmd,
@@ -159,7 +162,6 @@ def run_mpi(
             text=True,
             timeout=timeout,
             cwd=ROOT,
-            preexec_fn=preexec_fn,
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
@@ -168,6 +170,14 @@ def run_mpi(
             f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+# argv: soft hard command...: set the open-file limits, then become the command.
+_WITH_NOFILE = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execvp(sys.argv[3], sys.argv[3:])"
+)
 
 
 def _text(err) -> str:
