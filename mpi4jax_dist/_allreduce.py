@@ -170,8 +170,11 @@ def allreduce(x, op=None, *, comm=None):
     result alias: under ``jax.jit(f, donate_argnums=...)``, or on an intermediate
     inside a ``jit``, XLA gives the handler one buffer and MPI reduces it in place
     (``MPI_IN_PLACE``), so a message of N bytes needs N bytes, not 2N. Without
-    donation (eagerly, or on a jit argument still alive) XLA gives two buffers
-    and the handler copies, then reduces in place in the result.
+    donation (eagerly, or on a jit argument still alive) XLA first copies the
+    input into the result's buffer, as it would for any op, and MPI reduces that
+    in place; were XLA ever to hand over two buffers, the handler would copy and
+    reduce in place just the same (MPI asks for ``MPI_IN_PLACE`` on all ranks or
+    none).
 
     Any element count works, above 2**31 included. The reduction runs in chunks
     of ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` (default 64 MiB; 0 for one call,
