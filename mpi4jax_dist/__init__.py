@@ -12,15 +12,14 @@ the public API.
 from __future__ import annotations
 
 from . import _cluster, _jax_compat
-from ._allreduce import allreduce as allreduce
+from ._allreduce import allreduce
 from ._api import initialize, topology
 from ._topology import Topology
 from .interop import global_mesh, to_global, to_local
 
-# TODO: "allreduce" belongs here too, once tests/test_package.py's
-# test_public_api (not ours to edit) lists it; until then it is exported by name.
 __all__ = [
     "Topology",
+    "allreduce",
     "cg",
     "global_mesh",
     "initialize",

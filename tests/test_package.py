@@ -225,6 +225,7 @@ def test_installed_jax_matches_a_row():
 def test_public_api():
     assert sorted(mpi4jax_dist.__all__) == [
         "Topology",
+        "allreduce",
         "cg",
         "global_mesh",
         "initialize",
