@@ -10,6 +10,9 @@ the implementations in :data:`IMPLS`:
 - ``mpi4py``: ``Comm.Allreduce`` on NumPy buffers, out of place (the floor);
   ``mpi4py_inplace``: the same with ``MPI.IN_PLACE``;
 - ``mpi4jax``: ``mpi4jax.allreduce`` inside ``jax.jit`` on per-rank arrays;
+- ``mpi4jax_dist``: ``mpi4jax_dist.allreduce`` inside ``jax.jit(...,
+  donate_argnums=0)``: the input buffer is the result's, reduced in place (each
+  call reduces the last result again, as ``mpi4py_inplace`` reduces its buffer);
 - ``psum``: ``shard_map`` + ``lax.psum`` on the global array;
 - ``gspmd``: a ``jax.jit`` sum over the sharded axis, the collective left to XLA.
 
@@ -47,6 +50,7 @@ over the median of ``mpi4py`` in the same mode. Memory is measured by
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -59,15 +63,16 @@ import _harness  # noqa: E402
 IMPLS = _harness.Registry("allreduce implementation")
 MODES = ("loop", "call")
 DEFAULT_SIZES = [4 * 8**i for i in range(9)]  # 4 B .. 64 MiB
-DTYPES = ("float32", "float64", "int32")
+DTYPES = ("float32", "float64", "int32", "int8")
 
 # ---------------------------------------------------------------------------------
 # The checked pattern
 
 # Values the checks produce must be integers the dtype holds exactly: below 2^24 in
-# float32 (24-bit significand), 2^53 in float64, 2^31 in int32. Every partial sum
+# float32 (24-bit significand), 2^53 in float64, 2^31 in int32, 2^7 in int8 (for
+# benchmarks/memory.py's 2^31 + 16 elements per rank). Every partial sum
 # of non-negative terms is at most the total, so any reduction order is exact.
-EXACT_BELOW = {"float32": 2**24, "float64": 2**53, "int32": 2**31}
+EXACT_BELOW = {"float32": 2**24, "float64": 2**53, "int32": 2**31, "int8": 2**7}
 # a(i), c(i) in [0, PATTERN_MAX] at most: enough distinct values that neighbouring
 # indices almost never share S(i), small enough to be exact for many ranks.
 PATTERN_MAX = 1023
@@ -164,6 +169,79 @@ def count_wrong(result, want: np.ndarray) -> int:
     if result.shape != want.shape:
         return want.size
     return int(np.count_nonzero(result != want))
+
+
+# The same pattern computed by XLA, for messages of 2^31 elements and more: NumPy
+# builds 2^31 uint64 hashes as 16 GiB temporaries (about 80 s a rank here); XLA
+# fuses the hash into one pass that writes only the result (2 s).
+BLOCK = 1 << 26  # elements per block of a check
+
+
+def _device_values(start, n: int, rank, procs: int, dtype, reductions: int):
+    """Traced: elements ``start .. start + n`` of :func:`pattern` (``reductions``
+    0) or of :func:`expected`, as NumPy computes them (call under x64)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    i = lax.iota(jnp.uint64, n) + start
+    z = i + jnp.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> jnp.uint64(30))) * jnp.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> jnp.uint64(27))) * jnp.uint64(0x94D049BB133111EB)
+    h = z ^ (z >> jnp.uint64(31))
+    span = jnp.uint64(pattern_bound(procs, dtype) + 1)
+    a = (h % span).astype(jnp.int64)
+    c = ((h >> jnp.uint64(32)) % span).astype(jnp.int64)
+    if reductions == 0:
+        return (a + c * rank + rank * rank).astype(dtype)
+    p = procs
+    s = p * a + c * (p * (p - 1) // 2) + (p - 1) * p * (2 * p - 1) // 6
+    return (s * p ** (reductions - 1)).astype(dtype)
+
+
+def device_pattern(n: int, rank: int, procs: int, dtype):
+    """Return :func:`pattern` as a JAX array on the default device, computed there
+    (equal to NumPy's, element for element)."""
+    import jax
+
+    dtype = np.dtype(dtype).name
+    with jax.enable_x64(True):
+        make = jax.jit(lambda r: _device_values(0, n, r, procs, dtype, 0))
+        return make(np.int64(rank))
+
+
+def count_wrong_blocks(result, n: int, procs: int, dtype) -> int:
+    """Return how many elements of ``result`` (NumPy, or anything
+    ``np.asarray`` takes without a copy) differ from :func:`expected`; the
+    expected values are made by XLA a block at a time, so that a check of 2^31
+    elements costs one block of memory."""
+    import jax
+    import jax.numpy as jnp
+
+    result = np.asarray(result)
+    if result.shape != (n,):
+        return n
+    wrong = 0
+    with jax.enable_x64(True):
+        for start in range(0, n, BLOCK):
+            block = result[start : start + BLOCK]
+            wrong += int(
+                _count_block(len(block), procs, np.dtype(dtype).name)(
+                    jnp.asarray(block), np.uint64(start)
+                )
+            )
+    return wrong
+
+
+@functools.cache
+def _count_block(size: int, procs: int, dtype: str):
+    import jax
+    import jax.numpy as jnp
+
+    def count(block, start):
+        want = _device_values(start, size, 0, procs, dtype, 1)
+        return jnp.sum(block != want, dtype=jnp.int64)
+
+    return jax.jit(count)
 
 
 # ---------------------------------------------------------------------------------
@@ -284,7 +362,11 @@ class JaxAllreduce(Allreduce):
 
     Subclasses define :meth:`reduce` (one allreduce of a traced value, as seen
     inside :meth:`wrap`), :meth:`wrap` (jit with the right sharding),
-    :meth:`input_spec`, :meth:`to_device` and :meth:`to_host`.
+    :meth:`input_spec`, :meth:`to_device` and :meth:`to_host`; they may define
+    :meth:`extra_args` (more arguments, after the input and the trip count) and
+    :meth:`operand` (what is reduced, made from the input and those), as
+    benchmarks/memory.py's intermediate forms do. ``executables`` holds what was
+    compiled (``"one"``, ``"chain"``), for ``memory_analysis()``.
     """
 
     uses_jax = True
@@ -297,12 +379,14 @@ class JaxAllreduce(Allreduce):
         self.jax = jax
         spec = self.input_spec()
         trips = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding())
+        self.extra = self.extra_args()
 
-        def one(x):
-            return self.reduce(x)
+        def one(x, *extra):
+            return self.reduce(self.operand(x, *extra))
 
-        def chain(x, k):
-            return jax.lax.fori_loop(0, k, lambda _, v: self.reduce(v), x)
+        def chain(x, k, *extra):
+            start = self.operand(x, *extra)
+            return jax.lax.fori_loop(0, k, lambda _, v: self.reduce(v), start)
 
         # Compiled ahead of time, but called through jit: jax 0.10's executables
         # from .compile() drop the effect token on their second call when the
@@ -312,11 +396,19 @@ class JaxAllreduce(Allreduce):
         # during the measured call to show it).
         self._one = self.wrap(one, 1)
         self._chain = self.wrap(chain, 2)
-        self._one.lower(spec).compile()
-        self._chain.lower(spec, trips).compile()
+        self.executables = {
+            "one": self._one.lower(spec, *self.extra).compile(),
+            "chain": self._chain.lower(spec, trips, *self.extra).compile(),
+        }
         self._trips = {}
         self.x = self.to_device(np.zeros(n, self.dtype))
         self.y = self.x
+
+    def extra_args(self) -> tuple:
+        return ()
+
+    def operand(self, x, *extra):
+        return x
 
     def scalar_sharding(self):
         return None
@@ -338,12 +430,12 @@ class JaxAllreduce(Allreduce):
 
     def call(self):
         self.y = None
-        self.y = self._one(self.x)
+        self.y = self._one(self.x, *self.extra)
         self.y.block_until_ready()
 
     def loop(self, k):
         self.y = None
-        self.y = self._chain(self.x, self.trip_count(k))
+        self.y = self._chain(self.x, self.trip_count(k), *self.extra)
         self.y.block_until_ready()
 
     def result(self):
@@ -371,6 +463,47 @@ class Mpi4jax(JaxAllreduce):
 
     def to_host(self, array):
         return np.asarray(array)
+
+
+@IMPLS.register("mpi4jax_dist")
+class Mpi4jaxDist(Mpi4jax):
+    """``mpi4jax_dist.allreduce`` inside ``jax.jit(..., donate_argnums=0)``: the
+    input is donated, and XLA hands the handler one buffer, reduced in place.
+
+    As ``mpi4py_inplace`` reduces its one buffer, ``call`` and ``loop`` consume
+    the loaded input and the result becomes the next input (zeros stay zeros in
+    the timing; the checks load again). In ``loop`` the ``fori_loop`` carry goes
+    through the op, in place in the donated buffer.
+    """
+
+    def reduce(self, v):
+        from mpi4py import MPI
+
+        import mpi4jax_dist
+
+        return mpi4jax_dist.allreduce(v, MPI.SUM, comm=self.comm)
+
+    def wrap(self, f, arity):
+        return self.jax.jit(f, donate_argnums=0)
+
+    def load(self, array):
+        super().load(array)
+        # jaxlib wraps a 64-byte aligned NumPy array without a copy; XLA cannot
+        # donate memory it does not own, and then copied the input to a new
+        # buffer in the call (seen on one rank in four). A copy of a JAX array
+        # is XLA's own, made without compiling anything.
+        self.x = self.jax.device_put(self.x, may_alias=False)
+        self.x.block_until_ready()
+
+    def call(self):
+        x, self.x, self.y = self.x, None, None
+        self.x = self.y = self._one(x, *self.extra)
+        self.y.block_until_ready()
+
+    def loop(self, k):
+        x, self.x, self.y = self.x, None, None
+        self.x = self.y = self._chain(x, self.trip_count(k), *self.extra)
+        self.y.block_until_ready()
 
 
 class GlobalJax(JaxAllreduce):

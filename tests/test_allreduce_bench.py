@@ -59,7 +59,7 @@ def test_tiny_sweep(world, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", ["mpi4py", "mpi4py_inplace", "mpi4jax", "psum", "gspmd"]
+    "name", ["mpi4py", "mpi4py_inplace", "mpi4jax", "mpi4jax_dist", "psum", "gspmd"]
 )
 def test_interface_and_no_compilation_after_construction(world, name):
     """Each record: built, loaded, ``call`` and ``loop(k)`` give the exact results,
@@ -89,6 +89,46 @@ def test_interface_and_no_compilation_after_construction(world, name):
         f"wrong {wrong}, compiled {compiled.names}",
     )
     assert isinstance(got, np.ndarray) and got.shape == (n,)
+
+
+def test_mpi4jax_dist_is_donated_and_in_place(world):
+    """The new op's record: each call and loop reduces the loaded buffer itself
+    (the result is the input's buffer, the handler saw one buffer per call) and
+    XLA plans no temporary message for a call."""
+    from mpi4py import MPI
+
+    from mpi4jax_dist import _ffi
+
+    bench = load_benchmark()
+    comm = MPI.COMM_WORLD
+    rank, procs = comm.Get_rank(), comm.Get_size()
+    n = 1 << 16
+    impl = bench.IMPLS["mpi4jax_dist"](n, "float32", comm)
+    ext = _ffi.load()
+    mine = bench.pattern(n, rank, procs, "float32")
+    problems = []
+    for name, run, calls, reductions in (
+        ("call", impl.call, 1, 1),
+        ("loop(3)", lambda: impl.loop(3), 3, 3),
+    ):
+        impl.load(mine)
+        loaded = impl.x.unsafe_buffer_pointer()
+        ext.reset_stats()
+        run()
+        stats = ext.stats()
+        if impl.y.unsafe_buffer_pointer() != loaded:
+            problems.append(f"{name}: the result is not the donated buffer")
+        if stats["same_buffer_calls"] != calls or stats["handler_calls"] != calls:
+            problems.append(f"{name}: {stats}")
+        want = bench.expected(n, procs, "float32", reductions)
+        if bench.count_wrong(impl.result(), want):
+            problems.append(f"{name}: wrong")
+        if impl.x is not impl.y:
+            problems.append(f"{name}: the result is not the next input")
+    temp = impl.executables["one"].memory_analysis().temp_size_in_bytes
+    if temp != 0:
+        problems.append(f"XLA plans {temp} temp bytes for a call")
+    util.all_ranks(not problems, problems)
 
 
 def test_defaults_and_sizes(world):
