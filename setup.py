@@ -17,6 +17,20 @@ editable installs of one source tree into environments with different MPIs
 ``pip install --no-build-isolation .`` builds against the jaxlib already installed
 (tools/setup.sh does this); with build isolation pip installs a jaxlib for the
 headers first.
+
+Where a CUDA toolkit is found, ``cuda.cc`` is also built, into ``_cuda_mpich`` or
+``_cuda_openmpi``: a module of its own, so that the CPU module never depends on
+CUDA. It is plain C++ over the CUDA runtime API (no kernels, no nvcc), compiled
+by the host compiler and linked with the static CUDA runtime
+(``libcudart_static.a``): it needs no ``libcudart.so`` at run time, only the
+driver, and imports on machines without either (its calls then fail with CUDA's
+error). The toolkit is ``$CUDA_HOME`` (or ``$CUDA_PATH``) when set, and only
+that; else the one around ``nvcc`` on ``PATH``, else ``/usr/local/cuda``; it must
+hold ``include/cuda_runtime_api.h`` and ``libcudart_static.a`` (or
+``libcudart.so[.N]``, then linked with an rpath) in ``lib64`` or ``lib``.
+``MPI4JAX_DIST_BUILD_CUDA`` decides: unset or ``auto``, build it where a toolkit
+is found; ``0``, never (what a machine without CUDA gets anyway); ``1``, fail the
+build when none is found.
 """
 
 import os
@@ -121,35 +135,117 @@ def jaxlib_include() -> str:
     return str(include)
 
 
-def extensions(mpicc: str, family: str, compile_args, link_args) -> list[Extension]:
-    module = f"_cpu_{family}"
-    print(f"mpi4jax_dist: building {module} with {mpicc}", file=sys.stderr)
-    return [
-        Extension(
-            f"mpi4jax_dist._ffi.{module}",
-            sources=[str(FFI / "cpu.cc")],
-            depends=[str(FFI / "mpi_helpers.h")],
-            language="c++",
-            define_macros=[
-                ("MPI4JAX_DIST_MODULE", module),
-                # No MPI C++ bindings (gone from the standard; old MPIs add them).
-                ("OMPI_SKIP_MPICXX", "1"),
-                ("MPICH_SKIP_MPICXX", "1"),
-            ],
-            extra_compile_args=[
-                "-std=c++17",
-                "-O2",
-                "-fvisibility=hidden",
-                "-Wall",
-                "-Wextra",
-                # XLA's headers are not ours to keep warning-free.
-                "-isystem",
-                jaxlib_include(),
-                *compile_args,
-            ],
-            extra_link_args=link_args,
+# Build switch for the CUDA module (see the module docstring); read here, not in
+# mpi4jax_dist/_config.py, which holds the variables the installed package reads.
+BUILD_CUDA = "MPI4JAX_DIST_BUILD_CUDA"
+
+
+def find_cuda() -> tuple[dict | None, str]:
+    """Return the CUDA toolkit to build against, or None, and why (for the log).
+
+    The toolkit is a dict: ``include`` (directory) and either ``static`` (the path
+    of ``libcudart_static.a``) or ``shared`` (of ``libcudart.so``, or failing
+    that ``libcudart.so.N``).
+
+    Raises:
+        SystemExit: ``MPI4JAX_DIST_BUILD_CUDA`` is not a known value, or is 1 and
+            no toolkit is found.
+    """
+    setting = os.environ.get(BUILD_CUDA, "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return None, f"{BUILD_CUDA}={setting}"
+    if setting not in ("", "auto", "1", "true", "yes", "on"):
+        raise SystemExit(
+            f"mpi4jax_dist: {BUILD_CUDA}={setting!r}; expected 1 (build the CUDA "
+            f"handler or fail), 0 (never) or auto (where CUDA is found)."
         )
-    ]
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if explicit:
+        roots = [Path(explicit)]
+    else:
+        nvcc = shutil.which("nvcc")
+        roots = [Path(nvcc).resolve().parent.parent] if nvcc else []
+        roots.append(Path("/usr/local/cuda"))
+    for root in roots:
+        include = root / "include"
+        if not (include / "cuda_runtime_api.h").is_file():
+            continue
+        for libdir in (root / "lib64", root / "lib"):
+            static = libdir / "libcudart_static.a"
+            if static.is_file():
+                return {"include": str(include), "static": static}, f"CUDA in {root}"
+            # A shared runtime: the toolkit's libcudart.so, or a versioned one
+            # alone (the nvidia-cuda-runtime wheels ship only libcudart.so.N).
+            shared = sorted(libdir.glob("libcudart.so*"), key=lambda p: len(p.name))
+            if shared:
+                found = {"include": str(include), "shared": shared[0]}
+                return found, f"CUDA in {root}"
+    why = "no CUDA runtime headers and library in " + ", ".join(map(str, roots))
+    if setting in ("1", "true", "yes", "on"):
+        raise SystemExit(
+            f"mpi4jax_dist: {BUILD_CUDA}={setting} but {why}. Set CUDA_HOME to "
+            f"the CUDA toolkit, or {BUILD_CUDA}=0 to build the CPU handler only."
+        )
+    return None, why
+
+
+def extension(kind: str, family: str, compile_args, link_args, **extra) -> Extension:
+    """The extension ``_{kind}_{family}`` from ``{kind}.cc``."""
+    module = f"_{kind}_{family}"
+    return Extension(
+        f"mpi4jax_dist._ffi.{module}",
+        sources=[str(FFI / f"{kind}.cc")],
+        depends=[str(FFI / "mpi_helpers.h")],
+        language="c++",
+        define_macros=[
+            ("MPI4JAX_DIST_MODULE", module),
+            # No MPI C++ bindings (gone from the standard; old MPIs add them).
+            ("OMPI_SKIP_MPICXX", "1"),
+            ("MPICH_SKIP_MPICXX", "1"),
+        ],
+        extra_compile_args=[
+            "-std=c++17",
+            "-O2",
+            "-fvisibility=hidden",
+            "-Wall",
+            "-Wextra",
+            # XLA's headers are not ours to keep warning-free.
+            "-isystem",
+            jaxlib_include(),
+            *compile_args,
+        ],
+        extra_link_args=link_args,
+        **extra,
+    )
+
+
+def extensions(mpicc: str, family: str, compile_args, link_args) -> list[Extension]:
+    print(f"mpi4jax_dist: building _cpu_{family} with {mpicc}", file=sys.stderr)
+    built = [extension("cpu", family, compile_args, link_args)]
+    cuda, why = find_cuda()
+    if cuda is None:
+        print(f"mpi4jax_dist: not building _cuda_{family}: {why}", file=sys.stderr)
+        return built
+    print(f"mpi4jax_dist: building _cuda_{family} with {why}", file=sys.stderr)
+    if "static" in cuda:
+        # The static runtime needs these system libraries (as nvcc links them).
+        runtime, libraries = [str(cuda["static"])], ["-ldl", "-lrt", "-lpthread"]
+    else:
+        # Linked by path (it may have no unversioned name) and found at run time
+        # through the rpath.
+        runtime = [str(cuda["shared"])]
+        libraries = ["-Wl,-rpath," + str(cuda["shared"].parent)]
+    built.append(
+        extension(
+            "cuda",
+            family,
+            # CUDA's headers, like XLA's, are not ours to keep warning-free.
+            ["-isystem", cuda["include"], *compile_args],
+            [*link_args, *libraries],
+            extra_objects=runtime,
+        )
+    )
+    return built
 
 
 MPICC = find_mpicc()
@@ -167,8 +263,6 @@ class BuildExt(build_ext):
         self.build_temp = os.path.join(self.build_temp, FAMILY)
 
 
-# TODO(issue 11): a CUDA handler (mpi4jax_dist/_ffi/cuda.cc over mpi_helpers.h),
-# built where CUDA headers exist, joins extensions() here.
 setup(
     ext_modules=extensions(MPICC, FAMILY, COMPILE_ARGS, LINK_ARGS),
     cmdclass={"build_ext": BuildExt},

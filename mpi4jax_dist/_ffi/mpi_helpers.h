@@ -1,6 +1,6 @@
-// MPI helpers shared by the platform handlers of mpi4jax_dist (cpu.cc today; a
-// CUDA handler would include this header too and stage device memory through
-// a bounded pinned host chunk before calling AllreduceChunked).
+// MPI helpers shared by the platform handlers of mpi4jax_dist: cpu.cc, and
+// cuda.cc, which reduces device memory in place (CUDA-aware MPI) or stages it
+// through a bounded pinned host chunk, one AllreduceChunk call per chunk.
 //
 // Everything here is header-only so that each platform source builds alone.
 
@@ -173,6 +173,18 @@ inline size_t ElementsPerCall(int64_t chunk_bytes, size_t element_bytes) {
   return limit;
 }
 
+// One MPI reduction of `n` elements in place, its failure as an ffi::Error.
+inline ffi::Error AllreduceChunk(void* data, size_t n, MPI_Datatype dtype,
+                                 MPI_Op op, MPI_Comm comm) {
+  const int rc = AllreduceOnce(data, n, dtype, op, comm);
+  if (rc != MPI_SUCCESS) {
+    return MpiError(MPI4JAX_DIST_LARGE_COUNT && n > INT_MAX ? "MPI_Allreduce_c"
+                                                            : "MPI_Allreduce",
+                    rc);
+  }
+  return ffi::Error::Success();
+}
+
 // Allreduce `count` elements of host memory from `in` into `out`, chunk by
 // chunk so that MPI's scratch memory is bounded by one chunk.
 //
@@ -192,12 +204,9 @@ inline ffi::Error AllreduceChunked(const void* in, void* out, size_t count,
     if (src != dst) {
       std::memcpy(dst + offset, src + offset, n * element_bytes);
     }
-    const int rc = AllreduceOnce(dst + offset, n, dtype, op, comm);
-    if (rc != MPI_SUCCESS) {
-      return MpiError(MPI4JAX_DIST_LARGE_COUNT && n > INT_MAX
-                          ? "MPI_Allreduce_c"
-                          : "MPI_Allreduce",
-                      rc);
+    if (ffi::Error error = AllreduceChunk(dst + offset, n, dtype, op, comm);
+        error.failure()) {
+      return error;
     }
     done += n;
   }
@@ -214,6 +223,33 @@ inline ffi::Error CommFromHandle(int64_t handle, MPI_Comm* comm) {
         "freed after the function was compiled?)");
   }
   return ffi::Error::Success();
+}
+
+// What every platform's allreduce checks before it touches MPI: operand and
+// result of one type and size, a type and an op MPI knows, MPI up, and the
+// communicator. Fills in the MPI datatype, op and communicator.
+inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer& y,
+                                 int64_t comm_handle, int32_t op_code,
+                                 MPI_Datatype* dtype, MPI_Op* op,
+                                 MPI_Comm* comm) {
+  if (x.element_type() != y.element_type() ||
+      x.element_count() != y.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "mpi4jax_dist.allreduce: operand and result differ in type or size");
+  }
+  if (!DatatypeOf(x.element_type(), dtype)) {
+    return ffi::Error::InvalidArgument(
+        "mpi4jax_dist.allreduce: MPI cannot reduce this element type (XLA "
+        "type " +
+        std::to_string(static_cast<int>(x.element_type())) + ")");
+  }
+  if (!OpFromCode(op_code, op)) {
+    return ffi::Error::InvalidArgument(
+        "mpi4jax_dist.allreduce: unknown op code " + std::to_string(op_code));
+  }
+  if (ffi::Error error = CheckMpiUsable(); error.failure()) return error;
+  return CommFromHandle(comm_handle, comm);
 }
 
 // The version of MPI these headers describe, for the import-time check.
