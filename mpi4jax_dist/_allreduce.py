@@ -8,6 +8,13 @@ in place (``MPI_IN_PLACE``). Element counts above ``INT_MAX`` go to
 otherwise; ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` bounds what one call reduces,
 and with it MPI's scratch memory.
 
+On CUDA GPUs it lowers to ``_ffi/cuda.cc`` (built where ``pip install`` found a
+CUDA toolkit), aliased the same way, so that device memory holds one message.
+With ``MPI4JAX_DIST_CUDA_AWARE_MPI=1`` (or mpi4jax's ``MPI4JAX_USE_CUDA_MPI=1``)
+MPI reduces the device buffer itself; by default each chunk is copied to a pinned
+host buffer of one chunk, reduced there and copied back, which works with any MPI
+(mpi4jax instead copies the whole message to the host, twice).
+
 Ordering: the primitive carries mpi4jax's ordered effect, so XLA threads one
 token through it and every mpi4jax call of the program; XLA:CPU cannot reorder
 them or run two at once (it runs thunks concurrently, ordered only by data).
@@ -176,6 +183,12 @@ def allreduce(x, op=None, *, comm=None):
     reduce in place just the same (MPI asks for ``MPI_IN_PLACE`` on all ranks or
     none).
 
+    On a CUDA GPU the device buffer is reduced where it is: by a CUDA-aware MPI
+    (``MPI4JAX_DIST_CUDA_AWARE_MPI=1``, see
+    :func:`mpi4jax_dist._config.cuda_aware_mpi`), or by default through a pinned
+    host buffer of one chunk, so that device memory holds one message and host
+    memory one chunk.
+
     Any element count works, above 2**31 included. The reduction runs in chunks
     of ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` (default 64 MiB; 0 for one call,
     see :func:`mpi4jax_dist._config.allreduce_chunk_bytes`), which bounds MPI's
@@ -204,7 +217,10 @@ def allreduce(x, op=None, *, comm=None):
         TypeError: a dtype, op or communicator MPI cannot reduce with, before any
             MPI call.
         RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``.
-        ImportError: the extension was built against another MPI than mpi4py's.
+        ImportError: the extension was built against another MPI than mpi4py's,
+            or (on a CUDA GPU, when compiled) without CUDA.
+        RuntimeError: (on a CUDA GPU, when compiled) CUDA-aware MPI asked for
+            from an MPI that says it cannot read device memory.
     """
     import jax.numpy as jnp
 
@@ -218,6 +234,31 @@ def allreduce(x, op=None, *, comm=None):
 
     _ffi.load()
     return _primitive().bind(x, op=OPS.index(name), comm=comm, transpose=False)
+
+
+def _cuda_aware(module) -> bool:
+    """Return whether the CUDA handler hands MPI device memory (see
+    :func:`mpi4jax_dist._config.cuda_aware_mpi`), refusing an MPI library that
+    says it cannot read it.
+
+    Raises:
+        RuntimeError: CUDA-aware MPI asked for, and the MPI says it is not.
+    """
+    if not _config.cuda_aware_mpi():
+        return False
+    if module.mpi_cuda_support() is False:
+        from mpi4py import MPI
+
+        library = " ".join(MPI.Get_library_version().split()[:4])
+        raise RuntimeError(
+            f"mpi4jax_dist.allreduce was told that MPI reads device memory "
+            f"({_config.CUDA_AWARE_MPI} or {_config.MPI4JAX_CUDA_AWARE_MPI}), but "
+            f"this MPI ({library}) says it cannot (MPIX_Query_cuda_support() is "
+            f"0); it would crash on a device pointer. Unset both, or set "
+            f"{_config.CUDA_AWARE_MPI}=0, to stage through host memory, or use "
+            f"an MPI built with CUDA support."
+        )
+    return True
 
 
 @functools.cache
@@ -251,23 +292,24 @@ def _primitive():
         # nothing to order.
         return out, (set() if transpose else {ordered_effect})
 
-    def lowering(ctx, x, *, op, comm, transpose):
+    def lowering(ctx, x, *, op, comm, transpose, platform="cpu"):
         if transpose:
             return [x]
-        _ffi.load()
+        attributes = {
+            "comm": np.int64(comm.handle),
+            "op": np.int32(op),
+            "chunk_bytes": np.int64(_config.allreduce_chunk_bytes()),
+        }
+        if platform == "cuda":
+            attributes["cuda_aware"] = np.int32(_cuda_aware(_ffi.load_cuda()))
+        else:
+            _ffi.load()
         token = ctx.tokens_in.get(ordered_effect)
         (result,) = jax.ffi.ffi_lowering(
             _ffi.ALLREDUCE_TARGET,
             operand_output_aliases={0: 0},
             has_side_effect=True,
-        )(
-            ctx.replace(avals_in=(*ctx.avals_in, abstract_token)),
-            x,
-            token,
-            comm=np.int64(comm.handle),
-            op=np.int32(op),
-            chunk_bytes=np.int64(_config.allreduce_chunk_bytes()),
-        )
+        )(ctx.replace(avals_in=(*ctx.avals_in, abstract_token)), x, token, **attributes)
         # The next MPI call waits for a token made from the result, not for a
         # second result of the allreduce: an (array, token) result is a tuple,
         # whose index table XLA allocates as temp memory.
@@ -278,14 +320,12 @@ def _primitive():
         ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
         return [result]
 
-    def no_gpu_lowering(ctx, x, *, op, comm, transpose):
+    def rocm_lowering(ctx, x, *, op, comm, transpose):
         if transpose:
             return [x]
-        # TODO(issue 11): the CUDA handler (device buffers in place, or staged
-        # through a bounded pinned host chunk) registers here.
         raise NotImplementedError(
-            "mpi4jax_dist.allreduce has only a CPU handler so far; on GPUs use "
-            "mpi4jax.allreduce."
+            "mpi4jax_dist.allreduce has CPU and CUDA handlers only; on ROCm GPUs "
+            "use mpi4jax.allreduce."
         )
 
     def batching_rule(args, dims, *, op, comm, transpose):
@@ -314,9 +354,12 @@ def _primitive():
     prim.def_impl(impl)
     prim.def_effectful_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, lowering, platform="cpu")
-    for platform in ("cuda", "rocm"):
+    for platform, rule in (
+        ("cuda", functools.partial(lowering, platform="cuda")),
+        ("rocm", rocm_lowering),
+    ):
         try:
-            mlir.register_lowering(prim, no_gpu_lowering, platform=platform)
+            mlir.register_lowering(prim, rule, platform=platform)
         except NotImplementedError:  # that platform's plugin is not installed
             pass
     batching.primitive_batchers[prim] = batching_rule

@@ -290,3 +290,27 @@ def allreduce_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
             f"or 0 for one MPI call per message."
         )
     return int(match.group(1)) * _BYTE_UNITS[match.group(2) or ""]
+
+
+CUDA_AWARE_MPI = "MPI4JAX_DIST_CUDA_AWARE_MPI"
+# mpi4jax's own switch for the same thing, honoured when ours is unset: one
+# program's mpi4jax calls and ours then treat device memory alike.
+MPI4JAX_CUDA_AWARE_MPI = "MPI4JAX_USE_CUDA_MPI"
+
+
+def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """Return True when the user says the MPI library reads device memory.
+
+    On GPUs, ``mpi4jax_dist.allreduce`` then hands MPI the device buffer itself
+    (CUDA-aware MPI); otherwise (the default) it stages the buffer through a
+    pinned host buffer of one chunk (``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES``) at a
+    time, which works with every MPI. ``MPI4JAX_DIST_CUDA_AWARE_MPI`` decides;
+    when it is unset, mpi4jax's ``MPI4JAX_USE_CUDA_MPI`` does; else False. Read
+    when a call is compiled; set it alike on every rank. An MPI that says it
+    cannot read device memory is refused when the call is compiled (a clear
+    error instead of a crash inside MPI).
+    """
+    env = environ() if env is None else env
+    if env.get(CUDA_AWARE_MPI, "").strip():
+        return get_bool(CUDA_AWARE_MPI, False, env)
+    return get_bool(MPI4JAX_CUDA_AWARE_MPI, False, env)

@@ -6,7 +6,9 @@ environment's own ``mpicc``, else mpi4py's, else the one on ``PATH``) into
 environment with MPICH and another with Open MPI (editable installs build in
 place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
 checks that both call the same library, and registers the handler with JAX.
-Nothing here runs at import.
+Where ``setup.py`` found CUDA it also built ``cuda.cc`` into ``_cuda_mpich`` or
+``_cuda_openmpi``, which :func:`load_cuda` registers for the CUDA platform under
+the same target names. Nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import importlib
 import importlib.machinery
 from pathlib import Path
 
-# The names XLA knows the CPU handlers by.
+# The names XLA knows the handlers by, on every platform.
 ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
 TOKEN_AFTER_TARGET = "mpi4jax_dist_token_after"
 
@@ -37,13 +39,18 @@ def family(library_version: str) -> str | None:
     return None
 
 
-def built() -> dict[str, Path]:
-    """Return the extension builds present, ``{family: path}``."""
+def built(kind: str = "cpu") -> dict[str, Path]:
+    """Return the extension builds present, ``{family: path}``.
+
+    Args:
+        kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers.
+    """
     found = {}
+    prefix = f"_{kind}_"
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        for path in _HERE.glob(f"_cpu_*{suffix}"):
+        for path in _HERE.glob(f"{prefix}*{suffix}"):
             name = path.name[: -len(suffix)]
-            found.setdefault(name[len("_cpu_") :], path)
+            found.setdefault(name[len(prefix) :], path)
     return found
 
 
@@ -86,11 +93,48 @@ def load():
         ImportError: no build for mpi4py's MPI, or a build that calls another
             MPI library than mpi4py does; the message names both.
     """
+    return _load("cpu", "cpu", built())
+
+
+@functools.cache
+def load_cuda():
+    """Import the CUDA extension matching mpi4py's MPI and register its handlers
+    for the CUDA platform; free its pinned staging buffers at exit.
+
+    Returns:
+        The extension module: what :func:`load`'s has, and ``mpi_cuda_support``,
+        ``release_pinned`` and ``CUDART_VERSION``; its ``stats`` also count
+        CUDA-aware and staged calls, staged chunks and pinned host bytes.
+
+    Raises:
+        ImportError: mpi4jax_dist was installed without its CUDA handler (no CUDA
+            toolkit where it was built), or for another MPI than mpi4py's.
+    """
+    import atexit
+
+    builds = built("cuda")
+    if not builds:
+        raise ImportError(
+            f"mpi4jax_dist has no CUDA handler: no _cuda_* module in {_HERE}, so "
+            f"no CUDA toolkit was found when it was installed (setup.py looks at "
+            f"$CUDA_HOME, nvcc on PATH, /usr/local/cuda). Reinstall where CUDA's "
+            f"headers are, for example CUDA_HOME=/usr/local/cuda "
+            f"MPI4JAX_DIST_BUILD_CUDA=1 pip install --no-build-isolation "
+            f"--force-reinstall --no-deps <path to mpi4jax_dist>, or run on the "
+            f"CPU (JAX_PLATFORMS=cpu)."
+        )
+    module = _load("cuda", "CUDA", builds)
+    atexit.register(module.release_pinned)
+    return module
+
+
+def _load(kind: str, platform: str, builds: dict[str, Path]):
+    """Import ``_{kind}_{family}`` for mpi4py's MPI, check that it calls mpi4py's
+    library, and register its handlers with JAX for ``platform``."""
     import jax
     from mpi4py import MPI
 
     theirs = MPI.Get_library_version()
-    builds = built()
     wanted = family(theirs)
     if wanted is None and len(builds) == 1:
         # An MPI we cannot name: try the one build; the check below still holds.
@@ -99,21 +143,21 @@ def load():
         have = ", ".join(f"{k} ({v.name})" for k, v in sorted(builds.items()))
         raise ImportError(
             f"mpi4py uses '{_first_line(theirs)}' ({wanted or 'an unknown MPI'}), "
-            f"but mpi4jax_dist's extension was built only against "
+            f"but mpi4jax_dist's {kind.upper()} extension was built only against "
             f"{have or 'no MPI at all'} in {_HERE}. Rebuild mpi4jax_dist with "
             f"this MPI's mpicc first on PATH: pip install --no-build-isolation "
             f"--force-reinstall --no-deps <path to mpi4jax_dist>."
         )
-    module = importlib.import_module(f"._cpu_{wanted}", __name__)
+    module = importlib.import_module(f"._{kind}_{wanted}", __name__)
     problem = mismatch(
         module.library_version(), module.HEADER_MPI, theirs, builds[wanted]
     )
     if problem:
         raise ImportError(problem)
     jax.ffi.register_ffi_target(
-        ALLREDUCE_TARGET, module.allreduce_handler(), platform="cpu"
+        ALLREDUCE_TARGET, module.allreduce_handler(), platform=platform
     )
     jax.ffi.register_ffi_target(
-        TOKEN_AFTER_TARGET, module.token_after_handler(), platform="cpu"
+        TOKEN_AFTER_TARGET, module.token_after_handler(), platform=platform
     )
     return module
