@@ -2,31 +2,60 @@
 
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
         [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
-        [--dtype float32] [--timeout 120] [--warm] [--malloc-default]
-        [--json PATH] [--plot PNG]
+        [--dtype float32|float64|int32|int8] [--timeout S] [--warm]
+        [--malloc-default] [--json PATH] [--plot PNG]
+
+    # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
+    python benchmarks/memory.py --sizes 256MiB,1GiB
+    python benchmarks/memory.py --sizes 2147483664 --dtype int8
+
+Sizes are bytes per rank, one ``--dtype`` for all of them, and a size must be a
+whole number of elements: with ``int8`` a size is the element count.
 
 Run it without ``mpiexec``: for every (implementation, size) case it starts a fresh
 ``mpiexec -n P`` job (``_harness.run_job``), so that no figure depends on what ran
 before it in the same process (allocator reuse made the old in-process figures
 change with the order: mpi4py at 1 MiB was 5.0 messages in one order and 1.0 in the
-other). ``--order`` runs the cases in another order to show that the figures do not
-move. In the job, every rank:
+other), and so that a crash ends that case only. ``--order`` runs the cases in
+another order to show that the figures do not move. In the job, every rank:
 
-1. builds the implementation from benchmarks/allreduce.py's ``IMPLS`` (JAX ones
-   compile ahead of time) and loads its checked input (``allreduce.pattern``);
+1. builds the implementation (JAX ones compile ahead of time) and loads its
+   checked input, ``allreduce.pattern`` as XLA makes it
+   (``allreduce.device_pattern``: NumPy needs 16 GiB of temporaries for 2^31
+   elements; every job imports JAX for this, the mpi4py ones too);
 2. lets the set-up settle (``gc.collect()``, JAX's pending work done, RSS still
    for 20 ms), resets the peak RSS (VmHWM); baseline = current RSS;
-3. runs one allreduce, ``call()``: the input held, a result produced;
+3. runs one allreduce, ``call()``: the input held (or, for ``mpi4py_inplace`` and
+   the donated ``mpi4jax_dist``, reduced in place), a result produced;
 4. peak = VmHWM; reports ``(peak - baseline) / message bytes``, the time of that
    call, the XLA compilations during it (none: the executables were compiled in
-   step 1) and whether the result is exactly ``S(i)``.
+   step 1) and whether the result is exactly ``S(i)`` (checked a block at a time
+   by XLA, ``allreduce.count_wrong_blocks``).
 
-A row shows the largest rise over the ranks (``rise``), the slowest rank's call
-time, and ``ok``, ``WRONG n``, ``crashed`` or ``timed out`` (such a case is a row,
-not the end of the run). Expect, at large sizes on 2 ranks with MPICH: mpi4py
-(out of place) about 1.5 messages (its result buffer, and MPI's scratch for the
-reduction, half a message for 2 ranks), mpi4py_inplace about 0.5 (the scratch
-only), mpi4jax about 1.5 (XLA's result buffer and MPI's scratch).
+The cases are benchmarks/allreduce.py's ``IMPLS`` (``mpi4py``, ``mpi4py_inplace``,
+``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``) and two on an
+intermediate inside the ``jit``, ``allreduce(x + z)`` with ``z`` a zero passed at run
+time (XLA can fold neither it nor the sum away), the input not donated:
+``mpi4jax_dist_tmp`` (XLA writes ``x + z`` into the result's buffer, which the op
+reduces in place) and ``mpi4jax_tmp`` (``x + z`` is a temporary beside mpi4jax's
+result).
+
+A row shows the largest rise over the ranks (``rise``); for JAX cases
+``xla_temp``, the temp bytes XLA plans for the call (``memory_analysis()``) in
+messages; for ``mpi4jax_dist`` cases ``in_place``, ``yes`` when its handler got one
+buffer in and out in every call on every rank (the extension's own counts, also in
+the JSON as ``handler_stats``: MPI calls, large-count calls, largest count); the
+slowest rank's call time; and ``ok``, ``WRONG n``, ``crashed (status, signal)`` or
+``timed out (s)``: such a case is a row, not the end of the run (mpi4jax 0.9.1
+casts the count to ``int`` and segfaults above 2^31 elements). Each job has a
+time limit, ``--timeout``, by default 120 s plus 60 s per GiB of message. Expect,
+at large sizes on 2 ranks with MPICH: mpi4py (out of place) about 1.5 messages (its
+result buffer, and MPI's scratch for the reduction, half a message for 2 ranks),
+mpi4py_inplace about 0.5 (the scratch only), mpi4jax about 1.5 (XLA's result
+buffer and MPI's scratch), mpi4jax_dist about half a chunk
+(``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES``, 64 MiB) of scratch and no buffer,
+mpi4jax_dist_tmp one message more (the result, which holds ``x + z``), and
+mpi4jax_tmp about 2.5 (``x + z``, the result and MPI's scratch).
 
 The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--malloc-default`` leaves
 glibc's own). By default glibc raises its mmap threshold to the size of each large
@@ -65,7 +94,6 @@ with ``JAX_PLATFORMS=cuda``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import random
@@ -78,20 +106,63 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import allreduce  # noqa: E402
 
-IMPLS = allreduce.IMPLS
 ORDERS = ("default", "reversed", "shuffled")
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
 # glibc: blocks from 128 KiB up get their own mapping, returned when freed (the
 # default is also 128 KiB, but it then rises with every large block freed).
 MMAP_THRESHOLD = "131072"
 
+# ---------------------------------------------------------------------------------
+# The cases: benchmarks/allreduce.py's implementations, and two on an intermediate
+
+
+IMPLS = _harness.Registry("memory case")
+for _name in allreduce.IMPLS.names():
+    IMPLS.register(_name, allreduce.IMPLS[_name])
+
+
+class OnIntermediate:
+    """Mixin: reduce ``x + z`` inside the one ``jit``, ``z`` a zero passed at run
+    time, so that XLA can neither fold the sum away nor reduce the input itself:
+    the operand is an intermediate, and the input is not donated."""
+
+    def extra_args(self):
+        return (self.jax.device_put(np.zeros((), self.dtype)),)
+
+    def operand(self, x, zero):
+        return x + zero
+
+
+@IMPLS.register("mpi4jax_dist_tmp")
+class Mpi4jaxDistTmp(OnIntermediate, allreduce.Mpi4jax):
+    """``mpi4jax_dist.allreduce(x + z)`` in ``jax.jit``, not donated: XLA writes
+    ``x + z`` into the result's buffer and the handler reduces it in place."""
+
+    extension = True
+
+    def reduce(self, v):
+        from mpi4py import MPI
+
+        import mpi4jax_dist
+
+        return mpi4jax_dist.allreduce(v, MPI.SUM, comm=self.comm)
+
+
+@IMPLS.register("mpi4jax_tmp")
+class Mpi4jaxTmp(OnIntermediate, allreduce.Mpi4jax):
+    """``mpi4jax.allreduce(x + z)`` in ``jax.jit``: ``x + z`` is a temporary
+    beside the result (the comparison for ``mpi4jax_dist_tmp``)."""
+
+
 TABLE = _harness.Table(
     [
         _harness.Column("bytes", "bytes", "per rank", 10),
         _harness.Column("impl", "impl", "", 16, left=True),
         _harness.Column("rise_x", "rise", "x msg", 6, ".2f"),
-        _harness.Column("rise_bytes", "rise", "MiB", 8, ".2f", 1 / 2**20),
-        _harness.Column("t_call_s", "t_call", "us", 10, ".1f", 1e6),
+        _harness.Column("rise_bytes", "rise", "MiB", 8, ".1f", 1 / 2**20),
+        _harness.Column("xla_temp_x", "xla_temp", "x msg", 8, ".2f"),
+        _harness.Column("in_place", "in_place", "", 8, left=True),
+        _harness.Column("t_call_s", "t_call", "ms", 9, ".2f", 1e3),
         _harness.Column("measure", "measure", "", 7),
         _harness.Column("compiles", "compiles", "", 8),
         _harness.Column("status", "check", "", 10, left=True),
@@ -103,7 +174,7 @@ TABLE = _harness.Table(
 # One case, inside its own MPI job
 
 
-def settle(uses_jax: bool, most: float = 2.0) -> None:
+def settle(most: float = 2.0) -> None:
     """Wait until the set-up's memory is freed: garbage collected, JAX's pending
     work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
 
@@ -112,11 +183,10 @@ def settle(uses_jax: bool, most: float = 2.0) -> None:
     which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
     (``load`` now releases it; this waits for anything else still moving).
     """
-    gc.collect()
-    if uses_jax:
-        import jax
+    import jax
 
-        jax.effects_barrier()
+    gc.collect()
+    jax.effects_barrier()
     deadline = time.monotonic() + most
     last = _harness.rss_bytes()[0]
     while time.monotonic() < deadline:
@@ -127,11 +197,23 @@ def settle(uses_jax: bool, most: float = 2.0) -> None:
         last = now
 
 
+def load_pattern(impl, rank: int, procs: int) -> None:
+    """Load this rank's checked input (``allreduce.pattern``), made by XLA: a
+    2^31-element pattern in NumPy takes 16 GiB temporaries and 80 s a rank."""
+    made = allreduce.device_pattern(impl.n, rank, procs, impl.dtype)
+    made.block_until_ready()
+    impl.load(np.asarray(made))  # on the CPU a view of XLA's buffer, not a copy
+    del made
+
+
 def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
 
     With ``warm``, one call and a fresh load come first (the steady state).
+    Every job imports JAX, which makes the input and checks the result also for
+    the mpi4py cases (before the baseline, and after the call).
     """
+    import jax
     from mpi4py import MPI
 
     from mpi4jax_dist import _mpi
@@ -140,8 +222,6 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     record = IMPLS[name]
     device = None
     if record.uses_jax:
-        import jax
-
         import mpi4jax_dist  # noqa: F401  (registers the MPI cluster env)
 
         if dtype == "float64":
@@ -153,12 +233,23 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
     itemsize = np.dtype(dtype).itemsize
     n = max(1, nbytes // itemsize)
     impl = record(n, dtype, comm)
-    impl.load(allreduce.pattern(n, rank, procs, dtype))
+    xla_temp = None
+    if record.uses_jax:
+        analysis = impl.executables["one"].memory_analysis()
+        xla_temp = None if analysis is None else analysis.temp_size_in_bytes
+    extension = None
+    if getattr(record, "extension", False):
+        from mpi4jax_dist import _ffi
+
+        extension = _ffi.load()
+    load_pattern(impl, rank, procs)
     if warm:
         impl.call()
-        impl.load(allreduce.pattern(n, rank, procs, dtype))
-    settle(record.uses_jax)
+        load_pattern(impl, rank, procs)
+    settle()
     comm.Barrier()
+    if extension is not None:
+        extension.reset_stats()
     peak_before = None
     if device is not None:
         stats = device.memory_stats() or {}
@@ -168,30 +259,37 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
         # The peak restarts from the current RSS: the baseline is read after.
         reset = _harness.reset_peak_rss()
         base = _harness.rss_bytes()[0]
-    # Counting compilations needs JAX, which the mpi4py jobs do not import.
-    compiled = _harness.Compiles() if record.uses_jax else None
-    with compiled or contextlib.nullcontext():
+    with _harness.Compiles() as compiled:
         start = time.perf_counter()
         impl.call()
         elapsed = time.perf_counter() - start
-    compiles = compiled.count if compiled else 0
     if device is not None:
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
     else:
         peak = _harness.rss_bytes()[1]
+    handler = None if extension is None else extension.stats()
     rise = None if peak is None or base is None else peak - base
-    wrong = allreduce.count_wrong(impl.result(), allreduce.expected(n, procs, dtype))
+    wrong = allreduce.count_wrong_blocks(impl.result(), n, procs, dtype)
     mine = {
         "rise": rise,
         "t": elapsed,
         "wrong": wrong,
-        "compiles": compiles,
+        "compiles": compiled.count,
         "reset": reset,
         "upper_bound": None not in (peak_before, peak) and peak_before >= peak,
+        "handler": handler,
     }
     everyone = comm.gather(mine)
     if rank == 0:
         rises = [r["rise"] for r in everyone]
+        handlers = [r["handler"] for r in everyone]
+        in_place = None
+        if extension is not None:
+            # One buffer in and out on every rank, in every handler call.
+            in_place = all(
+                h["handler_calls"] > 0 and h["same_buffer_calls"] == h["handler_calls"]
+                for h in handlers
+            )
         _harness.report(
             rise_bytes=None if None in rises else max(rises),
             rise_per_rank=rises,
@@ -201,6 +299,9 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
             peak_reset=all(r["reset"] for r in everyone),
             rise_upper_bound=any(r["upper_bound"] for r in everyone),
             measure="rss" if device is None else "device",
+            xla_temp_bytes=xla_temp,
+            in_place=in_place,
+            handler_stats=handlers[0],
             mpi_library=_mpi.mpi_library(),
         )
 
@@ -229,10 +330,40 @@ def job_env(malloc_default: bool) -> dict:
     return env
 
 
+def timeout_for(nbytes: int, timeout: float | None) -> float:
+    """Return a job's time limit: ``timeout``, or by default 120 s plus 60 s per
+    GiB of message (a 2 GiB case makes and checks 2^31 elements per rank)."""
+    if timeout is not None:
+        return timeout
+    return 120 + 60 * nbytes / 2**30
+
+
+def crash_status(returncode: int, output: str = "") -> str:
+    """Return ``crashed (1)``, or with the signal that ended a rank:
+    ``crashed (11, SIGSEGV)``. The signal is Python's ``-N``, else the last
+    ``signal N`` of the job's output (MPICH's mpiexec exits with N and prints
+    "(signal N)", Open MPI's "exited on signal N"), else mpiexec's 128 + N."""
+    import re
+    import signal
+
+    found = re.findall(r"signal:? (\d+)", output, flags=re.IGNORECASE)
+    if returncode < 0:
+        number = -returncode
+    elif found:
+        number = int(found[-1])
+    else:
+        number = returncode - 128
+    try:
+        return f"crashed ({returncode}, {signal.Signals(number).name})"
+    except ValueError:
+        return f"crashed ({returncode})"
+
+
 def measure(name, nbytes, args, env) -> dict:
     """Run one case in its own job; return its row (a failure is a row too)."""
     itemsize = np.dtype(args.dtype).itemsize
     nbytes = max(1, nbytes // itemsize) * itemsize
+    timeout = timeout_for(nbytes, args.timeout)
     job = _harness.run_job(
         args.procs,
         [
@@ -243,14 +374,21 @@ def measure(name, nbytes, args, env) -> dict:
             args.dtype,
             *(["--warm"] if args.warm else []),
         ],
-        timeout=args.timeout,
+        timeout=timeout,
         env=env,
     )
-    row = {"bytes": nbytes, "impl": name, "dtype": args.dtype, "procs": args.procs}
+    row = {
+        "bytes": nbytes,
+        "count": nbytes // itemsize,
+        "impl": name,
+        "dtype": args.dtype,
+        "procs": args.procs,
+        "seconds": job.seconds,
+    }
     if job.returncode is None:
-        row["status"] = f"timed out ({args.timeout:g} s)"
+        row["status"] = f"timed out ({timeout:g} s)"
     elif not job.ok or not job.results:
-        row["status"] = f"crashed ({job.returncode})"
+        row["status"] = crash_status(job.returncode, job.tail)
     if "status" in row:
         row["tail"] = job.tail
         return row
@@ -259,6 +397,10 @@ def measure(name, nbytes, args, env) -> dict:
     row["rise_x"] = (
         None if found["rise_bytes"] is None else found["rise_bytes"] / nbytes
     )
+    temp = found.get("xla_temp_bytes")
+    row["xla_temp_x"] = None if temp is None else temp / nbytes
+    if found.get("in_place") is not None:
+        row["in_place"] = "yes" if found["in_place"] else "no"
     row["status"] = "ok" if found["wrong"] == 0 else f"WRONG {found['wrong']}"
     return row
 
@@ -293,9 +435,19 @@ def parse_args(argv):
     )
     parser.add_argument("--order", choices=ORDERS, default="default")
     parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
-    parser.add_argument("--dtype", choices=allreduce.DTYPES, default="float32")
     parser.add_argument(
-        "--timeout", type=float, default=120, help="seconds per job before it is killed"
+        "--dtype",
+        choices=allreduce.DTYPES,
+        default="float32",
+        help="of every size; with int8 a size in bytes is the element count "
+        "(--dtype int8 --sizes 2147483664: 2^31 + 16 elements)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per job before it is killed and reported as timed out "
+        "(default 120 plus 60 per GiB of message)",
     )
     parser.add_argument(
         "--malloc-default",
@@ -316,6 +468,13 @@ def parse_args(argv):
         allreduce.pattern_bound(args.procs, args.dtype)
     except ValueError as err:
         parser.error(str(err))
+    itemsize = np.dtype(args.dtype).itemsize
+    odd = [size for size in args.sizes if size % itemsize or not size]
+    if odd:
+        parser.error(
+            f"--sizes: {', '.join(map(str, odd))} bytes is not a whole number of "
+            f"{args.dtype} elements ({itemsize} bytes each)"
+        )
     return args
 
 
