@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import jax
 
 from . import _cluster, _jax_compat, _limits, _topology
@@ -17,7 +19,11 @@ def topology(comm=None) -> _topology.Topology:
     Returns:
         The cached :class:`Topology`: rank, size, local rank and size, node index and
         count, coordinator address, launcher.
+
+    Raises:
+        TypeError: ``comm`` is not an mpi4py intracommunicator.
     """
+    check_comm(comm, "topology")
     return _topology.topology(comm)
 
 
@@ -40,9 +46,11 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
             processes (:func:`mpi4jax_dist._limits.timeouts`).
 
     Raises:
+        TypeError: ``comm`` is not an mpi4py intracommunicator.
         RuntimeError: JAX's process index or count differs from the communicator's
             rank or size (JAX was initialized another way, or with other arguments).
     """
+    check_comm(comm, "initialize")
     initialized, _, _ = _jax_compat.distributed_state()
     _topology.use_communicator(comm)
     if not initialized:
@@ -51,6 +59,24 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
     topo = _topology.topology(comm)
     _check_matches(topo)
     return topo
+
+
+def check_comm(comm, function: str) -> None:
+    """Raise ``TypeError`` unless ``comm`` is None or an mpi4py intracommunicator.
+
+    Starts no MPI: a communicator can only exist once ``mpi4py.MPI`` is imported.
+    """
+    if comm is None:
+        return
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and isinstance(comm, MPI.Intracomm):
+        return
+    got = "MPI.COMM_NULL" if MPI is not None and comm == MPI.COMM_NULL else None
+    raise TypeError(
+        f"mpi4jax_dist.{function}: comm must be an mpi4py intracommunicator "
+        f"(MPI.COMM_WORLD, or a Split of it) or None for MPI.COMM_WORLD; got "
+        f"{got or type(comm).__name__ + ' ' + repr(comm)[:40]}."
+    )
 
 
 def jax_arguments(size: int, kwargs: dict) -> dict:
