@@ -10,6 +10,7 @@ from . import _config, _devices, _failfast, _jax_compat, _launch, _topology
 logger = logging.getLogger("mpi4jax_dist")
 
 _explicit = False  # True while mpi4jax_dist.initialize() is asking JAX for us
+_proxy_alarm_checked = False
 
 
 class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
@@ -71,7 +72,31 @@ def _bootstrapped(**settings) -> _topology.Topology:
     initialized, in which a failing rank now ends the job (``_failfast``)."""
     topo = _topology.topology(**settings)
     _failfast.install(topo.rank, topo.size)
+    _silence_false_proxy_alarm(topo)
     return topo
+
+
+def _silence_false_proxy_alarm(topo) -> None:
+    """Turn JAX's proxy warning off where only launcher variables set it off.
+
+    JAX warns about every variable with "_proxy" in its name ("may cause a hang"):
+    under Intel MPI's mpiexec every rank names HYDRA_BSTRAP_PROXY_ID, Hydra's
+    bootstrap proxy process. A real proxy setting keeps JAX's warning (and gets
+    this package's own message, :func:`_prepare_connection`).
+    """
+    global _proxy_alarm_checked
+    if _proxy_alarm_checked:
+        return
+    _proxy_alarm_checked = True
+    false_alarms = _config.false_proxy_alarms()
+    if false_alarms:
+        _jax_compat.silence_proxy_check()
+        if topo.rank == 0:
+            logger.info(
+                "mpi4jax_dist: %s: named like a proxy but a launcher's variable; "
+                "JAX's proxy warning turned off.",
+                ", ".join(false_alarms),
+            )
 
 
 def _prepare_connection(topo):

@@ -196,6 +196,23 @@ def proxies_set(env: Mapping[str, str] | None = None) -> list[str]:
     return sorted(k for k, v in env.items() if k.lower() in wanted and v.strip())
 
 
+# Variables that are proxy settings; JAX's proxy check names every variable with
+# "_proxy" in its name, so launcher variables such as Intel MPI's
+# HYDRA_BSTRAP_PROXY_ID (Hydra's bootstrap proxy, a process) set it off too.
+PROXY_SETTINGS = PROXY_VARIABLES + ("all_proxy", "ftp_proxy", "no_proxy", NO_GRPC_PROXY)
+
+
+def false_proxy_alarms(env: Mapping[str, str] | None = None) -> list[str]:
+    """Return the variables JAX's proxy check would name that are not proxy
+    settings (any case), when no proxy setting is set; else an empty list."""
+    env = environ() if env is None else env
+    named = [k for k in env if "_proxy" in k.lower()]
+    settings = {v.lower() for v in PROXY_SETTINGS}
+    if any(k.lower() in settings for k in named):
+        return []
+    return sorted(named)
+
+
 def keep_proxy(env: Mapping[str, str] | None = None) -> bool:
     """Return True when ``MPI4JAX_DIST_PROXY=keep`` asks us not to touch proxies."""
     env = environ() if env is None else env

@@ -106,6 +106,15 @@ def disable_preemption_service() -> None:
         pass
 
 
+def silence_proxy_check() -> None:
+    """Turn off JAX's warning about variables named like proxies (read by
+    ``jax.distributed.initialize`` after cluster detection)."""
+    try:
+        jax.config.update("jax_check_proxy_envs", False)
+    except (AttributeError, KeyError, ValueError):  # option not in this jax
+        pass
+
+
 def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     """Return ``shard_map(f)`` with replication checks set to ``check``.
 

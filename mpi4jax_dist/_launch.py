@@ -43,7 +43,15 @@ LAUNCHERS = (
     # MVAPICH2 mpirun_rsh (its Hydra mpiexec sets PMI_* as well).
     Launcher("mvapich", ("MV2_COMM_WORLD_RANK",), size="MV2_COMM_WORLD_SIZE"),
     # Hydra's own local-rank variable: MPICH or Intel MPI mpiexec, also inside a Slurm
-    # allocation (whose batch step leaves SLURM_PROCID=0 behind).
+    # allocation (whose batch step leaves SLURM_PROCID=0 behind). Intel's Hydra sets
+    # I_MPI_HYDRA_UUID on every rank (Intel MPI 2021 from PyPI, impi-rt, sets no
+    # I_MPI_ROOT); a sourced Intel environment sets I_MPI_ROOT.
+    Launcher(
+        "intel-mpi",
+        ("MPI_LOCALRANKID",),
+        require=("I_MPI_HYDRA_UUID",),
+        size="PMI_SIZE",
+    ),
     Launcher(
         "intel-mpi", ("MPI_LOCALRANKID",), require=("I_MPI_ROOT",), size="PMI_SIZE"
     ),

@@ -29,6 +29,21 @@ LAUNCHES = [
         2,
     ),
     (
+        # Intel MPI 2021 from PyPI (impi-rt): its Hydra sets no I_MPI_ROOT, but
+        # I_MPI_HYDRA_UUID on every rank (and HYDRA_BSTRAP_PROXY_ID).
+        {
+            "PMI_RANK": "1",
+            "PMI_SIZE": "2",
+            "PMI_FD": "9",
+            "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2",
+            "I_MPI_HYDRA_UUID": "1f470000-55ac-6b8c-8b61-06000e30ef75",
+            "HYDRA_BSTRAP_PROXY_ID": "0",
+        },
+        "intel-mpi",
+        2,
+    ),
+    (
         {
             "OMPI_COMM_WORLD_RANK": "3",
             "OMPI_COMM_WORLD_SIZE": "8",

@@ -290,3 +290,22 @@ def test_soft_file_limit_is_raised_to_the_hard_one():
     assert rows[0]["raised"] == [100, 4096]
     # Only rank 0 runs the service.
     assert rows[1]["after"] == [100, 4096] and rows[1]["raised"] is None
+
+
+def test_launcher_variable_named_like_a_proxy_does_not_alarm_jax():
+    # Intel MPI's Hydra sets HYDRA_BSTRAP_PROXY_ID on every rank; JAX warns about
+    # any variable with "_proxy" in its name.
+    alarm = "JAX detected proxy variable(s)"
+    quiet = util.run_mpi(
+        "robust_init.py", 2, env=util.clean_env(HYDRA_BSTRAP_PROXY_ID="0")
+    )
+    assert alarm not in quiet.stderr, quiet.stderr[-2000:]
+    assert len(results(quiet.stdout)) == 2
+    # A real proxy keeps JAX's warning: the check above can fail.
+    loud = util.run_mpi(
+        "robust_init.py",
+        2,
+        env=util.clean_env(HYDRA_BSTRAP_PROXY_ID="0", http_proxy="http://127.0.0.1:9"),
+    )
+    assert alarm in loud.stderr and "HYDRA_BSTRAP_PROXY_ID" in loud.stderr
+    assert "added 127.0.0.1 to no_grpc_proxy" in loud.stderr
