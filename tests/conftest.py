@@ -11,8 +11,7 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def world():
-    """JAX initialized once per test process through mpi4jax_dist (MPI tests only)."""
-    import mpi4jax_dist
-
-    return mpi4jax_dist.initialize()
+def world(jax_world):
+    """JAX initialized once per test process through mpi4jax_dist: the package's
+    own pytest plugin's fixture (turned on in pyproject.toml)."""
+    return jax_world
