@@ -195,7 +195,7 @@ def extension(kind: str, family: str, compile_args, link_args, **extra) -> Exten
     return Extension(
         f"mpi4jax_dist._ffi.{module}",
         sources=[str(FFI / f"{kind}.cc")],
-        depends=[str(FFI / "mpi_helpers.h")],
+        depends=[str(FFI / "mpi_helpers.h"), str(FFI / "module_helpers.h")],
         language="c++",
         define_macros=[
             ("MPI4JAX_DIST_MODULE", module),

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "mpi_helpers.h"
+#include "module_helpers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -26,32 +27,15 @@ namespace {
 ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
                             int32_t op_code, int64_t chunk_bytes) {
-  Stats& stats = GetStats();
-  stats.handler_calls.fetch_add(1, std::memory_order_relaxed);
-  if (x.untyped_data() == y->untyped_data()) {
-    stats.same_buffer_calls.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (x.element_type() != y->element_type() ||
-      x.element_count() != y->element_count()) {
-    return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: operand and result differ in type or size");
-  }
-  MPI_Datatype dtype;
-  if (!DatatypeOf(x.element_type(), &dtype)) {
-    return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: MPI cannot reduce this element type (XLA "
-        "type " +
-        std::to_string(static_cast<int>(x.element_type())) + ")");
-  }
-  MPI_Op op;
-  if (!OpFromCode(op_code, &op)) {
-    return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: unknown op code " + std::to_string(op_code));
-  }
-  if (ffi::Error error = CheckMpiUsable(); error.failure()) return error;
-  MPI_Comm comm;
-  if (ffi::Error error = CommFromHandle(comm_handle, &comm); error.failure())
+  CountHandlerCall(x.untyped_data(), y->untyped_data());
+  MPI_Datatype dtype = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  if (ffi::Error error =
+          CheckAllreduce(x, *y, comm_handle, op_code, &dtype, &op, &comm);
+      error.failure()) {
     return error;
+  }
   const size_t count = x.element_count();
   if (count == 0) return ffi::Error::Success();
   return AllreduceChunked(x.untyped_data(), y->untyped_data(), count,
@@ -72,17 +56,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCpu,
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("chunk_bytes"));
 
-// A token that exists once `x` does, for the MPI call after an allreduce. With
-// it the allreduce returns its array alone: an (array, token) result would be a
-// tuple, whose index table (16 bytes) XLA allocates as temp.
-namespace mpi4jax_dist {
-namespace {
-ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
-  return ffi::Error::Success();
-}
-}  // namespace
-}  // namespace mpi4jax_dist
-
+// The token after the allreduce: mpi4jax_dist::TokenAfterImpl (mpi_helpers.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistTokenAfterCpu,
                               mpi4jax_dist::TokenAfterImpl,
                               xla::ffi::Ffi::Bind()
@@ -104,36 +78,12 @@ PyObject* TokenHandler(PyObject*, PyObject*) {
                        nullptr, nullptr);
 }
 
-// MPI_Get_library_version of the library this module calls into at run time
-// (callable before MPI_Init).
-PyObject* LibraryVersion(PyObject*, PyObject*) {
-  char text[MPI_MAX_LIBRARY_VERSION_STRING];
-  int length = 0;
-  if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) {
-    PyErr_SetString(PyExc_RuntimeError, "MPI_Get_library_version failed");
-    return nullptr;
-  }
-  return PyUnicode_DecodeUTF8(text, length, "replace");
-}
-
 PyObject* GetStatsDict(PyObject*, PyObject*) {
-  const mpi4jax_dist::Stats& s = mpi4jax_dist::GetStats();
-  return Py_BuildValue(
-      "{s:L,s:L,s:L,s:L,s:L}", "handler_calls",
-      static_cast<long long>(s.handler_calls.load()), "same_buffer_calls",
-      static_cast<long long>(s.same_buffer_calls.load()), "mpi_calls",
-      static_cast<long long>(s.mpi_calls.load()), "large_count_calls",
-      static_cast<long long>(s.large_count_calls.load()), "max_call_count",
-      static_cast<long long>(s.max_call_count.load()));
+  return mpi4jax_dist::StatsDict();
 }
 
 PyObject* ResetStats(PyObject*, PyObject*) {
-  mpi4jax_dist::Stats& s = mpi4jax_dist::GetStats();
-  s.handler_calls = 0;
-  s.same_buffer_calls = 0;
-  s.mpi_calls = 0;
-  s.large_count_calls = 0;
-  s.max_call_count = 0;
+  mpi4jax_dist::GetStats().Reset();
   Py_RETURN_NONE;
 }
 
@@ -142,7 +92,7 @@ PyMethodDef kMethods[] = {
      "Return the XLA FFI handler of the CPU allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,
      "Return the XLA FFI handler that makes a token after a buffer."},
-    {"library_version", LibraryVersion, METH_NOARGS,
+    {"library_version", mpi4jax_dist::LibraryVersion, METH_NOARGS,
      "Return MPI_Get_library_version() of the MPI this module calls."},
     {"stats", GetStatsDict, METH_NOARGS,
      "Return counts of handler calls and the MPI calls they made."},

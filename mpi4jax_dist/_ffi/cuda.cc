@@ -23,9 +23,11 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mpi_helpers.h"
+#include "module_helpers.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(OPEN_MPI) && OPEN_MPI
@@ -242,11 +244,7 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
                              ffi::Result<ffi::AnyBuffer> y,
                              int64_t comm_handle, int32_t op_code,
                              int64_t chunk_bytes, int32_t cuda_aware) {
-  Stats& stats = GetStats();
-  stats.handler_calls.fetch_add(1, std::memory_order_relaxed);
-  if (x.untyped_data() == y->untyped_data()) {
-    stats.same_buffer_calls.fetch_add(1, std::memory_order_relaxed);
-  }
+  CountHandlerCall(x.untyped_data(), y->untyped_data());
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
@@ -267,11 +265,6 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
                                          dtype, op, comm, chunk_bytes)
                     : AllreduceStaged(stream, in, out, count, element_bytes,
                                       dtype, op, comm, chunk_bytes);
-}
-
-// A token that exists once `x` does (see cpu.cc): no work, no stream.
-ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
-  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -310,16 +303,6 @@ PyObject* TokenHandler(PyObject*, PyObject*) {
                        nullptr, nullptr);
 }
 
-PyObject* LibraryVersion(PyObject*, PyObject*) {
-  char text[MPI_MAX_LIBRARY_VERSION_STRING];
-  int length = 0;
-  if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) {
-    PyErr_SetString(PyExc_RuntimeError, "MPI_Get_library_version failed");
-    return nullptr;
-  }
-  return PyUnicode_DecodeUTF8(text, length, "replace");
-}
-
 // Whether the MPI library says it can read device memory: True, False, or
 // None where it has no way to say (call after MPI_Init).
 PyObject* MpiCudaSupport(PyObject*, PyObject*) {
@@ -342,32 +325,34 @@ PyObject* ReleasePinned(PyObject*, PyObject*) {
   return PyLong_FromSize_t(freed);
 }
 
+// The platform's counts and CUDA's own: staging, pinned memory.
 PyObject* GetStatsDict(PyObject*, PyObject*) {
-  const mpi4jax_dist::Stats& s = mpi4jax_dist::GetStats();
+  PyObject* stats = mpi4jax_dist::StatsDict();
+  if (stats == nullptr) return nullptr;
   const mpi4jax_dist::CudaStats& c = mpi4jax_dist::GetCudaStats();
-  return Py_BuildValue(
-      "{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "handler_calls",
-      static_cast<long long>(s.handler_calls.load()), "same_buffer_calls",
-      static_cast<long long>(s.same_buffer_calls.load()), "mpi_calls",
-      static_cast<long long>(s.mpi_calls.load()), "large_count_calls",
-      static_cast<long long>(s.large_count_calls.load()), "max_call_count",
-      static_cast<long long>(s.max_call_count.load()), "cuda_aware_calls",
-      static_cast<long long>(c.cuda_aware_calls.load()), "staged_calls",
-      static_cast<long long>(c.staged_calls.load()), "staged_chunks",
-      static_cast<long long>(c.staged_chunks.load()), "pinned_bytes",
-      static_cast<long long>(c.pinned_bytes.load()), "pinned_peak_bytes",
-      static_cast<long long>(c.pinned_peak_bytes.load()));
+  const std::pair<const char*, int64_t> cuda[] = {
+      {"cuda_aware_calls", c.cuda_aware_calls.load()},
+      {"staged_calls", c.staged_calls.load()},
+      {"staged_chunks", c.staged_chunks.load()},
+      {"pinned_bytes", c.pinned_bytes.load()},
+      {"pinned_peak_bytes", c.pinned_peak_bytes.load()},
+  };
+  for (const auto& [name, value] : cuda) {
+    PyObject* number = PyLong_FromLongLong(value);
+    if (number == nullptr || PyDict_SetItemString(stats, name, number) < 0) {
+      Py_XDECREF(number);
+      Py_DECREF(stats);
+      return nullptr;
+    }
+    Py_DECREF(number);
+  }
+  return stats;
 }
 
 // Zero the counts; pinned_bytes (what is allocated now) stays, and the peak
 // restarts from it.
 PyObject* ResetStats(PyObject*, PyObject*) {
-  mpi4jax_dist::Stats& s = mpi4jax_dist::GetStats();
-  s.handler_calls = 0;
-  s.same_buffer_calls = 0;
-  s.mpi_calls = 0;
-  s.large_count_calls = 0;
-  s.max_call_count = 0;
+  mpi4jax_dist::GetStats().Reset();
   mpi4jax_dist::CudaStats& c = mpi4jax_dist::GetCudaStats();
   c.cuda_aware_calls = 0;
   c.staged_calls = 0;
@@ -381,7 +366,7 @@ PyMethodDef kMethods[] = {
      "Return the XLA FFI handler of the CUDA allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,
      "Return the XLA FFI handler that makes a token after a buffer."},
-    {"library_version", LibraryVersion, METH_NOARGS,
+    {"library_version", mpi4jax_dist::LibraryVersion, METH_NOARGS,
      "Return MPI_Get_library_version() of the MPI this module calls."},
     {"mpi_cuda_support", MpiCudaSupport, METH_NOARGS,
      "Return whether the MPI library says it reads device memory (True or "

@@ -43,11 +43,28 @@ struct Stats {
   std::atomic<int64_t> large_count_calls{0};
   // Largest element count handed to one MPI call.
   std::atomic<int64_t> max_call_count{0};
+
+  void Reset() {
+    handler_calls = 0;
+    same_buffer_calls = 0;
+    mpi_calls = 0;
+    large_count_calls = 0;
+    max_call_count = 0;
+  }
 };
 
 inline Stats& GetStats() {
   static Stats stats;
   return stats;
+}
+
+// Count a handler call, and whether XLA gave it one buffer (in place).
+inline void CountHandlerCall(const void* operand, const void* result) {
+  Stats& stats = GetStats();
+  stats.handler_calls.fetch_add(1, std::memory_order_relaxed);
+  if (operand == result) {
+    stats.same_buffer_calls.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 // Reduction ops, numbered as mpi4jax_dist/_allreduce.py numbers them (_OPS).
@@ -250,6 +267,14 @@ inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
   }
   if (ffi::Error error = CheckMpiUsable(); error.failure()) return error;
   return CommFromHandle(comm_handle, comm);
+}
+
+// A token that exists once `x` does, for the MPI call after an allreduce. With
+// it the allreduce returns its array alone: an (array, token) result would be a
+// tuple, whose index table (16 bytes) XLA allocates as temp. No work, on any
+// platform.
+inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
+  return ffi::Error::Success();
 }
 
 // The version of MPI these headers describe, for the import-time check.
