@@ -34,19 +34,7 @@ def _run(script: str, *args, **env) -> subprocess.CompletedProcess:
     Python's bin first on PATH (its python and mpiexec) and JAX on CPU."""
     path = f"{util.BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     cmd = ["bash", str(EXAMPLES / script), *map(str, args)]
-    try:
-        return subprocess.run(
-            cmd,
-            env=util.clean_env(PATH=path, **env),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            cwd=util.ROOT,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(
-            f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{util._text(err)}"
-        )
+    return util.run_command(cmd, env=util.clean_env(PATH=path, **env), timeout=TIMEOUT)
 
 
 def _check_job(proc) -> None:

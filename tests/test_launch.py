@@ -10,7 +10,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -322,19 +321,7 @@ def test_without_launcher():
     is not present, and MPI is not started by asking); mpi4jax_dist.initialize()
     gives a one-process world (MPI singleton)."""
     cmd = [sys.executable, str(util.SCRIPTS / "launch_no_env.py")]
-    try:
-        proc = subprocess.run(
-            cmd,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            cwd=util.ROOT,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(
-            f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{util._text(err)}"
-        )
+    proc = util.run_command(cmd, env=_env(), timeout=TIMEOUT)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     (r,) = _results(proc, 1, "topo_rank").values()
     assert r["plain"] == _NO_ENV

@@ -154,22 +154,24 @@ def run_mpi(
     cmd += [*mpiexec_args, "-n", str(n), python, *python_args, *map(str, args)]
     if nofile is not None:
         cmd = [sys.executable, "-c", _WITH_NOFILE, *map(str, nofile), *cmd]
-    try:
-        proc = subprocess.run(
-            cmd,
-            env=clean_env() if env is None else env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
+    proc = run_command(cmd, env=clean_env() if env is None else env, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+def run_command(cmd, *, env: dict, timeout: float):
+    """Run ``cmd`` from the repository root and return the CompletedProcess (text
+    output captured); past ``timeout`` seconds the test fails, showing what the
+    command had printed."""
+    try:
+        return subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
 
 
 # argv: soft hard command...: set the open-file limits, then become the command.
