@@ -19,8 +19,10 @@ Ordering: the primitive carries mpi4jax's ordered effect, so XLA threads one
 token through it and every mpi4jax call of the program; XLA:CPU cannot reorder
 them or run two at once (it runs thunks concurrently, ordered only by data).
 
-Importing this module imports neither mpi4py.MPI nor mpi4jax nor the extension:
-the primitive is made on the first call.
+mpi4jax is the ``mpi4jax`` extra: without it, a call raises an ImportError that
+names the extra (:mod:`mpi4jax_dist._extras`). Importing this module imports
+neither mpi4py.MPI nor mpi4jax nor the extension: the primitive is made on the
+first call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import functools
 
 import numpy as np
 
-from . import _config
+from . import _config, _extras
 
 # Ops by the code the handler knows them by (OpFromCode in _ffi/mpi_helpers.h).
 OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
@@ -217,13 +219,16 @@ def allreduce(x, op=None, *, comm=None):
         TypeError: a dtype, op or communicator MPI cannot reduce with, before any
             MPI call.
         RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``.
-        ImportError: the extension was built against another MPI than mpi4py's,
-            or (on a CUDA GPU, when compiled) without CUDA.
+        ImportError: mpi4jax is not installed (a ``ModuleNotFoundError`` naming
+            the ``mpi4jax`` extra), or the extension was built against another
+            MPI than mpi4py's, or (on a CUDA GPU, when compiled) without CUDA.
         RuntimeError: (on a CUDA GPU, when compiled) CUDA-aware MPI asked for
             from an MPI that says it cannot read device memory.
     """
     import jax.numpy as jnp
 
+    # Its ordered effect and default communicator are mpi4jax's.
+    _extras.require_mpi4jax("mpi4jax_dist.allreduce")
     x = jnp.asarray(x)
     check_supported(x.dtype)  # before op_name, which may import mpi4py.MPI
     name = op_name(op)

@@ -11,7 +11,9 @@ Two backends provide that reduction and the way the solve is compiled:
 
 ``"mpi4jax"``
     per-rank arrays; the solve is ``jax.jit`` of the loop and the reduction is
-    ``mpi4jax.allreduce(partials, op=MPI.SUM, comm=comm)``.
+    ``mpi4jax.allreduce(partials, op=MPI.SUM, comm=comm)``. It needs the
+    ``mpi4jax`` extra: without mpi4jax, asking for it raises an ImportError that
+    names the extra.
 ``"psum"``
     global ``jax.Array``\\ s sharded along axis 0 over a 1-D mesh (default
     :func:`mpi4jax_dist.global_mesh`); the solve is ``jax.jit(shard_map(loop))`` and
@@ -99,7 +101,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _hlo, _jax_compat
+from . import _extras, _hlo, _jax_compat
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -470,6 +472,11 @@ def _check_options(backend, variant, replace_every):
             f"replace_every={replace_every!r}: expected an int >= 0 (0: no residual "
             f"replacement)."
         )
+    if backend == "mpi4jax":
+        _extras.require_mpi4jax(
+            'mpi4jax_dist.cg\'s backend="mpi4jax"',
+            'backend="psum" runs without it.',
+        )
 
 
 def _check_tol_maxiter(tol, maxiter):
@@ -722,6 +729,8 @@ def make_solver(
         ValueError: unknown ``backend`` or ``variant``, negative ``replace_every``,
             or a mesh that is not 1-D.
         TypeError: ``matvec`` is not callable.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
+            names the ``mpi4jax`` extra).
     """
     _check_options(backend, variant, replace_every)
     _deprecate_matvec_reductions(matvec_reductions)
@@ -800,6 +809,8 @@ def solve(
             ``b``, negative ``tol``/``maxiter``/``replace_every``, or (psum) a ``b``
             whose rows do not split evenly over the mesh.
         TypeError: ``matvec`` is not callable.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
+            names the ``mpi4jax`` extra).
     """
     _check_options(backend, variant, replace_every)
     _deprecate_matvec_reductions(matvec_reductions)
@@ -966,6 +977,8 @@ def make_normal_solver(
     Raises:
         ValueError: unknown ``backend``/``variant``, or ``reduce_dtype`` not a
             floating dtype.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
+            names the ``mpi4jax`` extra).
     """
     _check_options(backend, variant, replace_every)
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
@@ -1040,6 +1053,8 @@ def solve_normal(
     Raises:
         ValueError: unknown ``backend``/``variant``, shapes that do not fit,
             ``reduce_dtype`` wider than the working dtype or not floating.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
+            names the ``mpi4jax`` extra).
     """
     _check_options(backend, variant, replace_every)
     solver = _cached_normal_solver(

@@ -43,6 +43,7 @@ from jax._src import xla_bridge
 from jax._src.clusters import ClusterEnv
 print(json.dumps({
     "mpi_imported": "mpi4py.MPI" in sys.modules,
+    "mpi4jax_imported": "mpi4jax" in sys.modules,
     "backend": xla_bridge.backends_are_initialized(),
     "first": ClusterEnv._cluster_types[0].name,
     "present": ClusterEnv._cluster_types[0].is_env_present(),
@@ -52,11 +53,62 @@ print(json.dumps({
     result = json.loads(run_python(code).stdout.splitlines()[-1])
     assert result == {
         "mpi_imported": False,
+        "mpi4jax_imported": False,
         "backend": False,
         "first": "mpi4jax_dist",
         "present": False,
         "mpi_after_present": False,
     }
+
+
+def test_without_mpi4jax_what_needs_it_names_the_extra():
+    # mpi4jax hidden, as if not installed (tests/test_packaging.py installs
+    # without it): allreduce and cg's mpi4jax backend refuse before any MPI call,
+    # naming the extra; the psum backend and the diagnostics' check run.
+    code = """
+import json, sys
+sys.modules["mpi4jax"] = None
+import mpi4jax_dist
+from mpi4jax_dist import cg
+from mpi4jax_dist._diagnose import diagnose
+
+errors = {}
+for name, call in [
+    ("allreduce", lambda: mpi4jax_dist.allreduce(1.0)),
+    ("cg", lambda: cg.make_solver(lambda v: v)),
+]:
+    try:
+        call()
+    except ImportError as err:
+        errors[name] = [type(err).__name__, err.name, str(err)]
+mpi_imported = "mpi4py.MPI" in sys.modules
+check = diagnose(True)["check"]  # initializes JAX: first
+cg.make_solver(lambda v: v, backend="psum")
+print(json.dumps({"errors": errors, "mpi_imported": mpi_imported, "check": check}))
+"""
+    result = json.loads(run_python(code).stdout.splitlines()[-1])
+    fix = (
+        'needs mpi4jax: pip install "mpi4jax_dist[mpi4jax]" (mpi4jax compiles '
+        "against your MPI: put its mpicc first on PATH)"
+    )
+    assert result["errors"] == {
+        "allreduce": [
+            "ModuleNotFoundError",
+            "mpi4jax",
+            f"mpi4jax_dist.allreduce {fix}",
+        ],
+        "cg": [
+            "ModuleNotFoundError",
+            "mpi4jax",
+            f'mpi4jax_dist.cg\'s backend="mpi4jax" {fix}. backend="psum" runs '
+            "without it.",
+        ],
+    }
+    assert result["mpi_imported"] is False
+    check = result["check"]
+    assert check["psum_correct"] is True
+    assert check["allreduce_equals_psum"] is None
+    assert check["mpi4jax"] == f"skipped: the comparison with mpi4jax.allreduce {fix}"
 
 
 def test_present_under_faked_launcher_and_disable_switch():
