@@ -10,9 +10,10 @@ library in the Python environment first, then system-wide; so does this file:
 2. the ``mpicc`` mpi4py was built with (``mpi4py.get_config()``), if any,
 3. ``mpicc`` on ``PATH``.
 
-The module is named after the MPI family (``_cpu_mpich``, ``_cpu_openmpi``) so that
-editable installs of one source tree into environments with different MPIs
-(``.venv`` and ``.venv-ompi``) do not overwrite each other's build.
+The module is named after the MPI family (``_cpu_mpich``, ``_cpu_openmpi``,
+``_cpu_impi``) so that editable installs of one source tree into environments
+with different MPIs (``.venv``, ``.venv-ompi``, ``.venv-impi``) do not overwrite
+each other's build.
 
 ``pip install --no-build-isolation .`` builds against the jaxlib already installed
 (tools/setup.sh does this); with build isolation pip installs a jaxlib for the
@@ -93,10 +94,13 @@ def mpicc_flags(mpicc: str) -> list[str]:
 def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
     """Split mpicc's flags into (compile, link) flags."""
     compile_args, link_args = [], []
+    flags = iter(flags)
     for flag in flags:
-        if flag.startswith(("-I", "-D", "-U", "-isystem")):
+        if flag == "-Xlinker":  # its argument is the next flag (Intel MPI's mpicc)
+            link_args += [flag, next(flags, "")]
+        elif flag.startswith(("-I", "-D", "-U", "-isystem")):
             compile_args.append(flag)
-        elif flag.startswith(("-L", "-l", "-Wl,", "-Xlinker")) or flag.endswith(
+        elif flag.startswith(("-L", "-l", "-Wl,")) or flag.endswith(
             (".so", ".a")
         ):
             link_args.append(flag)
@@ -107,7 +111,8 @@ def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
 
 
 def mpi_family(compile_args: list[str]) -> str:
-    """Return ``openmpi`` or ``mpich`` from the mpi.h that mpicc's -I flags find."""
+    """Return ``openmpi``, ``impi`` (Intel MPI) or ``mpich`` from the mpi.h that
+    mpicc's -I flags find."""
     dirs = [f[2:] for f in compile_args if f.startswith("-I")] + ["/usr/include"]
     for directory in dirs:
         header = Path(directory) / "mpi.h"
@@ -115,7 +120,11 @@ def mpi_family(compile_args: list[str]) -> str:
             text = header.read_text(errors="replace")
             if re.search(r"#\s*define\s+OMPI_MAJOR_VERSION", text):
                 return "openmpi"
-            return "mpich"  # MPICH and its ABI: Intel MPI, MVAPICH, Cray MPICH
+            # Intel MPI shares MPICH's ABI but is a library of its own: a family of
+            # its own, so that .venv-impi's editable build is not .venv's.
+            if re.search(r"#\s*define\s+I_MPI_VERSION", text):
+                return "impi"
+            return "mpich"  # MPICH and its ABI: MVAPICH, Cray MPICH
     return "mpich"
 
 

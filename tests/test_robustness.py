@@ -183,7 +183,9 @@ def test_diagnostics_check_under_mpiexec():
     assert "O(P)" in report["bootstrap_calls"][1]["mpi_adds"]  # Split_type
     library = report["mpi"]["library"]
     assert library.startswith(
-        {"mpich": "MPICH", "openmpi": "Open MPI"}[util.mpi_family()]
+        {"mpich": "MPICH", "openmpi": "Open MPI", "impi": "Intel(R) MPI"}[
+            util.mpi_family()
+        ]
     )
 
 

