@@ -1,11 +1,23 @@
-"""The ClusterEnv JAX asks first: thin, it delegates to the bootstrap."""
+"""Our two ClusterEnvs: the one JAX asks first (MPI launches; thin, it delegates to
+the bootstrap), and the one it asks last (a plain ``python script.py``: a
+one-process world on loopback)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 
-from . import _config, _devices, _failfast, _jax_compat, _launch, _topology
+from . import (
+    _config,
+    _devices,
+    _failfast,
+    _jax_compat,
+    _launch,
+    _network,
+    _topology,
+)
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -129,3 +141,76 @@ def explicitly_requested():
         yield
     finally:
         _explicit = False
+
+
+class OneProcessCluster(_jax_compat.ClusterEnv):
+    """No launcher and no MPI: ``python script.py`` is a world of one process.
+
+    Asked last, after every ClusterEnv JAX knows (Slurm without MPI, TPU VMs,
+    Kubernetes, ...), so it shadows none of them: JAX's own error, "coordinator_address
+    should be defined", is what it replaces. MPI is not started; JAX's coordination
+    service listens on 127.0.0.1 only, on a free port held until it binds.
+    ``MPI4JAX_DIST_ONE_PROCESS=0`` (or ``MPI4JAX_DIST_DISABLE=1``) turns it off.
+    """
+
+    name = "mpi4jax_dist_one_process"
+    opt_in_only_method = False
+
+    @classmethod
+    def is_env_present(cls) -> bool:
+        try:
+            if not _config.one_process():
+                return False
+            env = _config.environ()
+            if _launch.detect(env) is not None or _launch.mpi_initialized_here():
+                return False
+            # Envs registered after ours (a site's own) are asked before it too.
+            registry = _jax_compat.ClusterEnv._cluster_types
+            later = registry[registry.index(cls) + 1 :]
+            return not any(
+                not other.opt_in_only_method and other.is_env_present()
+                for other in later
+            )
+        except Exception:
+            return False
+
+    @classmethod
+    def get_coordinator_address(cls, timeout_secs=None, override_coordinator_port=None):
+        port = _config.coordinator_port(override_coordinator_port)
+        host = "127.0.0.1"
+        if port is None:
+            reservation = _network.reserve_port(host)
+            port = reservation.getsockname()[1]
+        else:
+            reservation = None
+            _network.check_port_free(host, port)
+        address = _network.format_address(host, port)
+        restore = _config.default_bind_address(address)
+        deadline = time.monotonic() + (timeout_secs or 300)
+
+        def when_listening():
+            # JAX has read the bind address once its service listens.
+            _network.wait_accepting(host, port, deadline, 1e-4, 0.05)
+            if reservation is not None:
+                reservation.close()
+            if restore is not None:
+                restore()
+
+        threading.Thread(
+            target=when_listening, name="mpi4jax_dist-one-process", daemon=True
+        ).start()
+        logger.info(
+            "mpi4jax_dist: no MPI launcher: a one-process JAX world, coordinator on "
+            "%s (%s=0 turns this off).",
+            address,
+            _config.ONE_PROCESS,
+        )
+        return address
+
+    @classmethod
+    def get_process_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def get_process_id(cls) -> int:
+        return 0

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Mapping
 
 DISABLE = "MPI4JAX_DIST_DISABLE"
+ONE_PROCESS = "MPI4JAX_DIST_ONE_PROCESS"
 FAIL_FAST = "MPI4JAX_DIST_FAIL_FAST"
 # JAX's own variable for its preemption service (which catches SIGTERM): set to a
 # true value, it tells us the user wants JAX's preemption handling.
@@ -74,6 +75,13 @@ def get_bool(name: str, default: bool = False, env: Mapping[str, str] | None = N
 def disabled(env: Mapping[str, str] | None = None) -> bool:
     """Return True when ``MPI4JAX_DIST_DISABLE`` turns automatic detection off."""
     return get_bool(DISABLE, False, env)
+
+
+def one_process(env: Mapping[str, str] | None = None) -> bool:
+    """Return True unless ``MPI4JAX_DIST_ONE_PROCESS=0`` (or
+    ``MPI4JAX_DIST_DISABLE``) turns off the one-process world a plain ``python
+    script.py`` gets from ``jax.distributed.initialize()``."""
+    return not disabled(env) and get_bool(ONE_PROCESS, True, env)
 
 
 def fail_fast(env: Mapping[str, str] | None = None) -> bool:

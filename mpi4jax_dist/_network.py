@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 
 from . import _config
 
@@ -149,6 +150,20 @@ def reserve_port(host: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def wait_accepting(
+    host: str, port: int, deadline: float, first_pause: float, cap: float
+) -> bool:
+    """Poll ``host:port`` until it accepts, pausing ``first_pause`` doubling up to
+    ``cap``; return whether it accepted before ``deadline`` (``time.monotonic``)."""
+    pause = first_pause
+    while not accepts(host, port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, cap)
+    return True
 
 
 def accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:

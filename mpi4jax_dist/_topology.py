@@ -397,13 +397,7 @@ class Bootstrap:
         host, port = _config.split_host_port(
             self.topology.coordinator_address, "coordinator address"
         )
-        pause = _PROBE_FIRST_PAUSE_S
-        while not _network.accepts(host, port):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, cap)
-        return True
+        return _network.wait_accepting(host, port, deadline, _PROBE_FIRST_PAUSE_S, cap)
 
     def close(self) -> None:
         """Free what a bootstrap that will not release still holds (tests)."""

@@ -316,12 +316,13 @@ _NO_ENV = "ValueError: coordinator_address should be defined."
 
 
 @skip_in_mpi_job
-def test_without_launcher():
-    """``python script.py``: plain JAX init fails as without any cluster env (ours
-    is not present, and MPI is not started by asking); mpi4jax_dist.initialize()
-    gives a one-process world (MPI singleton)."""
+def test_without_launcher_one_process_off():
+    """``python script.py`` with ``MPI4JAX_DIST_ONE_PROCESS=0``: plain JAX init fails
+    as without any cluster env (neither of ours is present, and MPI is not started by
+    asking); mpi4jax_dist.initialize() gives a one-process world (MPI singleton).
+    With the switch on, tests/test_one_process.py."""
     cmd = [sys.executable, str(util.SCRIPTS / "launch_no_env.py")]
-    proc = util.run_command(cmd, env=_env(), timeout=TIMEOUT)
+    proc = util.run_command(cmd, env=_env(MPI4JAX_DIST_ONE_PROCESS=0), timeout=TIMEOUT)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     (r,) = _results(proc, 1, "topo_rank").values()
     assert r["plain"] == _NO_ENV
