@@ -259,11 +259,12 @@ def test_mpi4py_of_another_mpi_is_caught():
     )
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
-    # Open MPI's mpi4py under MPICH's mpiexec starts silently as singletons: ours to
-    # catch. MPICH's mpi4py under Open MPI's mpiexec fails in MPI_Init by itself.
+    # Open MPI's mpi4py under MPICH's (or Intel MPI's) mpiexec starts silently as
+    # singletons: ours to catch. MPICH's mpi4py under Open MPI's mpiexec fails in
+    # MPI_Init by itself.
     ours = "started 2 ranks but MPI says this job has 1" in proc.stderr
     assert ours or "internal_Init_thread" in proc.stderr, proc.stderr[-3000:]
-    if util.mpi_family() == "mpich":
+    if util.mpi_family() in ("mpich", "impi"):
         assert ours, proc.stderr[-3000:]
 
 

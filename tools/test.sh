@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run every test: serially (unit tests, and launch tests that start their own mpiexec),
-# then with peers under mpiexec -n 2 and -n 4. Needs tools/setup.sh first.
+# then with peers under mpiexec -n 2 and -n 4; then, where tools/setup.sh built them
+# (--all), the launch tests under Open MPI's and Intel MPI's mpiexec and the serial
+# and 2-rank tests on the oldest JAX that setup.cfg allows. Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -44,4 +46,37 @@ if [ -x "$ompi/bin/mpiexec" ]; then
         tests/test_inplace_allreduce.py
 else
     echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
+fi
+
+# Intel MPI (tools/setup.sh --with-intel-mpi): the launch tests under its mpiexec,
+# Open MPI's mpi4py under it (to be caught), its in-place allreduce, and the
+# bootstrap benchmark once, printing its table.
+impi=${VENV_IMPI:-$here/.venv-impi}
+if [ -x "$impi/bin/mpiexec" ]; then
+    in_impi=(env PATH="$impi/bin:$PATH")
+    if [ -x "$ompi/bin/python" ]; then
+        in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
+    fi
+    run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
+        -p no:cacheprovider tests/test_launch.py tests/test_robustness.py \
+        tests/test_failfast.py tests/test_one_process.py
+    run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
+        "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
+        tests/test_inplace_allreduce.py
+    run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
+        --procs 2,4 --repeat 1
+else
+    echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
+fi
+
+# The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax), installed
+# from a copy of the tree: PYTHONSAFEPATH keeps the tree's package off sys.path.
+jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
+if [ -x "$jaxmin/bin/python" ]; then
+    in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
+    run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q -p no:cacheprovider
+    run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
+        -q -p no:cacheprovider
+else
+    echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
 fi
