@@ -100,9 +100,7 @@ def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
             link_args += [flag, next(flags, "")]
         elif flag.startswith(("-I", "-D", "-U", "-isystem")):
             compile_args.append(flag)
-        elif flag.startswith(("-L", "-l", "-Wl,")) or flag.endswith(
-            (".so", ".a")
-        ):
+        elif flag.startswith(("-L", "-l", "-Wl,")) or flag.endswith((".so", ".a")):
             link_args.append(flag)
         else:  # -pthread and the like matter to both
             compile_args.append(flag)

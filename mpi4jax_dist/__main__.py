@@ -72,9 +72,11 @@ def _print_text(report: dict) -> None:
     if "check" in report:
         check = report["check"]
         print(f"backend       {check['backend']}: {', '.join(check['devices'])}")
-        print(
-            f"check         mpi4jax.allreduce == psum: {check['allreduce_equals_psum']}"
-        )
+        print(f"check         psum correct: {check['psum_correct']}")
+        if check["allreduce_equals_psum"] is None:
+            print(f"  mpi4jax.allreduce {check['mpi4jax']}")
+        else:
+            print(f"  mpi4jax.allreduce == psum: {check['allreduce_equals_psum']}")
     for problem in report["problems"]:
         print(f"PROBLEM       {problem}")
 

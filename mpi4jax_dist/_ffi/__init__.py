@@ -52,8 +52,10 @@ def built(kind: str = "cpu") -> dict[str, Path]:
     prefix = f"_{kind}_"
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         for path in _HERE.glob(f"{prefix}*{suffix}"):
-            name = path.name[: -len(suffix)]
-            found.setdefault(name[len(prefix) :], path)
+            # "_cpu_mpich.cpython-311-x86_64-linux-gnu.so" also ends in ".so":
+            # the family is the name up to the first dot, whichever suffix matched.
+            family = path.name[len(prefix) :].split(".")[0]
+            found.setdefault(family, path)
     return found
 
 

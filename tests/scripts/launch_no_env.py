@@ -1,9 +1,9 @@
 """A plain ``jax.distributed.initialize()`` where our env must not answer.
 
-Used without a launcher (plain ``python``) with ``MPI4JAX_DIST_ONE_PROCESS=0``, and
-under ``mpiexec`` with ``MPI4JAX_DIST_DISABLE=1``. Catches and reports JAX's error, then calls
-``mpi4jax_dist.initialize()`` explicitly (asking for our env by name) and reports
-the world that gives.
+Used without a launcher (plain ``python``) with ``MPI4JAX_DIST_ONE_PROCESS=0``,
+and under ``mpiexec`` with ``MPI4JAX_DIST_DISABLE=1``. Catches and reports JAX's
+error, then calls ``mpi4jax_dist.initialize()`` explicitly (asking for our env by
+name) and reports the world that gives.
 """
 
 import jax
