@@ -1,16 +1,30 @@
 """Differences between JAX versions and every use of JAX's private modules.
 
-Supported: jax 0.6 up to today. What changed, and where we rely on it:
+Supported: jax 0.6.0 (``FLOOR``, the floor in setup.cfg) up to today. ``CHANGES``
+is the table of what changed since, one row per difference the code meets; the
+functions here choose by it (:func:`since`), nowhere else. The test of this module
+(tests/test_jax_compat.py) checks every row against the JAX it runs with: CI's runs
+on the oldest and the newest JAX keep the table true at both ends.
 
 =========  ==========================================================================
 version    change
 =========  ==========================================================================
-0.6        ``ClusterEnv.get_coordinator_address(cls, timeout_secs)``, called with
+0.6.0      ``ClusterEnv.get_coordinator_address(cls, timeout_secs)``, called with
            ``timeout_secs`` by keyword; older bases have no ``name`` (ours sets it).
-0.7        ``jax.shard_map`` with ``check_vma`` (before: jax.experimental.shard_map
-           with ``check_rep``).
+0.6.1      ``jax.shard_map`` with ``check_vma`` (before: jax.experimental.shard_map
+           with ``check_rep``); jaxlib's extension is ``jaxlib._jax`` (before:
+           ``jaxlib.xla_extension``); ``jax_cpu_collectives_implementation`` is
+           "gloo" by default (before: None, which the CPU client took for gloo).
+0.7.0      ``jax.distributed.initialize(heartbeat_timeout_seconds=)``; the runtime
+           client and service take ``heartbeat_timeout`` (before: an interval and
+           a number of missed heartbeats, which initialize did not pass on).
+0.8.0      ``jax.enable_x64`` (before: jax.experimental.enable_x64, gone in 0.10).
 0.8.1      ``get_coordinator_address(cls, timeout_secs, override_coordinator_port)``,
-           the port passed by keyword from ``JAX_COORDINATOR_PORT``.
+           the port passed by keyword from ``JAX_COORDINATOR_PORT``;
+           ``jax.monitoring.unregister_event_duration_listener`` (before: only
+           jax._src.monitoring's).
+0.9.0      ``jax_enable_preemption_service`` (before: ``jax.distributed.initialize``
+           always started the preemption service and its SIGTERM handler).
 =========  ==========================================================================
 """
 
@@ -34,11 +48,36 @@ def parse_version(version: str) -> tuple[int, int, int]:
 
 JAX_VERSION = parse_version(jax.__version__)
 
+# The oldest JAX supported: install_requires in setup.cfg says the same.
+FLOOR = (0, 6, 0)
+
+# The table above: what the code uses, and the first JAX version that has it.
+CHANGES = {
+    "jax.shard_map": (0, 6, 1),
+    "jaxlib._jax": (0, 6, 1),
+    "jax_cpu_collectives_implementation": (0, 6, 1),
+    "heartbeat_timeout_seconds": (0, 7, 0),
+    "jax.enable_x64": (0, 8, 0),
+    "override_coordinator_port": (0, 8, 1),
+    "jax.monitoring.unregister_event_duration_listener": (0, 8, 1),
+    "jax_enable_preemption_service": (0, 9, 0),
+}
+
+
+def since(change: str, version: tuple[int, int, int] = JAX_VERSION) -> bool:
+    """Return True when JAX ``version`` (default: the one imported) has ``change``,
+    a key of ``CHANGES``."""
+    return version >= CHANGES[change]
+
+
 # How each JAX version calls ClusterEnv.get_coordinator_address: the keyword
 # arguments it passes. A version takes the last row whose first version is <= it.
 COORDINATOR_ADDRESS_KWARGS = (
-    ((0, 6, 0), ("timeout_secs",)),
-    ((0, 8, 1), ("timeout_secs", "override_coordinator_port")),
+    (FLOOR, ("timeout_secs",)),
+    (
+        CHANGES["override_coordinator_port"],
+        ("timeout_secs", "override_coordinator_port"),
+    ),
 )
 
 
@@ -49,6 +88,13 @@ def coordinator_address_kwargs(version: tuple[int, int, int] = JAX_VERSION):
         if version >= first:
             kwargs = names
     return kwargs
+
+
+def cluster_name(cls) -> str | None:
+    """Return the name a ClusterEnv subclass answers to in
+    ``cluster_detection_method``; None for those without one (older JAX sets it on
+    some subclasses only: its Kubernetes env has none)."""
+    return getattr(cls, "name", None)
 
 
 def register_first(cls) -> None:
@@ -87,23 +133,25 @@ def restrict_visible_devices(device_ids) -> None:
             pass
 
 
-def preemption_service() -> bool | None:
-    """Return whether ``jax.distributed.initialize`` will start JAX's preemption
-    service (whose notifier catches SIGTERM); None when this JAX has no such
-    option."""
-    try:
+def preemption_service() -> bool:
+    """Return whether ``jax.distributed.initialize`` starts (or started) JAX's
+    preemption service, whose notifier catches SIGTERM."""
+    if since("jax_enable_preemption_service"):
         return bool(jax.config.jax_enable_preemption_service)
-    except AttributeError:
-        return None
+    # Always, unless disable_preemption_service replaced the start.
+    return "initialize_preemption_sync_manager" not in vars(_distributed.global_state)
 
 
 def disable_preemption_service() -> None:
     """Keep the next ``jax.distributed.initialize`` from starting JAX's preemption
     service, so that SIGTERM keeps its default action."""
-    try:
+    if since("jax_enable_preemption_service"):
         jax.config.update("jax_enable_preemption_service", False)
-    except (AttributeError, KeyError, ValueError):  # option not in this jax
-        pass
+        return
+    # No option: the state's start of the service becomes a no-op, as the option's
+    # False makes it in later JAX (multihost_utils.reached_preemption_sync_point
+    # then raises, as there).
+    _distributed.global_state.initialize_preemption_sync_manager = lambda: None
 
 
 def silence_proxy_check() -> None:
@@ -121,7 +169,7 @@ def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     A ``lax.fori_loop`` that carries the result of ``psum`` fails the varying-manual-
     axes check of current JAX; the callers here turn the check off.
     """
-    if hasattr(jax, "shard_map"):
+    if since("jax.shard_map"):
         return jax.shard_map(
             f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check
         )
@@ -130,6 +178,54 @@ def shard_map(f, *, mesh, in_specs, out_specs, check=False):
     return _shard_map(
         f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check
     )
+
+
+def cpu_collectives() -> str | None:
+    """Return the cross-process collectives of JAX's CPU client: "gloo", "mpi", ...
+    (None: none)."""
+    value = jax.config.jax_cpu_collectives_implementation
+    if value is None and not since("jax_cpu_collectives_implementation"):
+        from jax._src import xla_bridge
+
+        return xla_bridge._DEFAULT_CPU_COLLECTIVES_IMPL
+    return value
+
+
+def enable_x64(new_val: bool = True):
+    """Return the context manager that turns 64-bit types on (or off) inside it."""
+    if since("jax.enable_x64"):
+        return jax.enable_x64(new_val)
+    from jax.experimental import enable_x64 as _enable_x64
+
+    return _enable_x64(new_val)
+
+
+def unregister_event_duration_listener(listener) -> None:
+    """Undo ``jax.monitoring.register_event_duration_secs_listener(listener)``."""
+    if since("jax.monitoring.unregister_event_duration_listener"):
+        jax.monitoring.unregister_event_duration_listener(listener)
+        return
+    from jax._src import monitoring
+
+    monitoring._unregister_event_duration_listener_by_callback(listener)
+
+
+def distributed_runtime():
+    """Return jaxlib's extension module, whose ``get_distributed_runtime_service``
+    and ``get_distributed_runtime_client`` make JAX's coordination service and its
+    clients."""
+    from jax._src import lib
+
+    return lib._jax if since("jaxlib._jax") else lib.xla_extension
+
+
+def runtime_heartbeat(timeout_s: int) -> dict:
+    """Return the keyword arguments that give a runtime client or service of
+    :func:`distributed_runtime` a heartbeat timeout of ``timeout_s`` seconds."""
+    if since("heartbeat_timeout_seconds"):
+        return {"heartbeat_timeout": timeout_s}
+    # As in JAX 0.6's defaults (10 s, 10 missed heartbeats: 100 s).
+    return {"heartbeat_interval": max(1, timeout_s // 10), "max_missing_heartbeats": 10}
 
 
 def make_mesh(devices, axis_name: str, axis_type: str = "auto"):

@@ -1,0 +1,201 @@
+"""Serial: the table of JAX versions in ``_jax_compat``, true of the JAX installed,
+and the functions that choose by it.
+
+CI runs this on the oldest JAX that setup.cfg allows and on the newest: a row whose
+version is wrong fails at one end or the other.
+"""
+
+import importlib.util
+import inspect
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import util
+from jax._src import config as jax_config
+
+from mpi4jax_dist import _jax_compat
+
+# JAX in this process alone: before any JAX world of an mpiexec session exists.
+pytestmark = pytest.mark.skipif(
+    util.in_mpi_job(), reason="one process: runs in the serial session"
+)
+
+
+def _has_shard_map() -> bool:
+    found = getattr(jax, "shard_map", None)
+    return found is not None and "check_vma" in inspect.signature(found).parameters
+
+
+def _has_heartbeat_timeout() -> bool:
+    client = _jax_compat.distributed_runtime().get_distributed_runtime_client
+    takes = "heartbeat_timeout:" in (client.__doc__ or "")
+    return takes and _jax_compat.initialize_accepts("heartbeat_timeout_seconds")
+
+
+def _has_coordinator_port() -> bool:
+    method = _jax_compat.ClusterEnv.get_coordinator_address
+    return "override_coordinator_port" in inspect.signature(method).parameters
+
+
+# Each row of CHANGES, asked of the installed JAX itself.
+PROBES = {
+    "jax.shard_map": _has_shard_map,
+    "jaxlib._jax": lambda: importlib.util.find_spec("jaxlib._jax") is not None,
+    "jax_cpu_collectives_implementation": lambda: hasattr(
+        jax_config, "DEFAULT_CPU_COLLECTIVES_IMPL"
+    ),
+    "heartbeat_timeout_seconds": _has_heartbeat_timeout,
+    "jax.enable_x64": lambda: hasattr(jax, "enable_x64"),
+    "override_coordinator_port": _has_coordinator_port,
+    "jax.monitoring.unregister_event_duration_listener": lambda: hasattr(
+        jax.monitoring, "unregister_event_duration_listener"
+    ),
+    "jax_enable_preemption_service": lambda: hasattr(
+        jax.config, "jax_enable_preemption_service"
+    ),
+}
+
+
+def test_every_row_has_a_probe():
+    assert PROBES.keys() == _jax_compat.CHANGES.keys()
+
+
+@pytest.mark.parametrize("change", sorted(_jax_compat.CHANGES))
+def test_row_is_true_of_this_jax(change):
+    first = ".".join(map(str, _jax_compat.CHANGES[change]))
+    assert _jax_compat.since(change) == PROBES[change](), (
+        f"jax {jax.__version__}: the table says {change} came in {first}, but this "
+        f"JAX {'has' if PROBES[change]() else 'lacks'} it"
+    )
+
+
+def _docstring_rows() -> dict:
+    """Return ``{version: text}`` of the table in the module's docstring."""
+    rows: dict = {}
+    version = None
+    for line in _jax_compat.__doc__.splitlines():
+        if line.startswith("="):
+            version = None
+            continue
+        match = re.match(r"(\d+\.\d+\.\d+)\s+(.*)", line)
+        if match:
+            version = match.group(1)
+            rows[version] = match.group(2)
+        elif version is not None and line.strip():
+            rows[version] += " " + line.strip()
+    return rows
+
+
+def test_docstring_table_is_the_table():
+    rows = _docstring_rows()
+    floor = ".".join(map(str, _jax_compat.FLOOR))
+    firsts = {".".join(map(str, v)) for v in _jax_compat.CHANGES.values()}
+    assert set(rows) == firsts | {floor}
+    for change, version in _jax_compat.CHANGES.items():
+        assert change in rows[".".join(map(str, version))], change
+
+
+def test_floor_is_setup_cfgs():
+    """The floor here is the floor in install_requires, and this JAX is above it."""
+    text = (util.ROOT / "setup.cfg").read_text()
+    match = re.search(r"^\s*jax\s*>=\s*([0-9.]+)", text, re.MULTILINE)
+    assert match, "no jax>=X in setup.cfg"
+    assert _jax_compat.parse_version(match.group(1)) == _jax_compat.FLOOR
+    assert _jax_compat.JAX_VERSION >= _jax_compat.FLOOR
+    assert _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0] == _jax_compat.FLOOR
+
+
+def test_since_compares_versions():
+    first = _jax_compat.CHANGES["jax.enable_x64"]
+    assert _jax_compat.since("jax.enable_x64", first)
+    assert _jax_compat.since("jax.enable_x64", (first[0] + 1, 0, 0))
+    assert not _jax_compat.since("jax.enable_x64", _jax_compat.FLOOR)
+
+
+def test_enable_x64():
+    import jax.numpy as jnp
+
+    before = jnp.asarray(np.int64(1)).dtype
+    with _jax_compat.enable_x64(True):
+        assert jnp.asarray(np.int64(1)).dtype == jnp.int64
+    with _jax_compat.enable_x64(False):
+        assert jnp.asarray(np.int64(1)).dtype == jnp.int32
+    assert jnp.asarray(np.int64(1)).dtype == before
+
+
+def test_unregister_event_duration_listener():
+    heard = []
+
+    def listen(event, duration, **kwargs):
+        heard.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    _jax_compat.unregister_event_duration_listener(listen)
+    jax.monitoring.record_event_duration_secs("/mpi4jax_dist/test", 1.0)
+    assert heard == []
+
+
+def test_runtime_client_takes_the_heartbeat():
+    """A client is made (not connected) with the heartbeat of this JAX's kind."""
+    runtime = _jax_compat.distributed_runtime()
+    client = runtime.get_distributed_runtime_client(
+        "127.0.0.1:1",
+        0,
+        shutdown_on_destruction=False,
+        **_jax_compat.runtime_heartbeat(100),
+    )
+    del client
+
+
+def test_shard_map_psum():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.local_devices()[:1]), ("x",))
+    f = _jax_compat.shard_map(
+        lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()
+    )
+    assert np.asarray(jax.jit(f)(jax.numpy.arange(3.0))).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_cpu_collectives():
+    assert _jax_compat.cpu_collectives() == "gloo"  # JAX's default, at every version
+
+
+def test_cluster_name():
+    assert _jax_compat.cluster_name(_jax_compat.ClusterEnv._cluster_types[0]) == (
+        "mpi4jax_dist"
+    )
+
+    class Nameless:
+        pass
+
+    assert _jax_compat.cluster_name(Nameless) is None
+
+
+_PREEMPTION = """
+import json
+from mpi4jax_dist import _jax_compat
+before = _jax_compat.preemption_service()
+_jax_compat.disable_preemption_service()
+print(json.dumps([before, _jax_compat.preemption_service()]))
+"""
+
+
+def test_disable_preemption_service():
+    """On by default; off once disabled, with the option or, before it, without.
+    (tests/test_failfast.py shows SIGTERM's handler gone under mpiexec.)"""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PREEMPTION],
+        env=util.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(proc.stdout.splitlines()[-1]) == [True, False]
