@@ -166,9 +166,9 @@ class Compiles:
         return self
 
     def __exit__(self, *exc):
-        import jax.monitoring
+        from mpi4jax_dist import _jax_compat
 
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        _jax_compat.unregister_event_duration_listener(self._listen)
         return False
 
 
@@ -339,6 +339,7 @@ def meta(comm=None, **extra) -> dict:
         import jax
 
         import mpi4jax_dist
+        from mpi4jax_dist import _jax_compat
 
         info.update(
             mpi_library=_mpi.mpi_library(),
@@ -346,9 +347,7 @@ def meta(comm=None, **extra) -> dict:
             num_nodes=mpi4jax_dist.topology().num_nodes,
             backend=jax.default_backend(),
             devices=[str(d) for d in jax.devices()],
-            cpu_collectives=getattr(
-                jax.config, "jax_cpu_collectives_implementation", None
-            ),
+            cpu_collectives=_jax_compat.cpu_collectives(),
         )
     info.update(extra)
     return info

@@ -203,8 +203,10 @@ def device_pattern(n: int, rank: int, procs: int, dtype):
     (equal to NumPy's, element for element)."""
     import jax
 
+    from mpi4jax_dist import _jax_compat
+
     dtype = np.dtype(dtype).name
-    with jax.enable_x64(True):
+    with _jax_compat.enable_x64(True):
         make = jax.jit(lambda r: _device_values(0, n, r, procs, dtype, 0))
         return make(np.int64(rank))
 
@@ -214,14 +216,15 @@ def count_wrong_blocks(result, n: int, procs: int, dtype) -> int:
     ``np.asarray`` takes without a copy) differ from :func:`expected`; the
     expected values are made by XLA a block at a time, so that a check of 2^31
     elements costs one block of memory."""
-    import jax
     import jax.numpy as jnp
+
+    from mpi4jax_dist import _jax_compat
 
     result = np.asarray(result)
     if result.shape != (n,):
         return n
     wrong = 0
-    with jax.enable_x64(True):
+    with _jax_compat.enable_x64(True):
         for start in range(0, n, BLOCK):
             block = result[start : start + BLOCK]
             wrong += int(

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import mpi4jax
+from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import mpi4jax_dist  # registers the MPI cluster env with JAX; starts nothing
@@ -16,11 +17,15 @@ x = jnp.arange(4.0) + rank
 by_mpi4jax = jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(x)
 
 mesh = mpi4jax_dist.global_mesh()
-psum = jax.shard_map(
+try:
+    from jax import shard_map
+except ImportError:  # jax 0.6.0
+    from jax.experimental.shard_map import shard_map
+psum = shard_map(
     lambda a: jax.lax.psum(a, "ranks"),
     mesh=mesh,
-    in_specs=jax.P("ranks"),
-    out_specs=jax.P("ranks"),
+    in_specs=P("ranks"),
+    out_specs=P("ranks"),
 )
 by_psum = mpi4jax_dist.to_local(jax.jit(psum)(mpi4jax_dist.to_global(x, mesh)))
 

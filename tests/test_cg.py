@@ -557,24 +557,21 @@ def test_inner_loop_reductions_count_times_its_trip_count():
 
 
 @serial_only
-def test_the_program_read_is_the_program_run():
+def test_the_program_read_is_the_program_run(caplog):
     """One compilation per input signature: the call after the ahead-of-time
     compile whose HLO was counted runs that executable, not a new one."""
-    import jax.monitoring
-
-    names = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(str(kwargs.get("fun_name")))
-
     run = self_solver("pipelined")
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    # JAX logs each XLA compilation by name (its compile events name it only from
+    # jax 0.6.1 on).
+    with caplog.at_level(logging.DEBUG, logger="jax._src.dispatch"):
         run()
         run(tol=1e-4, maxiter=7)  # new values, same signature
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    prefix = "Finished XLA compilation of "
+    names = [
+        r.getMessage()[len(prefix) :].split(" in ")[0]
+        for r in caplog.records
+        if r.getMessage().startswith(prefix)
+    ]
     assert [n for n in names if "local" in n] == ["jit(local)"], names
 
 

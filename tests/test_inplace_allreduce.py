@@ -17,7 +17,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _allreduce, _config, _ffi
+from mpi4jax_dist import _allreduce, _config, _ffi, _jax_compat
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -61,7 +61,7 @@ def test_every_dtype_and_op_against_mpi4py():
 
     comm = world()
     wrong, refused = [], []
-    with jax.enable_x64(True):
+    with _jax_compat.enable_x64(True):
         for dtype, allowed in _allreduce.OPS_BY_DTYPE.items():
             for op in _allreduce.OPS:
                 x = values(dtype, op, comm.rank)
@@ -512,7 +512,7 @@ def test_count_above_2_31(monkeypatch):
     ):
         monkeypatch.setenv(CHUNK, setting)
         reduce = jax.jit(lambda a: mpi4jax_dist.allreduce(a), donate_argnums=0)
-        with jax.enable_x64(True):  # int64 indices for the update at the end
+        with _jax_compat.enable_x64(True):  # int64 indices for the update at the end
             x = make()
         ext.reset_stats()
         y = reduce(x)

@@ -42,7 +42,11 @@ mesh = mpi4jax_dist.global_mesh()
 count, me = jax.process_count(), jax.process_index()
 rows = N // count
 local = jnp.sin(jnp.arange(me * rows, (me + 1) * rows, dtype=jnp.float32))
-mean = jax.shard_map(
+try:
+    from jax import shard_map
+except ImportError:  # jax 0.6.0
+    from jax.experimental.shard_map import shard_map
+mean = shard_map(
     lambda x: jax.lax.psum(jnp.sum(x), "ranks") / N,
     mesh=mesh,
     in_specs=P("ranks"),

@@ -59,6 +59,7 @@ def cross_process_checks() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import mpi4jax_dist
+    from mpi4jax_dist import _jax_compat
 
     me = jax.process_index()
     gathered = multihost_utils.process_allgather(np.array([me], dtype=np.int32))
@@ -66,11 +67,12 @@ def cross_process_checks() -> dict:
     local = jnp.array([float(me + 1)], dtype=jnp.float32)
     global_array = mpi4jax_dist.to_global(local, mesh)
     total = jax.jit(jnp.sum)(global_array)
-    summed = jax.shard_map(
+    summed = _jax_compat.shard_map(
         lambda x: jax.lax.psum(x, "ranks"),
         mesh=mesh,
         in_specs=P("ranks"),
         out_specs=P(),
+        check=True,
     )(global_array)
     back = mpi4jax_dist.to_local(global_array)
     return {
