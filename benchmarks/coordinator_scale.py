@@ -56,6 +56,8 @@ emulation also holds the clients' ends, one more file per client, so it asks for
 holds both ends. Too few files make gRPC log "File descriptor limit reached.
 Retrying." and every ``connect()`` fail with DEADLINE_EXCEEDED after
 ``--init-timeout`` (+ about 5 s): such a row is reported failed, with the error.
+(jaxlib 0.6.0's gRPC logs "Too many open files" instead, and a ``connect()`` there
+may wait on for good: 10 s past ``--init-timeout`` it counts as failed.)
 """
 
 from __future__ import annotations
@@ -77,7 +79,12 @@ import _harness  # noqa: E402
 
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
-FD_LIMIT_LOG = "File descriptor limit reached"
+# What gRPC logs when the files run out: current jaxlib's words, and jaxlib 0.6.0's
+# (a failed accept4).
+FD_LIMIT_LOGS = ("File descriptor limit reached", "Too many open files")
+# How long past its init_timeout a connect() may take before it counts as failed:
+# jaxlib 0.6.0's can wait on for good when the service has run out of files.
+CONNECT_GRACE_S = 10
 
 
 # ---------------------------------------------------------------------------------
@@ -227,9 +234,9 @@ def worker(config: dict) -> None:
 
 
 def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
-    from jax._src.lib import _jax
+    from mpi4jax_dist import _jax_compat, _limits
 
-    from mpi4jax_dist import _limits
+    runtime = _jax_compat.distributed_runtime()
 
     if config["protection"] == "on":
         # Both ends of every connection are in this process: 2 files per client.
@@ -241,10 +248,10 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     fds0 = open_files()
     port = free_port()
     init_timeout = int(config["init_timeout"])
-    service = _jax.get_distributed_runtime_service(
+    service = runtime.get_distributed_runtime_service(
         f"0.0.0.0:{port}",
         procs,
-        heartbeat_timeout=100,
+        **_jax_compat.runtime_heartbeat(100),
         shutdown_timeout=int(config["shutdown_timeout"]),
     )
     # JAX's default for a client that hears of a fatal error (a failed peer, a
@@ -259,12 +266,12 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
 
     t_create = time.perf_counter()
     clients = [
-        _jax.get_distributed_runtime_client(
+        runtime.get_distributed_runtime_client(
             client_address(i, port),
             i,
             init_timeout=init_timeout,
             shutdown_timeout=int(config["shutdown_timeout"]),
-            heartbeat_timeout=100,
+            **_jax_compat.runtime_heartbeat(100),
             missed_heartbeat_callback=on_fatal,
             shutdown_on_destruction=False,
             use_compression=True,
@@ -315,8 +322,15 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     start.set()
     if sample_s:
         sampler.start()
-    for t in threads:
-        t.join()
+    last_issue = ((procs - 1) // waves) * gap if waves else 0.0
+    give_up = t0[0] + last_issue + init_timeout + CONNECT_GRACE_S
+    waiting = []
+    for i, t in enumerate(threads):
+        t.join(max(0.0, give_up - time.perf_counter()))
+        if t.is_alive():
+            waiting.append(i)
+            errors.setdefault(i, "connect() still waiting")
+            done[i] = time.perf_counter()
     t1 = max(done)
     row["connect_s"] = t1 - t0[0]
     row["issued_s"] = max(issued) - t0[0]
@@ -347,6 +361,11 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
             error=f"{len(errors)}/{procs} clients failed after "
             f"{row['connect_s']:.1f} s; client {first}: {errors[first]}"[:300],
         )
+        if waiting:
+            row["error"] += (
+                f"; {len(waiting)} still in connect() {CONNECT_GRACE_S} s past "
+                f"init_timeout"
+            )
         return
 
     # Shutdown: every client's (a barrier over all), then the service's.
@@ -432,14 +451,14 @@ def run_one(config: dict, timeout: float) -> dict:
         tail = (out + err).strip().splitlines()[-3:]
         row["error"] = f"no result ({why}): " + " | ".join(tail)[-300:]
     row["run_s"] = seconds
-    row["fd_limit_logs"] = err.count(FD_LIMIT_LOG)
+    logged = {text: err.count(text) for text in FD_LIMIT_LOGS if text in err}
+    row["fd_limit_logs"] = sum(logged.values())
     if not row.get("ok"):
         status = re.search(r"Agent status: (?:%s)?([A-Z_]+: [^\n\[]{0,80})", err)
         if status:
             row["error"] += f"; client status {status.group(1).strip()}"
-        if row["fd_limit_logs"]:
-            count = row["fd_limit_logs"]
-            row["error"] += f"; gRPC logged '{FD_LIMIT_LOG}. Retrying.' {count}x"
+        for text, count in logged.items():
+            row["error"] += f"; gRPC logged '{text}' {count}x"
     # The distinct kinds of log lines gRPC/XLA printed (timestamps and numbers cut).
     kinds = {re.sub(r"[0-9]+", "N", line)[:160] for line in err.splitlines() if line}
     row["log_kinds"] = sorted(kinds)[:20]

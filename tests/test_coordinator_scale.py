@@ -59,7 +59,10 @@ def test_file_limit_fails_without_protection_and_passes_with_it():
     )
     assert off["protection"] == "off" and not off["ok"]
     (error,) = off["errors"]
-    assert "DEADLINE_EXCEEDED" in error and "File descriptor limit reached" in error
+    # gRPC's words for the files running out, and the client's failure: a deadline,
+    # or with jaxlib 0.6.0 sometimes a connect() that would wait for good.
+    assert "File descriptor limit reached" in error or "Too many open files" in error
+    assert "DEADLINE_EXCEEDED" in error or "still in connect()" in error, error
     (run,) = off["runs"]
     assert run["soft_limit_run"] == soft and run["run_s"] < 30
     assert on["protection"] == "on" and on["ok"], on["errors"]
