@@ -78,28 +78,31 @@ def test_present_only_without_launcher_and_switch():
     assert ask(PMI_RANK=0, PMI_SIZE=1, MPI_LOCALRANKID=0) == ["False", "False"]
 
 
-def test_env_registered_after_ours_is_asked_first(monkeypatch):
+@skip_in_mpi_job
+def test_env_registered_after_ours_is_asked_first():
     """A site's own ClusterEnv, defined after ``import mpi4jax_dist``, lands behind
     the fallback in JAX's list; the fallback steps aside while it is present."""
-    registry = _jax_compat.ClusterEnv._cluster_types
-    monkeypatch.setattr(_jax_compat.ClusterEnv, "_cluster_types", list(registry))
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI4JAX_DIST_ONE_PROCESS"):
-        monkeypatch.delenv(name, raising=False)
-    if _cluster.Mpi4jaxDistCluster.is_env_present():
-        pytest.skip("under a launcher the fallback is never present")
+    code = """
+import mpi4jax_dist
+from mpi4jax_dist import _cluster, _jax_compat
 
-    class SiteCluster(_jax_compat.ClusterEnv):
-        name = "site"
-        present = True
+class SiteCluster(_jax_compat.ClusterEnv):
+    name = "site"
+    present = True
 
-        @classmethod
-        def is_env_present(cls):
-            return cls.present
+    @classmethod
+    def is_env_present(cls):
+        return cls.present
 
-    assert _jax_compat.ClusterEnv._cluster_types[-1] is SiteCluster
-    assert _cluster.OneProcessCluster.is_env_present() is False
-    SiteCluster.present = False
-    assert _cluster.OneProcessCluster.is_env_present() is True
+last = _jax_compat.ClusterEnv._cluster_types[-1] is SiteCluster
+with_site = _cluster.OneProcessCluster.is_env_present()
+SiteCluster.present = False
+print(last, with_site, _cluster.OneProcessCluster.is_env_present())
+"""
+    cmd = [sys.executable, "-c", code]
+    proc = util.run_command(cmd, env=util.clean_env(), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "True"]
 
 
 @skip_in_mpi_job

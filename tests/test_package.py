@@ -32,7 +32,8 @@ def test_registered_first_under_own_name():
     assert _cluster.Mpi4jaxDistCluster.name == "mpi4jax_dist"
     assert not _cluster.Mpi4jaxDistCluster.opt_in_only_method
     # JAX's own opt-in env keeps its name; ours must not shadow it.
-    assert [c for c in registry if c.name == "mpi4py"] != [_cluster.Mpi4jaxDistCluster]
+    mpi4py_envs = [c for c in registry if _jax_compat.cluster_name(c) == "mpi4py"]
+    assert mpi4py_envs != [_cluster.Mpi4jaxDistCluster]
 
 
 def test_import_touches_neither_mpi_nor_backend():
