@@ -32,8 +32,17 @@ hold ``include/cuda_runtime_api.h`` and ``libcudart_static.a`` (or
 ``MPI4JAX_DIST_BUILD_CUDA`` decides: unset or ``auto``, build it where a toolkit
 is found; ``0``, never (what a machine without CUDA gets anyway); ``1``, fail the
 build when none is found.
+
+Beside them, ``mpiabi.c`` is built into ``_mpiabi_mpich``, ``_mpiabi_openmpi`` or
+``_mpiabi_impi``: not a Python module but a plain C shared library, the MPIABI
+wrapper that jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI
+collectives on CPU. It needs neither Python nor jaxlib: it links against MPI alone
+(``-Wl,--no-undefined`` checks that) and exports only the ABI's names
+(``-fvisibility=hidden``). Its constants and stubs are generated at build time by
+``mpiabi_gen.py`` from ``mpiabi_names.txt`` into the build directory.
 """
 
+import importlib.util
 import os
 import re
 import shlex
@@ -226,9 +235,32 @@ def extension(kind: str, family: str, compile_args, link_args, **extra) -> Exten
     )
 
 
+def mpiabi_library(family: str, compile_args, link_args) -> Extension:
+    """The MPIABI wrapper ``_mpiabi_{family}`` from ``mpiabi.c`` (a plain C shared
+    library; :class:`BuildExt` generates the header it includes)."""
+    return Extension(
+        f"mpi4jax_dist._ffi._mpiabi_{family}",
+        sources=[str(FFI / "mpiabi.c")],
+        depends=[str(FFI / "mpiabi_names.txt"), str(FFI / "mpiabi_gen.py")],
+        language="c",
+        extra_compile_args=[
+            "-O2",
+            "-fvisibility=hidden",
+            "-Wall",
+            "-Wextra",
+            *compile_args,
+        ],
+        # Everything resolved at link time: MPI, libdl and libc, never Python.
+        extra_link_args=[*link_args, "-ldl", "-Wl,--no-undefined"],
+    )
+
+
 def extensions(mpicc: str, family: str, compile_args, link_args) -> list[Extension]:
     print(f"mpi4jax_dist: building _cpu_{family} with {mpicc}", file=sys.stderr)
-    built = [extension("cpu", family, compile_args, link_args)]
+    built = [
+        extension("cpu", family, compile_args, link_args),
+        mpiabi_library(family, compile_args, link_args),
+    ]
     cuda, why = find_cuda()
     if cuda is None:
         print(f"mpi4jax_dist: not building _cuda_{family}: {why}", file=sys.stderr)
@@ -268,6 +300,28 @@ class BuildExt(build_ext):
     def finalize_options(self):
         super().finalize_options()
         self.build_temp = os.path.join(self.build_temp, FAMILY)
+
+    def build_extension(self, ext):
+        if ext.name.startswith("mpi4jax_dist._ffi._mpiabi_"):
+            # The generated constants and stubs, written into the build directory
+            # (never into the source tree) and included by mpiabi.c.
+            generated = os.path.abspath(
+                os.path.join(self.build_temp, "mpiabi_generated")
+            )
+            # Loaded by path: importing the package would import jax.
+            spec = importlib.util.spec_from_file_location(
+                "_mpi4jax_dist_mpiabi_gen", HERE / FFI / "mpiabi_gen.py"
+            )
+            gen = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = gen  # dataclasses look their module up
+            spec.loader.exec_module(gen)
+            try:
+                gen.write(generated)
+            except ValueError as err:
+                raise SystemExit(f"mpi4jax_dist: {err}") from None
+            if generated not in ext.include_dirs:
+                ext.include_dirs.append(generated)
+        super().build_extension(ext)
 
 
 setup(

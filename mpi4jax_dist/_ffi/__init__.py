@@ -8,14 +8,22 @@ in place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
 checks that both call the same library, and registers the handler with JAX.
 Where ``setup.py`` found CUDA it also built ``cuda.cc`` into ``_cuda_mpich`` or
 ``_cuda_openmpi``, which :func:`load_cuda` registers for the CUDA platform under
-the same target names. Nothing here runs at import.
+the same target names. Beside them ``setup.py`` builds ``mpiabi.c``, a plain C
+library and not a module, into ``_mpiabi_mpich``, ``_mpiabi_openmpi`` or
+``_mpiabi_impi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
+reach that MPI (jaxlib's MPItrampoline loads the library named by
+``MPITRAMPOLINE_LIB``); :func:`mpiabi_library` says which one to name. Nothing
+here runs at import.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.machinery
+import os
+import sys
 from pathlib import Path
 
 # The names XLA knows the handlers by, on every platform.
@@ -42,11 +50,17 @@ def family(library_version: str) -> str | None:
     return None
 
 
+# family() under another name, for functions with an argument called family.
+_family = family
+
+
 def built(kind: str = "cpu") -> dict[str, Path]:
     """Return the extension builds present, ``{family: path}``.
 
     Args:
-        kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers.
+        kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers, or
+            ``"mpiabi"``, the MPIABI wrapper libraries. The prefixes ``_cpu_``,
+            ``_cuda_`` and ``_mpiabi_`` never match each other's files.
     """
     found = {}
     prefix = f"_{kind}_"
@@ -57,6 +71,78 @@ def built(kind: str = "cpu") -> dict[str, Path]:
             family = path.name[len(prefix) :].split(".")[0]
             found.setdefault(family, path)
     return found
+
+
+def mpiabi_library(family: str | None = None) -> Path | None:
+    """Return the MPIABI wrapper library to name in ``MPITRAMPOLINE_LIB``, or None.
+
+    The wrapper must be the build for the MPI that mpi4py will load: both then
+    share one MPI library in the process. This is called before ``import jax``
+    (MPItrampoline opens the library when jaxlib loads), so it imports neither jax
+    nor ``mpi4py.MPI`` and initializes no MPI. The rule:
+
+    1. ``family`` given (``mpich``, ``openmpi``, ``impi``): that build, or None.
+    2. Else the family of the MPI library mpi4py loads, by its
+       ``MPI_Get_library_version`` (:func:`family`; MPI lets that be called before
+       ``MPI_Init``): mpi4py's own if ``mpi4py.MPI`` is already imported, else the
+       library mpi4py's loader picks (``MPI4PY_LIBMPI``, then this environment's
+       ``lib``, then the system's), opened with ``ctypes``. That family's build,
+       or None if it is not built: a wrapper for another MPI would load a second
+       MPI library into the process.
+    3. Where no MPI library is found, or it is none we can name: the one build,
+       if exactly one family is built (what :func:`load` does too), else None.
+
+    One source tree can hold builds for several families (editable installs into
+    ``.venv``, ``.venv-ompi`` and ``.venv-impi``); an installed package holds the
+    one for the MPI it was built against.
+
+    Returns:
+        The path of ``_mpiabi_<family>.<ext>`` in this directory, or None.
+    """
+    builds = built("mpiabi")
+    if family is not None:
+        return builds.get(family)
+    if not builds:
+        return None
+    version = _mpi4py_library_version()
+    wanted = _family(version) if version else None
+    if wanted is not None:
+        return builds.get(wanted)
+    return next(iter(builds.values())) if len(builds) == 1 else None
+
+
+def _mpi4py_library_version() -> str | None:
+    """``MPI_Get_library_version`` of the MPI library mpi4py loads (or has loaded),
+    without importing ``mpi4py.MPI`` or initializing MPI; None if none is found."""
+    module = sys.modules.get("mpi4py.MPI")
+    if module is not None:
+        return module.Get_library_version()
+    lib = None
+    try:  # mpi4py's own choice of library (a private helper of mpi4py >= 4)
+        from mpi4py import _mpiabi
+
+        lib = _mpiabi._dlopen_libmpi(os.environ.get("MPI4PY_LIBMPI"))
+    except Exception:  # no mpi4py, another version of it, or no library
+        pass
+    if lib is None:  # mpi4py's order, in short: this environment, then the system
+        names = ("libmpi.so", "libmpi.so.12", "libmpi.so.40")
+        prefixed = [os.path.join(sys.prefix, "lib", name) for name in names]
+        for candidate in [*prefixed, *names]:
+            try:
+                lib = ctypes.CDLL(candidate, os.RTLD_LOCAL)
+                break
+            except OSError:
+                continue
+    get = getattr(lib, "MPI_Get_library_version", None) if lib else None
+    if get is None:  # no library found, or not an MPI
+        return None
+    get.restype = ctypes.c_int
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+    buffer = ctypes.create_string_buffer(8192)  # MPICH's maximum, the largest
+    length = ctypes.c_int(0)
+    if get(buffer, ctypes.byref(length)) != 0:
+        return None
+    return buffer.value.decode(errors="replace")
 
 
 def _first_line(text: str) -> str:

@@ -1,0 +1,548 @@
+/* mpi4jax_dist's MPIABI wrapper: the library jaxlib's MPItrampoline loads.
+ *
+ * jaxlib (0.6.0 to 0.10.2 at least) carries XLA's MPI collectives for CPU
+ * (jax_cpu_collectives_implementation="mpi"). They call MPI through MPItrampoline
+ * 5.3.1, linked into jaxlib: when jaxlib loads, MPItrampoline dlopens the library
+ * named by MPITRAMPOLINE_LIB and resolves every name of its ABI ("MPIABI" 2.9) in it
+ * with dlsym. This is that library, built by setup.py against the MPI mpi4py loads,
+ * once per MPI family (_mpiabi_mpich, _mpiabi_openmpi, _mpiabi_impi).
+ *
+ * The ABI, from MPItrampoline's public mpiabi.h: handles are uintptr_t; MPIABI_Status
+ * is a union big enough for any native MPI_Status, then MPI_SOURCE, MPI_TAG and
+ * MPI_ERROR; constants are variables MPIABI_<NAME> that MPItrampoline reads once.
+ * Here each constant holds the native value cast to its ABI type, so a handle
+ * translates by a cast both ways (MPICH's are ints, Open MPI's pointers), and the
+ * sentinels (MPI_STATUS_IGNORE, MPI_IN_PLACE, MPI_BOTTOM, ...) are the native
+ * pointers, passed through as they are.
+ *
+ * This file holds the functions implemented by hand: everything XLA calls (the
+ * functions tagged "xla" in mpiabi_names.txt; the build fails without one) and a few
+ * more that are cheap and useful. mpiabi_gen.py writes the rest, included below as
+ * mpiabi_generated.h: the constants and a stub for every other function, which
+ * says it is not implemented and aborts. A function here is exported when its
+ * definition starts a line with "MPIABI_API <type> MPIABI_<Name>(": that is how
+ * the generator knows it needs no stub.
+ *
+ * Where XLA's use of MPI clashes with a process where mpi4py owns MPI (the reason
+ * this is not a plain translation layer):
+ * - MPI_Init_thread when MPI is already initialized (mpi4py did it) succeeds and
+ *   reports the thread level MPI provides; the wrapper remembers whether it was the
+ *   one that initialized MPI.
+ * - MPI_Finalize finalizes only what the wrapper initialized, and only once: XLA's
+ *   exit handler calls it before XLA frees its cached communicators, and mpi4py
+ *   finalizes what it initialized at exit.
+ * - MPI_Comm_free after MPI is finalized succeeds quietly (MPICH would exit 1 and
+ *   Open MPI 14 at the end of every job).
+ * - MPI_Is_thread_main says yes on every thread when MPI provides
+ *   MPI_THREAD_MULTIPLE (see there).
+ */
+
+#define _GNU_SOURCE /* dladdr */
+
+#include <mpi.h>
+
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MPIABI_API __attribute__((visibility("default")))
+
+/* ---- The ABI's types (MPItrampoline's mpiabi.h, version 2.9) ---- */
+
+typedef intptr_t MPIABI_Aint;
+typedef int64_t MPIABI_Count;
+typedef int MPIABI_Fint;
+typedef int64_t MPIABI_Offset;
+
+typedef uintptr_t MPIABI_Comm;
+typedef uintptr_t MPIABI_Datatype;
+typedef uintptr_t MPIABI_Errhandler;
+typedef uintptr_t MPIABI_File;
+typedef uintptr_t MPIABI_Group;
+typedef uintptr_t MPIABI_Info;
+typedef uintptr_t MPIABI_Message;
+typedef uintptr_t MPIABI_Op;
+typedef uintptr_t MPIABI_Request;
+typedef uintptr_t MPIABI_Win;
+
+/* The native status first (Open MPI's is 4 ints and a size_t, MPICH's and Intel
+ * MPI's 5 ints), then the public fields: 10 Fortran integers in all on LP64. */
+typedef struct {
+  union {
+    struct {
+      int f0, f1, f2, f3;
+      size_t f4;
+    } openmpi;
+    struct {
+      int f0, f1, f2, f3, f4;
+    } mpich;
+  } mpi_status;
+  int MPI_SOURCE;
+  int MPI_TAG;
+  int MPI_ERROR;
+} MPIABI_Status;
+
+/* Callbacks: the ABI leaves their arguments unspecified. */
+typedef void MPIABI_Comm_copy_attr_function(void);
+typedef void MPIABI_Comm_delete_attr_function(void);
+typedef void MPIABI_Copy_function(void);
+typedef void MPIABI_Delete_function(void);
+typedef void MPIABI_Type_copy_attr_function(void);
+typedef void MPIABI_Type_delete_attr_function(void);
+typedef void MPIABI_Win_copy_attr_function(void);
+typedef void MPIABI_Win_delete_attr_function(void);
+typedef int MPIABI_Datarep_conversion_function(void *userbuf,
+                                               MPIABI_Datatype datatype,
+                                               int count, void *filebuf,
+                                               MPIABI_Offset position,
+                                               void *extra_state);
+
+_Static_assert(sizeof(MPIABI_Status) == 10 * sizeof(MPIABI_Fint),
+               "MPIABI_Status is 10 Fortran integers on LP64");
+_Static_assert(sizeof(MPI_Status) <= sizeof(((MPIABI_Status *)0)->mpi_status),
+               "the native MPI_Status must fit in MPIABI_Status's union");
+_Static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t) &&
+                   sizeof(MPI_Datatype) <= sizeof(uintptr_t) &&
+                   sizeof(MPI_Op) <= sizeof(uintptr_t) &&
+                   sizeof(MPI_Request) <= sizeof(uintptr_t),
+               "native handles must fit in uintptr_t");
+/* The ABI's buffer sizes, which callers allocate, must hold the native strings. */
+_Static_assert(MPI_MAX_ERROR_STRING <= 1024, "MPIABI_MAX_ERROR_STRING");
+_Static_assert(MPI_MAX_LIBRARY_VERSION_STRING <= 8192,
+               "MPIABI_MAX_LIBRARY_VERSION_STRING");
+_Static_assert(MPI_MAX_PROCESSOR_NAME <= 256, "MPIABI_MAX_PROCESSOR_NAME");
+
+/* Handles: the ABI value is the native one cast to uintptr_t. */
+#define COMM(h) ((MPI_Comm)(h))
+#define TYPE(h) ((MPI_Datatype)(h))
+#define OP(h) ((MPI_Op)(h))
+#define REQUEST(h) ((MPI_Request)(h))
+#define ABI(h) ((uintptr_t)(h))
+
+/* ---- What MPItrampoline checks first ---- */
+
+/* The ABI version this library provides: MPItrampoline wants major 2, minor >= 9. */
+MPIABI_API const int mpiabi_version_major = 2;
+MPIABI_API const int mpiabi_version_minor = 9;
+MPIABI_API const int mpiabi_version_patch = 0;
+
+/* This wrapper's own version (MPItrampoline only prints it, when verbose). */
+MPIABI_API const int mpiwrapper_version_major = 0;
+MPIABI_API const int mpiwrapper_version_minor = 1;
+MPIABI_API const int mpiwrapper_version_patch = 0;
+
+/* MPItrampoline calls this once; jaxlib's has no Fortran interface to feed. */
+MPIABI_API void mpiwrapper_export_fortran_constants_(void) {}
+
+static _Noreturn void mpiabi_not_implemented(const char *name);
+
+/* ---- Statuses ---- */
+
+/* Return the native status to hand MPI for the ABI status `abi`: MPI_STATUS_IGNORE
+ * as it is, else `native`, filled from `abi` so that the fields MPI leaves alone
+ * (MPI_ERROR, in single-completion calls) keep their values. */
+static MPI_Status *status_in(const MPIABI_Status *abi, MPI_Status *native) {
+  if (abi == (const MPIABI_Status *)MPI_STATUS_IGNORE)
+    return MPI_STATUS_IGNORE;
+  memcpy(native, &abi->mpi_status, sizeof *native);
+  native->MPI_SOURCE = abi->MPI_SOURCE;
+  native->MPI_TAG = abi->MPI_TAG;
+  native->MPI_ERROR = abi->MPI_ERROR;
+  return native;
+}
+
+/* Copy a native status back into the ABI status (nothing for an ignored one). */
+static void status_out(const MPI_Status *native, MPIABI_Status *abi) {
+  if (native == MPI_STATUS_IGNORE)
+    return;
+  memcpy(&abi->mpi_status, native, sizeof *native);
+  abi->MPI_SOURCE = native->MPI_SOURCE;
+  abi->MPI_TAG = native->MPI_TAG;
+  abi->MPI_ERROR = native->MPI_ERROR;
+}
+
+/* ---- Initialization and the environment ---- */
+
+/* Whether this wrapper initialized MPI (and so finalizes it); else someone else
+ * (mpi4py) did, and finalizes it. */
+static int wrapper_initialized = 0;
+
+/* XLA initializes with MPI_THREAD_FUNNELED and then calls MPI from its own worker
+ * threads; where the wrapper is the one to initialize MPI, it asks for
+ * MPI_THREAD_MULTIPLE, which is what mpi4py asks for by default too. */
+static int init(int *argc, char ***argv, int required, int *provided) {
+  int flag = 0;
+  int rc = MPI_Initialized(&flag);
+  if (rc != MPI_SUCCESS)
+    return rc;
+  if (flag) /* mpi4py (or anyone) did it already: report what MPI provides */
+    return provided ? MPI_Query_thread(provided) : MPI_SUCCESS;
+  int level = 0;
+  if (required < MPI_THREAD_MULTIPLE)
+    required = MPI_THREAD_MULTIPLE;
+  rc = MPI_Init_thread(argc, argv, required, &level);
+  if (rc == MPI_SUCCESS)
+    wrapper_initialized = 1;
+  if (provided)
+    *provided = level;
+  return rc;
+}
+
+MPIABI_API int MPIABI_Init_thread(int *argc, char ***argv, int required,
+                                  int *provided) {
+  return init(argc, argv, required, provided);
+}
+
+MPIABI_API int MPIABI_Init(int *argc, char ***argv) {
+  return init(argc, argv, MPI_THREAD_SINGLE, NULL);
+}
+
+MPIABI_API int MPIABI_Initialized(int *flag) { return MPI_Initialized(flag); }
+
+MPIABI_API int MPIABI_Finalized(int *flag) { return MPI_Finalized(flag); }
+
+/* Finalize only if the wrapper initialized MPI and it is not finalized yet.
+ * XLA's exit handler calls this while XLA still holds communicators (freed later,
+ * see MPIABI_Comm_free); where mpi4py initialized MPI, mpi4py finalizes it at
+ * exit. */
+MPIABI_API int MPIABI_Finalize(void) {
+  int finalized = 0;
+  int rc = MPI_Finalized(&finalized);
+  if (rc != MPI_SUCCESS)
+    return rc;
+  if (!wrapper_initialized || finalized)
+    return MPI_SUCCESS;
+  return MPI_Finalize();
+}
+
+MPIABI_API int MPIABI_Query_thread(int *provided) {
+  return MPI_Query_thread(provided);
+}
+
+/* XLA refuses to create communicators ("MPI: Communicator requested from a thread
+ * that is not the one MPI was initialized from", in jaxlib 0.10.2) unless
+ * MPI_Is_thread_main says yes, and it creates them lazily, on whichever thread
+ * first runs a collective: a Python thread, or one of XLA's. The check protects
+ * MPI_THREAD_FUNNELED and MPI_THREAD_SERIALIZED programs, where only the main
+ * thread may call MPI. Under MPI_THREAD_MULTIPLE (mpi4py's default, and what this
+ * wrapper asks for when it initializes MPI) every thread may call MPI, so every
+ * thread counts as the main one here; below that, the real answer. */
+MPIABI_API int MPIABI_Is_thread_main(int *flag) {
+  int provided = MPI_THREAD_SINGLE;
+  int rc = MPI_Query_thread(&provided);
+  if (rc != MPI_SUCCESS)
+    return rc;
+  if (provided == MPI_THREAD_MULTIPLE) {
+    *flag = 1;
+    return MPI_SUCCESS;
+  }
+  return MPI_Is_thread_main(flag);
+}
+
+MPIABI_API int MPIABI_Get_version(int *version, int *subversion) {
+  return MPI_Get_version(version, subversion);
+}
+
+MPIABI_API int MPIABI_Get_library_version(char *version, int *resultlen) {
+  return MPI_Get_library_version(version, resultlen);
+}
+
+MPIABI_API int MPIABI_Get_processor_name(char *name, int *resultlen) {
+  return MPI_Get_processor_name(name, resultlen);
+}
+
+MPIABI_API int MPIABI_Abort(MPIABI_Comm comm, int errorcode) {
+  return MPI_Abort(COMM(comm), errorcode);
+}
+
+MPIABI_API int MPIABI_Error_class(int errorcode, int *errorclass) {
+  return MPI_Error_class(errorcode, errorclass);
+}
+
+MPIABI_API int MPIABI_Error_string(int errorcode, char *string,
+                                   int *resultlen) {
+  return MPI_Error_string(errorcode, string, resultlen);
+}
+
+MPIABI_API double MPIABI_Wtime(void) { return MPI_Wtime(); }
+
+MPIABI_API double MPIABI_Wtick(void) { return MPI_Wtick(); }
+
+/* ---- Communicators ---- */
+
+MPIABI_API int MPIABI_Comm_rank(MPIABI_Comm comm, int *rank) {
+  return MPI_Comm_rank(COMM(comm), rank);
+}
+
+MPIABI_API int MPIABI_Comm_size(MPIABI_Comm comm, int *size) {
+  return MPI_Comm_size(COMM(comm), size);
+}
+
+MPIABI_API int MPIABI_Comm_compare(MPIABI_Comm comm1, MPIABI_Comm comm2,
+                                   int *result) {
+  return MPI_Comm_compare(COMM(comm1), COMM(comm2), result);
+}
+
+MPIABI_API int MPIABI_Comm_split(MPIABI_Comm comm, int color, int key,
+                                 MPIABI_Comm *newcomm) {
+  MPI_Comm native = MPI_COMM_NULL;
+  int rc = MPI_Comm_split(COMM(comm), color, key, &native);
+  *newcomm = ABI(native);
+  return rc;
+}
+
+MPIABI_API int MPIABI_Comm_dup(MPIABI_Comm comm, MPIABI_Comm *newcomm) {
+  MPI_Comm native = MPI_COMM_NULL;
+  int rc = MPI_Comm_dup(COMM(comm), &native);
+  *newcomm = ABI(native);
+  return rc;
+}
+
+/* XLA frees its cached communicators after its exit handler has called
+ * MPI_Finalize, and mpi4py may have finalized MPI before either: once MPI is
+ * finalized there is nothing left to free, so succeed quietly. */
+MPIABI_API int MPIABI_Comm_free(MPIABI_Comm *comm) {
+  int finalized = 0;
+  if (MPI_Finalized(&finalized) == MPI_SUCCESS && finalized) {
+    *comm = ABI(MPI_COMM_NULL);
+    return MPI_SUCCESS;
+  }
+  MPI_Comm native = COMM(*comm);
+  int rc = MPI_Comm_free(&native);
+  *comm = ABI(native);
+  return rc;
+}
+
+/* ---- Datatypes ---- */
+
+MPIABI_API int MPIABI_Type_size(MPIABI_Datatype datatype, int *size) {
+  return MPI_Type_size(TYPE(datatype), size);
+}
+
+MPIABI_API int MPIABI_Get_count(const MPIABI_Status *status,
+                                MPIABI_Datatype datatype, int *count) {
+  MPI_Status native;
+  return MPI_Get_count(status_in(status, &native),
+                       TYPE(datatype), count);
+}
+
+/* ---- Point to point ---- */
+
+MPIABI_API int MPIABI_Send(const void *buf, int count, MPIABI_Datatype datatype,
+                           int dest, int tag, MPIABI_Comm comm) {
+  return MPI_Send(buf, count, TYPE(datatype), dest, tag, COMM(comm));
+}
+
+MPIABI_API int MPIABI_Recv(void *buf, int count, MPIABI_Datatype datatype,
+                           int source, int tag, MPIABI_Comm comm,
+                           MPIABI_Status *status) {
+  MPI_Status native;
+  MPI_Status *s = status_in(status, &native);
+  int rc = MPI_Recv(buf, count, TYPE(datatype), source, tag, COMM(comm), s);
+  status_out(s, status);
+  return rc;
+}
+
+MPIABI_API int MPIABI_Isend(const void *buf, int count,
+                            MPIABI_Datatype datatype, int dest, int tag,
+                            MPIABI_Comm comm, MPIABI_Request *request) {
+  MPI_Request native = MPI_REQUEST_NULL;
+  int rc =
+      MPI_Isend(buf, count, TYPE(datatype), dest, tag, COMM(comm), &native);
+  *request = ABI(native);
+  return rc;
+}
+
+MPIABI_API int MPIABI_Irecv(void *buf, int count, MPIABI_Datatype datatype,
+                            int source, int tag, MPIABI_Comm comm,
+                            MPIABI_Request *request) {
+  MPI_Request native = MPI_REQUEST_NULL;
+  int rc =
+      MPI_Irecv(buf, count, TYPE(datatype), source, tag, COMM(comm), &native);
+  *request = ABI(native);
+  return rc;
+}
+
+MPIABI_API int MPIABI_Wait(MPIABI_Request *request, MPIABI_Status *status) {
+  MPI_Request native = REQUEST(*request);
+  MPI_Status native_status;
+  MPI_Status *s = status_in(status, &native_status);
+  int rc = MPI_Wait(&native, s);
+  *request = ABI(native);
+  status_out(s, status);
+  return rc;
+}
+
+/* Requests are 4 bytes in MPICH and 8 in the ABI, and statuses differ too: copy
+ * both arrays (on the stack up to this many). */
+#define WAITALL_STACK 16
+
+MPIABI_API int MPIABI_Waitall(int count, MPIABI_Request *array_of_requests,
+                              MPIABI_Status *array_of_statuses) {
+  const int n = count > 0 ? count : 0;
+  const int ignore =
+      array_of_statuses == (MPIABI_Status *)MPI_STATUSES_IGNORE;
+  MPI_Request request_stack[WAITALL_STACK];
+  MPI_Status status_stack[WAITALL_STACK];
+  MPI_Request *requests = request_stack;
+  MPI_Status *statuses = ignore ? MPI_STATUSES_IGNORE : status_stack;
+  if (n > WAITALL_STACK) {
+    requests = malloc(n * sizeof *requests);
+    if (!ignore)
+      statuses = malloc(n * sizeof *statuses);
+    if (!requests || !statuses) {
+      free(requests);
+      if (!ignore)
+        free(statuses);
+      return MPI_ERR_NO_MEM;
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    requests[i] = REQUEST(array_of_requests[i]);
+    if (!ignore)
+      status_in(&array_of_statuses[i], &statuses[i]);
+  }
+  int rc = MPI_Waitall(count, requests, statuses);
+  for (int i = 0; i < n; ++i) {
+    array_of_requests[i] = ABI(requests[i]);
+    if (!ignore)
+      status_out(&statuses[i], &array_of_statuses[i]);
+  }
+  if (n > WAITALL_STACK) {
+    free(requests);
+    if (!ignore)
+      free(statuses);
+  }
+  return rc;
+}
+
+MPIABI_API int MPIABI_Sendrecv(const void *sendbuf, int sendcount,
+                               MPIABI_Datatype sendtype, int dest, int sendtag,
+                               void *recvbuf, int recvcount,
+                               MPIABI_Datatype recvtype, int source,
+                               int recvtag, MPIABI_Comm comm,
+                               MPIABI_Status *status) {
+  MPI_Status native;
+  MPI_Status *s = status_in(status, &native);
+  int rc = MPI_Sendrecv(sendbuf, sendcount, TYPE(sendtype), dest, sendtag,
+                        recvbuf, recvcount, TYPE(recvtype), source, recvtag,
+                        COMM(comm), s);
+  status_out(s, status);
+  return rc;
+}
+
+/* ---- Collectives ---- */
+
+MPIABI_API int MPIABI_Barrier(MPIABI_Comm comm) {
+  return MPI_Barrier(COMM(comm));
+}
+
+MPIABI_API int MPIABI_Bcast(void *buffer, int count, MPIABI_Datatype datatype,
+                            int root, MPIABI_Comm comm) {
+  return MPI_Bcast(buffer, count, TYPE(datatype), root, COMM(comm));
+}
+
+MPIABI_API int MPIABI_Allreduce(const void *sendbuf, void *recvbuf, int count,
+                                MPIABI_Datatype datatype, MPIABI_Op op,
+                                MPIABI_Comm comm) {
+  return MPI_Allreduce(sendbuf, recvbuf, count, TYPE(datatype), OP(op),
+                       COMM(comm));
+}
+
+MPIABI_API int MPIABI_Reduce(const void *sendbuf, void *recvbuf, int count,
+                             MPIABI_Datatype datatype, MPIABI_Op op, int root,
+                             MPIABI_Comm comm) {
+  return MPI_Reduce(sendbuf, recvbuf, count, TYPE(datatype), OP(op), root,
+                    COMM(comm));
+}
+
+MPIABI_API int MPIABI_Allgather(const void *sendbuf, int sendcount,
+                                MPIABI_Datatype sendtype, void *recvbuf,
+                                int recvcount, MPIABI_Datatype recvtype,
+                                MPIABI_Comm comm) {
+  return MPI_Allgather(sendbuf, sendcount, TYPE(sendtype), recvbuf, recvcount,
+                       TYPE(recvtype), COMM(comm));
+}
+
+MPIABI_API int MPIABI_Alltoall(const void *sendbuf, int sendcount,
+                               MPIABI_Datatype sendtype, void *recvbuf,
+                               int recvcount, MPIABI_Datatype recvtype,
+                               MPIABI_Comm comm) {
+  return MPI_Alltoall(sendbuf, sendcount, TYPE(sendtype), recvbuf, recvcount,
+                      TYPE(recvtype), COMM(comm));
+}
+
+MPIABI_API int MPIABI_Reduce_scatter(const void *sendbuf, void *recvbuf,
+                                     const int *recvcounts,
+                                     MPIABI_Datatype datatype, MPIABI_Op op,
+                                     MPIABI_Comm comm) {
+  return MPI_Reduce_scatter(sendbuf, recvbuf, recvcounts, TYPE(datatype),
+                            OP(op), COMM(comm));
+}
+
+MPIABI_API int MPIABI_Reduce_scatter_block(const void *sendbuf, void *recvbuf,
+                                           int recvcount,
+                                           MPIABI_Datatype datatype,
+                                           MPIABI_Op op, MPIABI_Comm comm) {
+  return MPI_Reduce_scatter_block(sendbuf, recvbuf, recvcount, TYPE(datatype),
+                                  OP(op), COMM(comm));
+}
+
+/* ---- MPIX extensions ---- */
+
+/* Whether the native MPI can take device memory: its own MPIX_Query_<x>_support
+ * where the MPI library has one (MPICH and Intel MPI do, Open MPI's CUDA and ROCm
+ * builds too, not all in mpi.h), else 0. Looked up in the MPI library this
+ * wrapper links to, found from one of its functions. */
+static int query_support(const char *name) {
+  Dl_info info;
+  if (!dladdr((void *)MPI_Init, &info) || !info.dli_fname)
+    return 0;
+  void *mpi = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!mpi)
+    return 0;
+  int (*query)(void) = (int (*)(void))dlsym(mpi, name);
+  int answer = query ? query() : 0;
+  dlclose(mpi);
+  return answer;
+}
+
+MPIABI_API int MPIXABI_Query_cuda_support(void) {
+  return query_support("MPIX_Query_cuda_support");
+}
+
+MPIABI_API int MPIXABI_Query_hip_support(void) {
+  return query_support("MPIX_Query_hip_support");
+}
+
+MPIABI_API int MPIXABI_Query_ze_support(void) {
+  return query_support("MPIX_Query_ze_support");
+}
+
+/* ---- The constants and the stubs (mpiabi_gen.py) ---- */
+
+#include "mpiabi_generated.h"
+
+/* Runs when the library is loaded, before dlopen returns to MPItrampoline, which
+ * then reads the constants. Set at run time, not by initializers: some native
+ * values are addresses in the MPI library (Open MPI's handles, MPICH's
+ * MPI_UNWEIGHTED), which C does not let a static initializer cast to uintptr_t. */
+__attribute__((constructor)) static void mpiabi_load(void) {
+  mpiabi_set_constants();
+}
+
+static _Noreturn void mpiabi_not_implemented(const char *name) {
+  fprintf(stderr,
+          "mpi4jax_dist MPIABI wrapper: %s is not implemented (XLA calls only "
+          "%s; the wrapper implements those and a few more)\n",
+          name, MPIABI_XLA_CALLS);
+  fflush(stderr);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized)
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  abort();
+}
