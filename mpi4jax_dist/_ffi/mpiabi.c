@@ -495,8 +495,14 @@ MPIABI_API int MPIABI_Reduce_scatter_block(const void *sendbuf, void *recvbuf,
 /* Whether the native MPI can take device memory: its own MPIX_Query_<x>_support
  * where the MPI library has one (MPICH and Intel MPI do, Open MPI's CUDA and ROCm
  * builds too, not all in mpi.h), else 0. Looked up in the MPI library this
- * wrapper links to, found from one of its functions. */
+ * wrapper links to, found from one of its functions. 0 outside MPI_Init ...
+ * MPI_Finalize too, where MPICH's query exits the process. */
 static int query_support(const char *name) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    return 0;
   Dl_info info;
   if (!dladdr((void *)MPI_Init, &info) || !info.dli_fname)
     return 0;
