@@ -802,9 +802,11 @@ def main(argv=None) -> list[dict]:
     """
     args = parse_args(argv)
 
-    import jax
+    # mpi4jax_dist first: with MPI4JAX_DIST_CPU_COLLECTIVES=mpi it must reach jaxlib
+    # before jaxlib loads.
+    import mpi4jax_dist  # noqa: F401, I001  (registers the MPI cluster env)
 
-    import mpi4jax_dist  # noqa: F401  (registers the MPI cluster env)
+    import jax
 
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)

@@ -1055,6 +1055,7 @@ def main(argv=None) -> list[dict]:
     import jax
 
     import mpi4jax_dist
+    from mpi4jax_dist import _jax_compat
 
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
@@ -1066,7 +1067,8 @@ def main(argv=None) -> list[dict]:
         bench = Bench(args, comm, mpi4jax_dist.global_mesh())
         bench.say(
             f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
-            f"({jax.default_backend()}), float64, no preconditioner; "
+            f"({jax.default_backend()}, CPU collectives "
+            f"{_jax_compat.cpu_collectives()}), float64, no preconditioner; "
             f"replace_every {args.replace_every} (pipelined)",
             "# "
             + ", ".join(

@@ -11,11 +11,17 @@ the public API.
 
 from __future__ import annotations
 
-from . import _cluster, _jax_compat
-from ._allreduce import allreduce
-from ._api import initialize, topology
-from ._topology import Topology
-from .interop import global_mesh, to_global, to_local
+# Before anything imports jax: MPI4JAX_DIST_CPU_COLLECTIVES=mpi must reach jaxlib's
+# MPItrampoline as it loads.
+from . import _cpu_collectives
+
+_cpu_collectives.prepare()
+
+from . import _cluster, _jax_compat  # noqa: E402
+from ._allreduce import allreduce  # noqa: E402
+from ._api import initialize, topology  # noqa: E402
+from ._topology import Topology  # noqa: E402
+from .interop import global_mesh, to_global, to_local  # noqa: E402
 
 __all__ = [
     "Topology",

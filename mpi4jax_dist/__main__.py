@@ -2,6 +2,10 @@
 
 Rank 0 prints the report; the exit status is 1, with the reasons, when anything
 looks wrong.
+
+``python -m mpi4jax_dist env`` (no mpiexec) prints the shell lines that make JAX's
+CPU collectives run over MPI, for a job script: ``eval "$(python -m mpi4jax_dist
+env)"`` before the ``mpiexec`` line.
 """
 
 from __future__ import annotations
@@ -66,6 +70,14 @@ def _print_text(report: dict) -> None:
     else:
         print("on failure    JAX's own behaviour: the other ranks may wait")
     print(f"  SIGTERM: {failure['sigterm']}")
+    cpu = report["cpu_collectives"]
+    if cpu["jax"] == "mpi" and cpu["wrapper_loaded"]:
+        in_force = f"MPI, through {cpu['wrapper']}"
+    else:
+        in_force = (
+            f"{cpu['jax'] or 'gloo'} (MPI4JAX_DIST_CPU_COLLECTIVES=mpi: over MPI)"
+        )
+    print(f"CPU collectives {in_force}")
     for name, value in failure["settings"].items():
         if value is not None:
             print(f"  {name}={value}")
@@ -85,6 +97,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mpi4jax_dist", description=__doc__.splitlines()[0]
     )
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=["env"],
+        help="env: print the shell lines that make JAX's CPU collectives use MPI",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--check",
@@ -100,6 +118,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.procs is not None and args.procs < 1:
         parser.error(f"--procs {args.procs}: expected a process count of 1 or more")
+    if args.command == "env":
+        from ._cpu_collectives import env_lines
+
+        try:
+            print("\n".join(env_lines()))
+        except RuntimeError as err:
+            print(f"python -m mpi4jax_dist env: {err}", file=sys.stderr)
+            return 1
+        return 0
 
     from mpi4py import MPI
 

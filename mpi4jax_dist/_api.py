@@ -6,7 +6,7 @@ import sys
 
 import jax
 
-from . import _cluster, _jax_compat, _limits, _topology
+from . import _cluster, _cpu_collectives, _jax_compat, _limits, _topology
 
 
 def topology(comm=None) -> _topology.Topology:
@@ -27,7 +27,7 @@ def topology(comm=None) -> _topology.Topology:
     return _topology.topology(comm)
 
 
-def initialize(comm=None, **kwargs) -> _topology.Topology:
+def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topology:
     """Initialize JAX's distributed runtime from MPI; return the :class:`Topology`.
 
     Calls ``jax.distributed.initialize`` through the mpi4jax_dist cluster env, so
@@ -39,6 +39,10 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
         comm: the communicator whose ranks form one JAX world (default
             ``MPI.COMM_WORLD``). A sub-communicator gives each group of ranks its
             own JAX world, e.g. ensembles of independent jobs in one MPI launch.
+        cpu_collectives: ``"mpi"`` runs JAX's cross-process collectives on CPU
+            (``psum`` and friends) over MPI, ``"gloo"`` over TCP (JAX's default);
+            None takes ``MPI4JAX_DIST_CPU_COLLECTIVES``. MPI needs the wrapper
+            library loaded when jax was imported (see ``_cpu_collectives``).
         **kwargs: passed to ``jax.distributed.initialize`` (``coordinator_address``,
             ``local_device_ids``, ``initialization_timeout``, ...); what is given
             there wins over what MPI says. ``initialization_timeout`` and
@@ -48,12 +52,14 @@ def initialize(comm=None, **kwargs) -> _topology.Topology:
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
         RuntimeError: JAX's process index or count differs from the communicator's
-            rank or size (JAX was initialized another way, or with other arguments).
+            rank or size (JAX was initialized another way, or with other
+            arguments); or MPI collectives were asked for and cannot work.
     """
     check_comm(comm, "initialize")
     initialized, _, _ = _jax_compat.distributed_state()
     _topology.use_communicator(comm)
     if not initialized:
+        _cpu_collectives.settle(cpu_collectives)
         with _cluster.explicitly_requested():
             jax.distributed.initialize(**jax_arguments(_size(comm), kwargs))
     topo = _topology.topology(comm)

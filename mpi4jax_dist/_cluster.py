@@ -11,6 +11,7 @@ import time
 
 from . import (
     _config,
+    _cpu_collectives,
     _devices,
     _failfast,
     _jax_compat,
@@ -83,6 +84,7 @@ def _bootstrapped(**settings) -> _topology.Topology:
     """Return the topology (bootstrapping on first call) for the JAX world being
     initialized, in which a failing rank now ends the job (``_failfast``)."""
     topo = _topology.topology(**settings)
+    _cpu_collectives.settle()
     _failfast.install(topo.rank, topo.size)
     _silence_false_proxy_alarm(topo)
     return topo

@@ -17,6 +17,10 @@ from collections.abc import Mapping
 
 DISABLE = "MPI4JAX_DIST_DISABLE"
 ONE_PROCESS = "MPI4JAX_DIST_ONE_PROCESS"
+CPU_COLLECTIVES = "MPI4JAX_DIST_CPU_COLLECTIVES"
+# Read by jaxlib's MPItrampoline when jaxlib loads, and by JAX's config.
+TRAMPOLINE_LIB = "MPITRAMPOLINE_LIB"
+JAX_CPU_COLLECTIVES = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 FAIL_FAST = "MPI4JAX_DIST_FAIL_FAST"
 # JAX's own variable for its preemption service (which catches SIGTERM): set to a
 # true value, it tells us the user wants JAX's preemption handling.
@@ -82,6 +86,22 @@ def one_process(env: Mapping[str, str] | None = None) -> bool:
     ``MPI4JAX_DIST_DISABLE``) turns off the one-process world a plain ``python
     script.py`` gets from ``jax.distributed.initialize()``."""
     return not disabled(env) and get_bool(ONE_PROCESS, True, env)
+
+
+def cpu_collectives(env: Mapping[str, str] | None = None) -> str | None:
+    """Return ``"mpi"`` or ``"gloo"`` from ``MPI4JAX_DIST_CPU_COLLECTIVES``, or None
+    (unset: JAX's own choice, gloo under ``jax.distributed``)."""
+    env = environ() if env is None else env
+    value = env.get(CPU_COLLECTIVES, "").strip().lower()
+    if value in ("", "default"):
+        return None
+    if value not in ("mpi", "gloo"):
+        raise ValueError(
+            f"{CPU_COLLECTIVES}={env.get(CPU_COLLECTIVES)!r}: expected mpi (JAX's "
+            f"cross-process collectives on CPU over MPI) or gloo (over TCP, JAX's "
+            f"default); unset it for JAX's default."
+        )
+    return value
 
 
 def fail_fast(env: Mapping[str, str] | None = None) -> bool:

@@ -7,7 +7,7 @@ import importlib.metadata
 import shutil
 import subprocess
 
-from . import _config, _failfast, _launch, _limits
+from . import _config, _cpu_collectives, _failfast, _launch, _limits
 from ._mpi import mpi_library, thread_level_name
 
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
@@ -134,6 +134,7 @@ def diagnose(check: bool = False, procs: int | None = None) -> dict:
         report["check"] = _check(topo, problems)
     # After the check, which initializes JAX and with it the hooks.
     report["on_failure"] = _failfast.report()
+    report["cpu_collectives"] = _cpu_collectives.report()
     all_problems = comm.allgather(problems)
     report["problems"] = [
         f"rank {r}: {p}" for r, ps in enumerate(all_problems) for p in ps

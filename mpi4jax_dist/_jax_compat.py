@@ -191,6 +191,28 @@ def cpu_collectives() -> str | None:
     return value
 
 
+def cpu_devices_per_process() -> int:
+    """Return the CPU devices each process will have: ``jax_num_cpu_devices``, else
+    XLA_FLAGS' ``--xla_force_host_platform_device_count``, else 1."""
+    configured = jax.config.jax_num_cpu_devices
+    if configured is not None and configured > 0:
+        return configured
+    import os
+
+    found = re.findall(
+        r"--xla_force_host_platform_device_count[= ](\d+)",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+    return int(found[-1]) if found else 1
+
+
+def backends_initialized() -> bool:
+    """Return True once JAX has made its backends (jax.devices() and the like)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
 def enable_x64(new_val: bool = True):
     """Return the context manager that turns 64-bit types on (or off) inside it."""
     if since("jax.enable_x64"):

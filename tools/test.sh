@@ -36,7 +36,8 @@ done
 if [ -x "$ompi/bin/mpiexec" ]; then
     run env PATH="$ompi/bin:$PATH" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
-        tests/test_launch.py tests/test_robustness.py tests/test_failfast.py
+        tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
+        tests/test_cpu_collectives.py
     # The in-place allreduce built against Open MPI, whose MPI 3.1 has no
     # MPI_Allreduce_c: counts above INT_MAX go in chunks there. (Open MPI refuses
     # root without the two variables; elsewhere they change nothing.)
@@ -59,7 +60,7 @@ if [ -x "$impi/bin/mpiexec" ]; then
     fi
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
         -p no:cacheprovider tests/test_launch.py tests/test_robustness.py \
-        tests/test_failfast.py tests/test_one_process.py
+        tests/test_failfast.py tests/test_one_process.py tests/test_cpu_collectives.py
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
         "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
         tests/test_inplace_allreduce.py

@@ -10,8 +10,14 @@ Usage::
 ``jax_cpu_collectives_implementation`` (``--impl``, default ``mpi``), then
 ``jax.distributed.initialize()``. Over ``mpi4jax_dist.global_mesh()`` with
 ``shard_map``: psum, pmax, all_gather, psum_scatter, ppermute (a ring shift) and
-all_to_all, each checked against NumPy. Each rank prints one ``RESULT {json}`` line
-and exits 0 when every check passed, 1 otherwise.
+all_to_all, each checked against NumPy; then psum, ``mpi4jax.allreduce`` and
+``mpi4jax_dist.allreduce`` interleaved, each feeding the next, three rounds
+(``interleaved``). They cannot share one jitted program: JAX refuses mpi4jax's
+ordered effect in a program over more than one device ("ordered effects are not
+supported for more than 1 device"), and psum needs the mesh's devices; so the psum
+runs in its jitted shard_map and the allreduces in a jitted function of this
+process's block, alternating. Each rank prints one ``RESULT {json}`` line and exits 0
+when every check passed, 1 otherwise.
 
 Right after initialize, one tiny psum runs from the main thread (``--warmup
 main``, the default), from a new Python thread (``thread``) or not at all
@@ -136,6 +142,41 @@ for name, (f, expected) in ops.items():
     except Exception as err:  # reported per op; the exit status says it failed
         results[name] = False
         errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+
+
+def interleaved(rounds: int = 3):
+    """psum (XLA over MPI), then mpi4jax's and our allreduce (jitted on this
+    process's block), each feeding the next, ``rounds`` times; checked against
+    NumPy after every step."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    psum = shard_map(lambda b: jax.lax.psum(b, axis))
+    allreduces = jax.jit(
+        lambda v: mpi4jax_dist.allreduce(mpi4jax.allreduce(v, op=MPI.SUM) + 1.0)
+    )
+    value, expected = x, blocks[rank]
+    for step in range(rounds):
+        summed = local(psum(value))
+        expected = sum(blocks) if step == 0 else size * expected
+        if not np.array_equal(summed, expected):
+            return f"psum of round {step}: got {summed.tolist()}"
+        mine = np.asarray(allreduces(summed * (1.0 / size)))
+        expected = size * (expected + 1.0)
+        if not np.array_equal(mine, expected):
+            return f"allreduces of round {step}: got {mine.tolist()}"
+        value = mpi4jax_dist.to_global(mine / size, mesh)
+        expected = expected / size
+    return None
+
+
+try:
+    problem = interleaved()
+except Exception as err:
+    problem = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+results["interleaved"] = problem is None
+if problem:
+    errors["interleaved"] = problem
 
 
 def bench(nbytes: int) -> float:

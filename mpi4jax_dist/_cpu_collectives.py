@@ -1,0 +1,185 @@
+"""JAX's own cross-process collectives on CPU over MPI, behind one switch.
+
+jaxlib carries XLA's MPI collectives (``jax_cpu_collectives_implementation="mpi"``).
+They call MPI through MPItrampoline, linked into jaxlib: when jaxlib loads, it
+dlopens the library named by ``MPITRAMPOLINE_LIB`` and resolves every name of its
+ABI there. This package builds that library against mpi4py's MPI
+(``_ffi/_mpiabi_<family>``); ``MPI4JAX_DIST_CPU_COLLECTIVES=mpi`` puts it to use:
+
+1. :func:`prepare` runs first thing in ``import mpi4jax_dist``, before JAX is
+   imported: it sets ``MPITRAMPOLINE_LIB`` to our library (unless set already) and
+   ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``. That works when the script imports
+   mpi4jax_dist before jax; otherwise the job script sets both before Python starts:
+   ``eval "$(python -m mpi4jax_dist env)"`` (:func:`env_lines`).
+2. :func:`check` runs when JAX initializes through the package, before its CPU
+   backend exists. It refuses, with what to do, where MPI collectives cannot work:
+   the wrapper was not loaded by jaxlib (set too late, or not built), more than one
+   CPU device per process (XLA's MPI collectives take one), or a backend already
+   made. It refuses rather than falling back to gloo: the user asked for MPI, and a
+   silent fall-back is a 5-100x slower job that looks like a working one.
+
+Off by default. ``gloo`` names JAX's default explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from . import _config, _ffi
+
+# The modules whose import loads libjax_common (and with it MPItrampoline): before
+# and since jax 0.6.1. Not in _jax_compat, which imports jax: this runs before it.
+_JAXLIB_NATIVE = ("jaxlib._jax", "jaxlib.xla_extension")
+
+
+def jaxlib_loaded() -> bool:
+    """Return True once jaxlib's native library is loaded in this process."""
+    return any(name in sys.modules for name in _JAXLIB_NATIVE)
+
+
+def wrapper_loaded(library: str | None) -> bool:
+    """Return True when this process has ``library`` mapped (MPItrampoline opened
+    it when jaxlib loaded)."""
+    if not library:
+        return False
+    try:
+        wanted = os.path.realpath(library)
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith(wanted) for line in maps)
+    except OSError:  # no /proc: trust the variable
+        return True
+
+
+def prepare() -> None:
+    """Point MPItrampoline at our wrapper and JAX at MPI, if asked and not too late.
+
+    Called before ``import jax``; never raises (:func:`check` says what is wrong).
+    """
+    try:
+        choice = _config.cpu_collectives()
+    except ValueError:
+        return
+    if choice != "mpi" or jaxlib_loaded():
+        return
+    env = os.environ
+    if not env.get(_config.TRAMPOLINE_LIB):
+        library = _ffi.mpiabi_library()
+        if library is None:
+            return
+        env[_config.TRAMPOLINE_LIB] = str(library)
+    env.setdefault(_config.JAX_CPU_COLLECTIVES, "mpi")
+
+
+def env_lines() -> list[str]:
+    """Return the shell lines a job script evaluates before Python starts.
+
+    Raises:
+        RuntimeError: the wrapper library was not built.
+    """
+    library = _ffi.mpiabi_library()
+    if library is None:
+        raise RuntimeError(_not_built())
+    return [
+        f"export {_config.CPU_COLLECTIVES}=mpi",
+        f"export {_config.TRAMPOLINE_LIB}={library}",
+        f"export {_config.JAX_CPU_COLLECTIVES}=mpi",
+    ]
+
+
+def check(choice: str | None = None) -> str | None:
+    """Make JAX's CPU collectives what ``choice`` (default: the variable) asks, or
+    raise saying why they cannot be; return the choice.
+
+    Called where JAX initializes through this package, before the CPU backend.
+
+    Raises:
+        ValueError: ``MPI4JAX_DIST_CPU_COLLECTIVES`` (or ``choice``) is not mpi/gloo.
+        RuntimeError: MPI was asked for and cannot work (see the module docstring).
+    """
+    if choice is None:
+        choice = _config.cpu_collectives()
+    elif choice not in ("mpi", "gloo"):
+        raise ValueError(
+            f"cpu_collectives={choice!r}: expected 'mpi' or 'gloo' (or None for "
+            f"{_config.CPU_COLLECTIVES}, else JAX's default)."
+        )
+    if choice is None:
+        return None
+    import jax
+
+    from . import _jax_compat
+
+    if choice == "mpi":
+        library = os.environ.get(_config.TRAMPOLINE_LIB)
+        if not library and _ffi.mpiabi_library() is None:
+            raise RuntimeError(_not_built())
+        if not wrapper_loaded(library):
+            raise RuntimeError(
+                f"{_config.CPU_COLLECTIVES}=mpi, but jaxlib was loaded without our "
+                f"MPI wrapper ({_config.TRAMPOLINE_LIB}="
+                f"{library or '(unset)'}): it must be set before jax is imported. "
+                f"Import mpi4jax_dist before jax, or put "
+                f'`eval "$(python -m mpi4jax_dist env)"` in the job script before '
+                f"the mpiexec line."
+            )
+        devices = _jax_compat.cpu_devices_per_process()
+        if devices > 1:
+            raise RuntimeError(
+                f"{_config.CPU_COLLECTIVES}=mpi takes one CPU device per process "
+                f"(XLA's MPI collectives), but this process is set for {devices} "
+                f"(jax_num_cpu_devices or XLA_FLAGS' "
+                f"--xla_force_host_platform_device_count). Use one device per MPI "
+                f"rank, or {_config.CPU_COLLECTIVES}=gloo."
+            )
+    if _jax_compat.backends_initialized():
+        current = _jax_compat.cpu_collectives()
+        if current != choice:
+            raise RuntimeError(
+                f"{_config.CPU_COLLECTIVES}={choice}, but JAX's CPU backend already "
+                f"exists with {current or 'its default'} collectives: initialize "
+                f"(jax.distributed.initialize or mpi4jax_dist.initialize) before "
+                f"anything touches jax.devices()."
+            )
+    jax.config.update("jax_cpu_collectives_implementation", choice)
+    return choice
+
+
+_settled: list[str | None] = []  # the choice, once check() has run in this process
+
+
+def settle(choice: str | None = None) -> str | None:
+    """:func:`check` once per process: the first caller's ``choice`` holds (an
+    explicit ``mpi4jax_dist.initialize(cpu_collectives=...)`` comes first)."""
+    if not _settled:
+        _settled.append(check(choice))
+    return _settled[0]
+
+
+def report() -> dict:
+    """What the diagnostics print: the switch, JAX's setting and the wrapper."""
+    from . import _jax_compat
+
+    try:
+        requested = _config.cpu_collectives()
+    except ValueError as err:
+        requested = f"invalid: {err}"
+    library = os.environ.get(_config.TRAMPOLINE_LIB)
+    return {
+        "requested": requested,
+        "jax": _jax_compat.cpu_collectives(),
+        "wrapper": library,
+        "wrapper_loaded": wrapper_loaded(library) if library else False,
+        "wrapper_built": str(_ffi.mpiabi_library() or "") or None,
+    }
+
+
+def _not_built() -> str:
+    return (
+        f"{_config.CPU_COLLECTIVES}=mpi needs mpi4jax_dist's MPI wrapper library "
+        f"(_ffi/_mpiabi_<family>), which is not built in "
+        f"{Path(_ffi.__file__).parent}. Rebuild mpi4jax_dist with this MPI's mpicc "
+        f"first on PATH: pip install --no-build-isolation --force-reinstall "
+        f"--no-deps <path to mpi4jax_dist>."
+    )

@@ -1,0 +1,121 @@
+"""JAX's own CPU collectives over MPI (``MPI4JAX_DIST_CPU_COLLECTIVES=mpi``).
+
+Real jobs: the switch's collectives against NumPy at 2 and 4 ranks, interleaved with
+mpi4jax in one jitted function; and each refusal, which must say what to do. They
+start their own mpiexec (the one beside this Python: MPICH's in .venv, Open MPI's in
+tools/test.sh's Open MPI stage), so they run in the serial session.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import util
+from util import skip_in_mpi_job
+
+from mpi4jax_dist import _config, _ffi
+
+TIMEOUT = 180
+SWITCH = {_config.CPU_COLLECTIVES: "mpi"}
+OPS = ("psum", "pmax", "all_gather", "psum_scatter", "ppermute", "all_to_all")
+OPS += ("interleaved",)
+
+
+def needs_wrapper():
+    if _ffi.mpiabi_library() is None:
+        pytest.skip("the MPI wrapper library is not built (tools/setup.sh builds it)")
+
+
+def results(proc, n: int) -> list[dict]:
+    shown = f"\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, shown
+    # Split on the marker, not on lines: a launcher's output forwarding can put two
+    # ranks' lines on one (seen under Intel MPI's Hydra).
+    found = [
+        json.loads(chunk.splitlines()[0]) for chunk in proc.stdout.split("RESULT ")[1:]
+    ]
+    assert len(found) == n, f"expected {n} RESULT lines{shown}"
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def test_switch_values():
+    assert _config.cpu_collectives({}) is None
+    assert _config.cpu_collectives({_config.CPU_COLLECTIVES: " MPI "}) == "mpi"
+    assert _config.cpu_collectives({_config.CPU_COLLECTIVES: "gloo"}) == "gloo"
+    with pytest.raises(ValueError, match="MPI4JAX_DIST_CPU_COLLECTIVES='nccl'"):
+        _config.cpu_collectives({_config.CPU_COLLECTIVES: "nccl"})
+
+
+@skip_in_mpi_job
+def test_env_lines_for_job_scripts():
+    needs_wrapper()
+    cmd = [sys.executable, "-m", "mpi4jax_dist", "env"]
+    proc = util.run_command(cmd, env=util.clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(
+        line.removeprefix("export ").split("=", 1) for line in proc.stdout.splitlines()
+    )
+    assert lines[_config.CPU_COLLECTIVES] == "mpi"
+    assert lines[_config.JAX_CPU_COLLECTIVES] == "mpi"
+    assert lines[_config.TRAMPOLINE_LIB] == str(_ffi.mpiabi_library())
+
+
+@skip_in_mpi_job
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_over_mpi_against_numpy(n):
+    """psum, pmax, all_gather, psum_scatter, ppermute, all_to_all over MPI, and
+    mpi4jax's allreduce between them in one jitted function; the job exits 0."""
+    needs_wrapper()
+    proc = util.run_mpi(
+        "mpi_collectives.py", n, env=util.clean_env(**SWITCH), timeout=TIMEOUT
+    )
+    for r in results(proc, n):
+        assert r["impl"] == "mpi" and r["wrapper_loaded"] is True, r
+        assert r["errors"] == {} and r["ok"], r["errors"]
+        assert sorted(r["ops"]) == sorted(OPS), r["ops"]
+
+
+@skip_in_mpi_job
+def test_too_late_says_what_to_do():
+    """jax imported before mpi4jax_dist: jaxlib loaded without the wrapper."""
+    needs_wrapper()
+    code = (
+        "import jax, mpi4jax_dist\n"
+        "try:\n"
+        "    jax.distributed.initialize()\n"
+        "except RuntimeError as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    proc = util.run_mpi(["-c", code], 2, env=util.clean_env(**SWITCH), timeout=90)
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2, proc.stdout + proc.stderr
+    assert "Import mpi4jax_dist before jax" in refused[0]
+    assert 'eval "$(python -m mpi4jax_dist env)"' in refused[0]
+
+
+@skip_in_mpi_job
+def test_more_than_one_device_says_what_to_do():
+    needs_wrapper()
+    code = (
+        "import mpi4jax_dist, jax\n"
+        "try:\n"
+        "    mpi4jax_dist.initialize()\n"
+        "except RuntimeError as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    env = util.clean_env(JAX_NUM_CPU_DEVICES=2, **SWITCH)
+    proc = util.run_mpi(["-c", code], 2, env=env, timeout=90)
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2, proc.stdout + proc.stderr
+    assert "one CPU device per process" in refused[0]
+    assert "takes one CPU device per process" in refused[0]
+
+
+def test_not_built_says_what_to_do(monkeypatch):
+    from mpi4jax_dist import _cpu_collectives
+
+    monkeypatch.setattr(_ffi, "mpiabi_library", lambda: None)
+    with pytest.raises(RuntimeError, match="needs mpi4jax_dist's MPI wrapper"):
+        _cpu_collectives.env_lines()
