@@ -119,3 +119,18 @@ def test_not_built_says_what_to_do(monkeypatch):
     monkeypatch.setattr(_ffi, "mpiabi_library", lambda: None)
     with pytest.raises(RuntimeError, match="needs mpi4jax_dist's MPI wrapper"):
         _cpu_collectives.env_lines()
+
+
+@skip_in_mpi_job
+def test_benchmark_says_which_collectives_ran():
+    """benchmarks/allreduce.py under the switch: its psum and gspmd rows run over
+    MPI, and its header and JSON say so."""
+    needs_wrapper()
+    out = util.ROOT / "benchmarks" / "allreduce.py"
+    args = ["--sizes", "4", "--impls", "psum,gspmd", "--samples", "2"]
+    proc = util.run_mpi(
+        [str(out), *args], 2, env=util.clean_env(**SWITCH), timeout=TIMEOUT
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = proc.stdout.splitlines()[0]
+    assert "CPU collectives mpi" in header, header
