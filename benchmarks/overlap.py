@@ -42,6 +42,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--variants", default=None, help="mpi4jax_dist.cg variants (default all)"
     )
+    parser.add_argument(
+        "--mode",
+        default="rank1,noise",
+        help="comma-separated: rank1 (rank 1 every iteration), noise (every rank, "
+        "half the iterations, independently)",
+    )
     parser.add_argument("--iters", type=int, default=100, help="CG iterations")
     parser.add_argument("--samples", type=int, default=5, help="timed solves each")
     parser.add_argument(
@@ -51,6 +57,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.delays = [float(d) for d in args.delays.split(",") if d]
     args.grids = [int(n) for n in args.grids.split(",") if n]
+    args.mode = [m for m in args.mode.split(",") if m]
+    for mode in args.mode:
+        if mode not in ("rank1", "noise"):
+            parser.error(f"--mode {mode}: expected rank1 or noise")
     return args
 
 
@@ -92,11 +102,25 @@ def trips_per_us(samples: int = 5) -> float:
     return trips / (float(np.median(times)) * 1e6)
 
 
-def delayed(matvec, trips: int):
-    """``matvec`` whose input first waits for a spin of ``trips`` (0: none)."""
+def delayed(matvec, trips: int, noise: bool = False):
+    """``matvec`` whose input first waits for a spin of ``trips`` (0: none).
+
+    ``noise``: only in the iterations where the lowest mantissa bit of the input's
+    first element is set, which the iterates make about every other iteration,
+    independently on each rank.
+    """
     if trips <= 0:
         return matvec
-    return lambda v: matvec(spin(v, trips))
+    if not noise:
+        return lambda v: matvec(spin(v, trips))
+    import jax.numpy as jnp
+    from jax import lax
+
+    def noisy(v):
+        bits = lax.bitcast_convert_type(v.reshape(-1)[0], jnp.int64)
+        return matvec(spin(v, (bits & 1).astype(jnp.int32) * trips))
+
+    return noisy
 
 
 def main(argv=None):
@@ -122,8 +146,9 @@ def main(argv=None):
         f"# CG iteration time under an injected delay, {comm.size} ranks, "
         f"{meta['mpi_library']}, jax {meta['versions']['jax']}; mpi4jax backend, "
         f"float64, {args.iters} iterations per solve",
-        f"# delay: rank 1 spins d us once per iteration before its matvec "
-        f"({rate:.0f} spin trips per us); t/iter: slowest rank, median of "
+        f"# delay: a rank spins d us before its matvec ({rate:.0f} spin trips per "
+        f"us): rank1, rank 1 every iteration; noise, every rank in about half the "
+        f"iterations, independently; t/iter: slowest rank, median of "
         f"{args.samples} solves",
     )
     rows = []
@@ -132,14 +157,16 @@ def main(argv=None):
         b = jnp.asarray(prob.b)
         _harness.say(
             comm,
-            "#   n  delay_us  " + "  ".join(f"{v:>14}" for v in variants),
+            "# mode     n  delay_us  " + "  ".join(f"{v:>14}" for v in variants),
         )
-        for delay in args.delays:
-            trips = int(round(delay * rate)) if comm.rank == 1 else 0
+        for mode, delay in [(m, d) for m in args.mode for d in args.delays]:
+            trips = int(round(delay * rate))
+            if mode == "rank1" and comm.rank != 1:
+                trips = 0
             solves = []
             for variant in variants:
                 solver = cg.make_solver(
-                    delayed(prob.mpi4jax_matvec(), trips),
+                    delayed(prob.mpi4jax_matvec(), trips, noise=mode == "noise"),
                     backend="mpi4jax",
                     variant=variant,
                     comm=comm,
@@ -151,6 +178,7 @@ def main(argv=None):
             per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
             rows.append(
                 {
+                    "mode": mode,
                     "n": n,
                     "delay_us": delay,
                     **dict(zip(variants, per_iter, strict=True)),
@@ -158,7 +186,8 @@ def main(argv=None):
             )
             _harness.say(
                 comm,
-                f"{n:5d}  {delay:8g}  " + "  ".join(f"{t:14.1f}" for t in per_iter),
+                f"  {mode:6s}{n:5d}  {delay:8g}  "
+                + "  ".join(f"{t:14.1f}" for t in per_iter),
             )
     _harness.save(args, meta, rows, comm=comm)
     return rows
