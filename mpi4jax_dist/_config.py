@@ -104,6 +104,12 @@ def cpu_collectives(env: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
+def trampoline_lib(env: Mapping[str, str] | None = None) -> str | None:
+    """Return the library ``MPITRAMPOLINE_LIB`` names for jaxlib's MPItrampoline."""
+    env = environ() if env is None else env
+    return env.get(TRAMPOLINE_LIB) or None
+
+
 def fail_fast(env: Mapping[str, str] | None = None) -> bool:
     """Return True unless ``MPI4JAX_DIST_FAIL_FAST=0`` turns off what makes a
     failing rank end the job (see ``_failfast``)."""

@@ -63,8 +63,8 @@ def prepare() -> None:
         return
     if choice != "mpi" or jaxlib_loaded():
         return
-    env = os.environ
-    if not env.get(_config.TRAMPOLINE_LIB):
+    env = _config.environ()
+    if not _config.trampoline_lib():
         library = _ffi.mpiabi_library()
         if library is None:
             return
@@ -112,7 +112,7 @@ def check(choice: str | None = None) -> str | None:
     from . import _jax_compat
 
     if choice == "mpi":
-        library = os.environ.get(_config.TRAMPOLINE_LIB)
+        library = _config.trampoline_lib()
         if not library and _ffi.mpiabi_library() is None:
             raise RuntimeError(_not_built())
         if not wrapper_loaded(library):
@@ -165,7 +165,7 @@ def report() -> dict:
         requested = _config.cpu_collectives()
     except ValueError as err:
         requested = f"invalid: {err}"
-    library = os.environ.get(_config.TRAMPOLINE_LIB)
+    library = _config.trampoline_lib()
     return {
         "requested": requested,
         "jax": _jax_compat.cpu_collectives(),
