@@ -55,9 +55,12 @@ OPS_BY_DTYPE = {
 }
 
 
-def check_supported(dtype, op_name: str | None = None) -> None:
+def check_supported(
+    dtype, op_name: str | None = None, who: str = "mpi4jax_dist.allreduce"
+) -> None:
     """Raise ``TypeError`` unless MPI can reduce ``dtype`` with ``MPI.<op_name>``
-    (with some op, when ``op_name`` is None).
+    (with some op, when ``op_name`` is None); ``who`` is the function the message
+    names.
 
     Pure: touches neither MPI nor JAX, so a refused call makes no MPI call.
 
@@ -68,7 +71,7 @@ def check_supported(dtype, op_name: str | None = None) -> None:
     if name not in OPS_BY_DTYPE:
         supported = ", ".join(OPS_BY_DTYPE)
         raise TypeError(
-            f"mpi4jax_dist.allreduce cannot reduce {name} arrays: MPI has no "
+            f"{who} cannot reduce {name} arrays: MPI has no "
             f"standard {name} type. Supported dtypes: {supported} (bool with "
             f"MPI.LAND, MPI.LOR and MPI.LXOR only). Cast first, for example "
             f"x.astype(jnp.float32)."
@@ -77,14 +80,15 @@ def check_supported(dtype, op_name: str | None = None) -> None:
     if op_name is not None and op_name not in allowed:
         hint = " (or cast to an integer type)" if name == "bool" else ""
         raise TypeError(
-            f"mpi4jax_dist.allreduce cannot reduce {name} with MPI.{op_name}: "
+            f"{who} cannot reduce {name} with MPI.{op_name}: "
             f"MPI reduces {name} with "
             f"{', '.join('MPI.' + o for o in allowed)} only{hint}."
         )
 
 
-def op_name(op) -> str:
-    """Return ``"SUM"`` for ``MPI.SUM`` (and for None), and so on for each op.
+def op_name(op, who: str = "mpi4jax_dist.allreduce") -> str:
+    """Return ``"SUM"`` for ``MPI.SUM`` (and for None), and so on for each op;
+    ``who`` is the function an error names.
 
     Raises:
         TypeError: ``op`` is not one of MPI's predefined reduction ops.
@@ -99,19 +103,20 @@ def op_name(op) -> str:
                 return name
     names = ", ".join(f"MPI.{o}" for o in OPS)
     raise TypeError(
-        f"mpi4jax_dist.allreduce: op must be one of {names}; got {op!r}. "
+        f"{who}: op must be one of {names}; got {op!r}. "
         f"User-defined ops and MPI.MAXLOC/MINLOC/REPLACE/NO_OP are not supported."
     )
 
 
 @functools.cache
-def _check_mpi() -> None:
-    """Raise unless MPI is up with ``MPI_THREAD_MULTIPLE`` (checked once)."""
+def _check_mpi(who: str = "mpi4jax_dist.allreduce") -> None:
+    """Raise unless MPI is up with ``MPI_THREAD_MULTIPLE`` (checked once per
+    ``who``, the function the message names)."""
     from mpi4py import MPI
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         raise RuntimeError(
-            "mpi4jax_dist.allreduce needs MPI initialized (and not finalized): "
+            f"{who} needs MPI initialized (and not finalized): "
             "import mpi4py.MPI with mpi4py.rc.initialize left True, or call "
             "MPI.Init_thread(MPI.THREAD_MULTIPLE) first."
         )
@@ -123,7 +128,7 @@ def _check_mpi() -> None:
             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
         }
         raise RuntimeError(
-            f"mpi4jax_dist.allreduce needs MPI_THREAD_MULTIPLE, but MPI was "
+            f"{who} needs MPI_THREAD_MULTIPLE, but MPI was "
             f"initialized with {levels.get(provided, provided)}: XLA runs the "
             f"handler on its worker threads. Leave mpi4py.rc.thread_level at its "
             f"default ('multiple') or initialize MPI with "
@@ -131,8 +136,9 @@ def _check_mpi() -> None:
         )
 
 
-def _communicator(comm):
-    """Return ``comm`` (mpi4jax's clone of COMM_WORLD for None), checked."""
+def _communicator(comm, who: str = "mpi4jax_dist.allreduce"):
+    """Return ``comm`` (mpi4jax's clone of COMM_WORLD for None), checked; ``who``
+    is the function an error names."""
     from mpi4py import MPI
 
     if comm is None:
@@ -142,12 +148,12 @@ def _communicator(comm):
         return get_default_comm()
     if isinstance(comm, MPI.Intercomm) or not isinstance(comm, MPI.Intracomm):
         raise TypeError(
-            f"mpi4jax_dist.allreduce: comm must be an mpi4py intracommunicator "
+            f"{who}: comm must be an mpi4py intracommunicator "
             f"(MPI.Intracomm, such as MPI.COMM_WORLD or a Split of it); got "
             f"{type(comm).__name__}."
         )
     if comm == MPI.COMM_NULL:
-        raise ValueError("mpi4jax_dist.allreduce: comm is MPI.COMM_NULL.")
+        raise ValueError(f"{who}: comm is MPI.COMM_NULL.")
     return comm
 
 
