@@ -29,6 +29,14 @@ from pathlib import Path
 # The names XLA knows the handlers by, on every platform.
 ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
 TOKEN_AFTER_TARGET = "mpi4jax_dist_token_after"
+# The non-blocking allreduce's start, test and wait, and overlap's tie
+# (mpi4jax_dist._iallreduce): on the CPU only.
+IALLREDUCE_TARGETS = (
+    "mpi4jax_dist_iallreduce_start",
+    "mpi4jax_dist_iallreduce_test",
+    "mpi4jax_dist_iallreduce_wait",
+    "mpi4jax_dist_iallreduce_tie",
+)
 
 _HERE = Path(__file__).resolve().parent
 
@@ -178,7 +186,8 @@ def load():
     Returns:
         The extension module (``allreduce_handler``, ``token_after_handler``,
         ``library_version``, ``stats``, ``reset_stats``, ``HEADER_MPI``,
-        ``MPI_STANDARD``, ``LARGE_COUNT``).
+        ``MPI_STANDARD``, ``LARGE_COUNT``; and for the non-blocking allreduce
+        ``iallreduce_handlers``, ``pending_requests``, ``complete_pending``).
 
     Raises:
         ImportError: no build for mpi4py's MPI, or a build that calls another
@@ -251,4 +260,11 @@ def _load(kind: str, platform: str, builds: dict[str, Path]):
     jax.ffi.register_ffi_target(
         TOKEN_AFTER_TARGET, module.token_after_handler(), platform=platform
     )
+    # The non-blocking allreduce's handlers, where the module has them (the CPU
+    # module, built from this tree).
+    if hasattr(module, "iallreduce_handlers"):
+        for target, handler in zip(
+            IALLREDUCE_TARGETS, module.iallreduce_handlers(), strict=True
+        ):
+            jax.ffi.register_ffi_target(target, handler, platform=platform)
     return module

@@ -1,6 +1,8 @@
 // MPI helpers shared by the platform handlers of mpi4jax_dist: cpu.cc, and
 // cuda.cc, which reduces device memory in place (CUDA-aware MPI) or stages it
-// through a bounded pinned host chunk, one AllreduceChunk call per chunk.
+// through a bounded pinned host chunk, one AllreduceChunk call per chunk. The
+// non-blocking allreduce (mpi4jax_dist.iallreduce: start, test, wait) keeps its
+// requests in flight in the RequestTable at the end; cpu.cc has its handlers.
 //
 // Everything here is header-only so that each platform source builds alone.
 
@@ -15,7 +17,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -126,28 +132,32 @@ inline bool DatatypeOf(ffi::DataType dtype, MPI_Datatype* out) {
   }
 }
 
+// The function a message is about, by default the blocking allreduce.
+constexpr const char* kAllreduceName = "mpi4jax_dist.allreduce";
+
 // "MPI_Allreduce failed: <MPI's own words>" for an MPI error code.
-inline ffi::Error MpiError(const char* what, int code) {
+inline ffi::Error MpiError(const char* what, int code,
+                           const char* who = kAllreduceName) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
     length = 0;
   }
-  return ffi::Error::Internal(std::string("mpi4jax_dist.allreduce: ") + what +
+  return ffi::Error::Internal(std::string(who) + ": " + what +
                               " failed with MPI error " + std::to_string(code) +
                               ": " + std::string(text, length));
 }
 
 // MPI must be up (and not yet finalized) before a handler may call it: a
 // clear error instead of MPI's abort.
-inline ffi::Error CheckMpiUsable() {
+inline ffi::Error CheckMpiUsable(const char* who = kAllreduceName) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (!initialized || finalized) {
     return ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
-        std::string("mpi4jax_dist.allreduce: MPI is ") +
+        std::string(who) + ": MPI is " +
             (finalized ? "already finalized" : "not initialized") +
             "; import mpi4py.MPI before the call and keep MPI up until the "
             "last one has run.");
@@ -232,12 +242,14 @@ inline ffi::Error AllreduceChunked(const void* in, void* out, size_t count,
 
 // The communicator from its Fortran handle (mpi4py's Comm.py2f()): one integer
 // that means the same for MPICH (int handles) and Open MPI (pointer handles).
-inline ffi::Error CommFromHandle(int64_t handle, MPI_Comm* comm) {
+inline ffi::Error CommFromHandle(int64_t handle, MPI_Comm* comm,
+                                 const char* who = kAllreduceName) {
   *comm = MPI_Comm_f2c(static_cast<MPI_Fint>(handle));
   if (*comm == MPI_COMM_NULL) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: the communicator is MPI_COMM_NULL (was it "
-        "freed after the function was compiled?)");
+        std::string(who) +
+        ": the communicator is MPI_COMM_NULL (was it freed after the function "
+        "was compiled?)");
   }
   return ffi::Error::Success();
 }
@@ -249,24 +261,24 @@ inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
                                  const ffi::AnyBuffer& y,
                                  int64_t comm_handle, int32_t op_code,
                                  MPI_Datatype* dtype, MPI_Op* op,
-                                 MPI_Comm* comm) {
+                                 MPI_Comm* comm,
+                                 const char* who = kAllreduceName) {
   if (x.element_type() != y.element_type() ||
       x.element_count() != y.element_count()) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: operand and result differ in type or size");
+        std::string(who) + ": operand and result differ in type or size");
   }
   if (!DatatypeOf(x.element_type(), dtype)) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: MPI cannot reduce this element type (XLA "
-        "type " +
+        std::string(who) + ": MPI cannot reduce this element type (XLA type " +
         std::to_string(static_cast<int>(x.element_type())) + ")");
   }
   if (!OpFromCode(op_code, op)) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.allreduce: unknown op code " + std::to_string(op_code));
+        std::string(who) + ": unknown op code " + std::to_string(op_code));
   }
-  if (ffi::Error error = CheckMpiUsable(); error.failure()) return error;
-  return CommFromHandle(comm_handle, comm);
+  if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
+  return CommFromHandle(comm_handle, comm, who);
 }
 
 // A token that exists once `x` does, for the MPI call after an allreduce. With
@@ -275,6 +287,356 @@ inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
 // platform.
 inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
   return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// The non-blocking allreduce (mpi4jax_dist.iallreduce, mpi4jax_dist.wait,
+// mpi4jax_dist.test): a start posts MPI_Iallreduce in place and returns at
+// once, a wait completes it. Between them the request lives in the
+// RequestTable: a start takes a slot and hands XLA its handle, an int32 that
+// travels with the buffer to the test and wait ops; the wait frees the slot.
+
+constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
+
+// One request in flight.
+struct PendingRequest {
+  MPI_Request request = MPI_REQUEST_NULL;
+  // The buffer MPI reduces into: a test or wait handed another one means XLA
+  // moved the data while MPI was still writing it.
+  const void* data = nullptr;
+  size_t bytes = 0;
+  // The start op's id from tracing (0: an eager start, not checked), and where
+  // in Python it was made, for the messages.
+  int64_t uid = 0;
+  std::string site;
+  int32_t generation = 0;
+  bool active = false;
+};
+
+// What the non-blocking handlers did, for the tests and benchmarks.
+struct RequestStats {
+  std::atomic<int64_t> starts{0};
+  std::atomic<int64_t> large_count_starts{0};
+  std::atomic<int64_t> waits{0};
+  // Waits whose reduction was complete at the wait's first MPI_Test: it had
+  // progressed while the overlapped work ran.
+  std::atomic<int64_t> done_before_wait{0};
+  std::atomic<int64_t> tests{0};
+  // Tests (mpi4jax_dist.test) that found the reduction complete.
+  std::atomic<int64_t> tests_done{0};
+  std::atomic<int64_t> max_pending{0};
+
+  void Reset() {
+    starts = 0;
+    large_count_starts = 0;
+    waits = 0;
+    done_before_wait = 0;
+    tests = 0;
+    tests_done = 0;
+    max_pending = 0;
+  }
+};
+
+inline RequestStats& GetRequestStats() {
+  static RequestStats stats;
+  return stats;
+}
+
+// The requests in flight. A handle is generation * kMaxRequests + slot index,
+// so that a handle whose slot was freed and taken again (a wait run twice, a
+// handle from an earlier run) is refused rather than taken for another request.
+// Slots are never moved (unique_ptr), so a handler may use its slot outside the
+// lock: data dependencies order the start, tests and wait of one request.
+class RequestTable {
+ public:
+  static constexpr int32_t kMaxRequests = 4096;
+  static constexpr int32_t kMaxGeneration = INT32_MAX / kMaxRequests - 1;
+
+  struct Info {
+    int32_t handle;
+    int64_t uid;
+    std::string site;
+  };
+
+  static RequestTable& Get() {
+    static RequestTable table;
+    return table;
+  }
+
+  // Take a slot for a start (op `uid`, made at `site`) on `bytes` at `data`,
+  // and post its request with `post(&request)` (an MPI return code) under the
+  // table's lock, so that no one finds the slot half made. Refused when that
+  // start's previous request is still pending (its wait did not run), or when
+  // kMaxRequests are; the slot is freed again when `post` fails.
+  template <typename Post>
+  ffi::Error Take(int64_t uid, std::string_view site, const void* data,
+                  size_t bytes, Post post, int* rc, int32_t* handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    PendingRequest* free = nullptr;
+    size_t index = 0;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      PendingRequest& s = *slots_[i];
+      if (s.active && uid != 0 && s.uid == uid) {
+        return ffi::Error(
+            ffi::ErrorCode::kFailedPrecondition,
+            std::string(kIallreduceName) + ": the start made at " +
+                std::string(site) +
+                " runs again while its previous request is still pending: "
+                "its mpi4jax_dist.wait did not run (is it in a branch that was "
+                "not taken, or was the request kept out of the function?). "
+                "Every start needs its wait, on every run.");
+      }
+      if (!s.active && free == nullptr) {
+        free = &s;
+        index = i;
+      }
+    }
+    if (free == nullptr) {
+      if (slots_.size() >= static_cast<size_t>(kMaxRequests)) {
+        return ffi::Error(
+            ffi::ErrorCode::kResourceExhausted,
+            std::string(kIallreduceName) + ": " +
+                std::to_string(kMaxRequests) +
+                " requests are pending, none waited on; the start made at " +
+                std::string(site) +
+                " is refused. Waits are missing: every start needs its "
+                "mpi4jax_dist.wait.");
+      }
+      slots_.push_back(std::make_unique<PendingRequest>());
+      free = slots_.back().get();
+      index = slots_.size() - 1;
+    }
+    free->request = MPI_REQUEST_NULL;
+    *rc = post(&free->request);
+    if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
+    free->data = data;
+    free->bytes = bytes;
+    free->uid = uid;
+    free->site.assign(site.data(), site.size());
+    free->generation = free->generation % kMaxGeneration + 1;
+    free->active = true;
+    *handle = free->generation * kMaxRequests + static_cast<int32_t>(index);
+    ++active_;
+    RequestStats& stats = GetRequestStats();
+    int64_t seen = stats.max_pending.load(std::memory_order_relaxed);
+    while (active_ > seen && !stats.max_pending.compare_exchange_weak(
+                                 seen, active_, std::memory_order_relaxed)) {
+    }
+    return ffi::Error::Success();
+  }
+
+  // The pending request of `handle`, or an error naming what is wrong.
+  ffi::Error Find(int32_t handle, const char* who, PendingRequest** slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int32_t index = handle % kMaxRequests;
+    const int32_t generation = handle / kMaxRequests;
+    if (handle > 0 && static_cast<size_t>(index) < slots_.size() &&
+        slots_[index]->active && slots_[index]->generation == generation) {
+      *slot = slots_[index].get();
+      return ffi::Error::Success();
+    }
+    return ffi::Error::InvalidArgument(
+        std::string(who) + ": request handle " + std::to_string(handle) +
+        " is not pending: it was waited on already, or comes from another run "
+        "(a request cannot leave the function that started it).");
+  }
+
+  void Free(PendingRequest* slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slot->active) --active_;
+    slot->active = false;
+    slot->request = MPI_REQUEST_NULL;
+    slot->data = nullptr;
+  }
+
+  std::vector<Info> Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Info> pending;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const PendingRequest& s = *slots_[i];
+      if (s.active) {
+        pending.push_back(
+            {s.generation * kMaxRequests + static_cast<int32_t>(i), s.uid,
+             s.site});
+      }
+    }
+    return pending;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<PendingRequest>> slots_;
+  int64_t active_ = 0;
+};
+
+// Post one MPI_Iallreduce of `count` elements in place; MPI_Iallreduce_c for
+// counts above INT_MAX (the caller refuses those where the MPI has no MPI-4).
+inline int PostIallreduce(void* data, size_t count, MPI_Datatype dtype,
+                          MPI_Op op, MPI_Comm comm, MPI_Request* request) {
+#if MPI4JAX_DIST_LARGE_COUNT
+  if (count > static_cast<size_t>(INT_MAX)) {
+    GetRequestStats().large_count_starts.fetch_add(1,
+                                                   std::memory_order_relaxed);
+    return MPI_Iallreduce_c(MPI_IN_PLACE, data, static_cast<MPI_Count>(count),
+                            dtype, op, comm, request);
+  }
+#endif
+  return MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), dtype, op,
+                        comm, request);
+}
+
+// The start: post MPI_Iallreduce on y (x's values; one buffer when XLA
+// aliased them) and set *handle to its slot. Host memory.
+inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
+                                  int64_t comm_handle, int32_t op_code,
+                                  int64_t uid, std::string_view site,
+                                  int32_t* handle) {
+  MPI_Datatype dtype = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  if (ffi::Error error = CheckAllreduce(x, y, comm_handle, op_code, &dtype,
+                                        &op, &comm, kIallreduceName);
+      error.failure()) {
+    return error;
+  }
+  const size_t count = x.element_count();
+  if (!MPI4JAX_DIST_LARGE_COUNT && count > static_cast<size_t>(INT_MAX)) {
+    return ffi::Error::InvalidArgument(
+        std::string(kIallreduceName) + ": " + std::to_string(count) +
+        " elements are more than one MPI_Iallreduce takes (INT_MAX) on an MPI "
+        "without MPI-4's MPI_Iallreduce_c, and one request cannot be split "
+        "into chunks. Use mpi4jax_dist.allreduce, which reduces in chunks.");
+  }
+  const size_t bytes = x.size_bytes();
+  if (x.untyped_data() != y.untyped_data() && bytes > 0) {
+    std::memcpy(y.untyped_data(), x.untyped_data(), bytes);
+  }
+  void* data = y.untyped_data();
+  auto post = [&](MPI_Request* request) {
+    return count > 0 ? PostIallreduce(data, count, dtype, op, comm, request)
+                     : MPI_SUCCESS;  // nothing to reduce: a null request
+  };
+  int rc = MPI_SUCCESS;
+  if (ffi::Error error =
+          RequestTable::Get().Take(uid, site, data, bytes, post, &rc, handle);
+      error.failure()) {
+    return error;
+  }
+  if (rc != MPI_SUCCESS) {
+    return MpiError(count > static_cast<size_t>(INT_MAX) ? "MPI_Iallreduce_c"
+                                                         : "MPI_Iallreduce",
+                    rc, kIallreduceName);
+  }
+  GetRequestStats().starts.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+// The error for a request whose buffer XLA handed over elsewhere than where
+// MPI reduces it.
+inline ffi::Error MovedError(const std::string& site, const char* who) {
+  return ffi::Error::Internal(
+      std::string(who) + ": the buffer of the request started at " + site +
+      " is not where MPI reduces it: XLA copied or moved it between the start "
+      "and this op, while MPI was still writing it, so the values are lost. "
+      "Pass the request from mpi4jax_dist.iallreduce to mpi4jax_dist.wait "
+      "only through mpi4jax_dist.overlap and mpi4jax_dist.test, in the same "
+      "function.");
+}
+
+// The wait: complete the request of `handle` (MPI_Wait) and free its slot; the
+// reduced values are in x (and y, when XLA gave two buffers).
+inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
+                                 int32_t handle) {
+  const char* who = "mpi4jax_dist.wait";
+  if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
+  PendingRequest* slot = nullptr;
+  if (ffi::Error error = RequestTable::Get().Find(handle, who, &slot);
+      error.failure()) {
+    return error;
+  }
+  RequestStats& stats = GetRequestStats();
+  stats.waits.fetch_add(1, std::memory_order_relaxed);
+  int done = 0;
+  int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  if (rc == MPI_SUCCESS && done) {
+    stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (rc == MPI_SUCCESS && !done) {
+    rc = MPI_Wait(&slot->request, MPI_STATUS_IGNORE);
+  }
+  const bool moved = slot->bytes > 0 && slot->data != x.untyped_data();
+  const std::string site = slot->site;
+  RequestTable::Get().Free(slot);
+  if (rc != MPI_SUCCESS) return MpiError("MPI_Wait", rc, who);
+  if (moved) return MovedError(site, who);
+  if (x.untyped_data() != y.untyped_data() && x.size_bytes() > 0) {
+    std::memcpy(y.untyped_data(), x.untyped_data(), x.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
+// The test: one MPI_Test on the request of `handle`, so that MPI progresses it
+// (the request stays pending for its wait either way).
+inline ffi::Error IallreduceTest(const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer& y, int32_t handle) {
+  const char* who = "mpi4jax_dist.test";
+  if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
+  PendingRequest* slot = nullptr;
+  if (ffi::Error error = RequestTable::Get().Find(handle, who, &slot);
+      error.failure()) {
+    return error;
+  }
+  if (slot->bytes > 0 && (slot->data != x.untyped_data() ||
+                          x.untyped_data() != y.untyped_data())) {
+    return MovedError(slot->site, who);
+  }
+  RequestStats& stats = GetRequestStats();
+  stats.tests.fetch_add(1, std::memory_order_relaxed);
+  int done = 0;
+  const int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  if (rc != MPI_SUCCESS) return MpiError("MPI_Test", rc, who);
+  if (done) stats.tests_done.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+// Complete the pending requests of `handles` (all when empty) by polling
+// MPI_Test for at most `timeout_s` seconds, and free those completed. For the
+// Python side: an eager request dropped without its wait, and the requests
+// still pending at exit. Returns the requests left pending (every one when MPI
+// is no longer usable: nothing is called then).
+inline std::vector<RequestTable::Info> CompletePending(
+    const std::vector<int32_t>& handles, double timeout_s) {
+  RequestTable& table = RequestTable::Get();
+  std::vector<RequestTable::Info> wanted;
+  for (const RequestTable::Info& info : table.Pending()) {
+    if (handles.empty() ||
+        std::find(handles.begin(), handles.end(), info.handle) !=
+            handles.end()) {
+      wanted.push_back(info);
+    }
+  }
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return wanted;
+  const double deadline = MPI_Wtime() + timeout_s;
+  while (!wanted.empty()) {
+    std::vector<RequestTable::Info> left;
+    for (const RequestTable::Info& info : wanted) {
+      PendingRequest* slot = nullptr;
+      if (table.Find(info.handle, kIallreduceName, &slot).failure()) continue;
+      int done = 0;
+      if (MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS ||
+          done) {
+        table.Free(slot);  // complete, or failed: MPI has no more use for it
+      } else {
+        left.push_back(info);
+      }
+    }
+    wanted.swap(left);
+    if (wanted.empty() || MPI_Wtime() > deadline) break;
+  }
+  return wanted;
 }
 
 // The version of MPI these headers describe, for the import-time check.
