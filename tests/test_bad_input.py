@@ -19,6 +19,12 @@ def _bfloat16_allreduce():
     mpi4jax_dist.allreduce(jnp.ones(3, jnp.bfloat16))
 
 
+def _bfloat16_iallreduce():
+    import jax.numpy as jnp
+
+    mpi4jax_dist.iallreduce(jnp.ones(3, jnp.bfloat16))
+
+
 def _mpi():
     from mpi4py import MPI
 
@@ -81,6 +87,30 @@ WITHOUT_MPI = [
         TypeError,
         "mpi4jax_dist.allreduce cannot reduce bfloat16 arrays",
     ),
+    (
+        "iallreduce(bfloat16)",
+        _bfloat16_iallreduce,
+        TypeError,
+        "mpi4jax_dist.iallreduce cannot reduce bfloat16 arrays",
+    ),
+    (
+        "wait(3)",
+        lambda: mpi4jax_dist.wait(3),
+        TypeError,
+        "mpi4jax_dist.wait: req must be the mpi4jax_dist.Request",
+    ),
+    (
+        "test('req')",
+        lambda: mpi4jax_dist.test("req"),
+        TypeError,
+        "mpi4jax_dist.test: req must be the mpi4jax_dist.Request",
+    ),
+    (
+        "overlap(None, fn)",
+        lambda: mpi4jax_dist.overlap(None, abs, 1.0),
+        TypeError,
+        "mpi4jax_dist.overlap: req must be the mpi4jax_dist.Request",
+    ),
 ]
 
 WITH_MPI = [
@@ -101,6 +131,30 @@ WITH_MPI = [
         lambda: mpi4jax_dist.allreduce(np.ones(3, np.float32), comm=42),
         TypeError,
         "mpi4jax_dist.allreduce: comm must be an mpi4py intracommunicator",
+    ),
+    (
+        "iallreduce(op='sum')",
+        lambda: mpi4jax_dist.iallreduce(np.ones(3, np.float32), op="sum"),
+        TypeError,
+        "mpi4jax_dist.iallreduce: op must be one of MPI.SUM",
+    ),
+    (
+        "iallreduce(comm=42)",
+        lambda: mpi4jax_dist.iallreduce(np.ones(3, np.float32), comm=42),
+        TypeError,
+        "mpi4jax_dist.iallreduce: comm must be an mpi4py intracommunicator",
+    ),
+    (
+        "iallreduce(float32, op=MPI.BAND)",
+        lambda: mpi4jax_dist.iallreduce(np.ones(3, np.float32), op=_mpi().BAND),
+        TypeError,
+        "mpi4jax_dist.iallreduce cannot reduce float32 with MPI.BAND",
+    ),
+    (
+        "iallreduce(comm=MPI.COMM_NULL)",
+        lambda: mpi4jax_dist.iallreduce(np.ones(3), comm=_mpi().COMM_NULL),
+        TypeError,
+        "mpi4jax_dist.iallreduce: comm must be an mpi4py intracommunicator",
     ),
 ]
 

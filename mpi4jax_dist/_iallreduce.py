@@ -1,0 +1,698 @@
+"""``mpi4jax_dist.iallreduce``: a non-blocking allreduce for jitted code.
+
+Usage, inside ``jax.jit`` (or eagerly)::
+
+    req = mpi4jax_dist.iallreduce(partials)           # MPI_Iallreduce posted
+    req, n = mpi4jax_dist.overlap(req, matvec, w)     # runs while it reduces
+    sums = mpi4jax_dist.wait(req)                     # MPI_Wait
+
+Four ops, all on the CPU handlers of ``_ffi/cpu.cc``, and all carrying mpi4jax's
+ordered effect, as :func:`mpi4jax_dist.allreduce` does: one token orders them with
+every mpi4jax call and every allreduce of the program, on every rank.
+
+* :func:`iallreduce` posts ``MPI_Iallreduce`` in place on its operand and returns at
+  once: a :class:`Request` holding the buffer MPI reduces into (aliased to the
+  operand: in place, as the blocking allreduce) and the request's handle, an int32
+  naming its slot in the extension's table of ``MPI_Request``\\ s. The buffer is
+  reachable only through the request, so nothing reads or reuses it before the wait.
+* :func:`overlap` runs ``fn(*args)`` between the start and the wait, by data
+  dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
+  custom call that reads the request's handle (written by the start), and the wait
+  takes ``fn``'s result arrays as operands it never reads. XLA's schedule then has
+  start, ``fn``, wait, and so does XLA:CPU's runtime, which runs thunks concurrently
+  ordered only by the buffers they read and write. (``lax.optimization_barrier``
+  would not do: XLA:CPU removes barriers before it schedules.)
+* :func:`test` calls ``MPI_Test`` once and returns the request unchanged: placed
+  between two overlapped pieces of work, it lets the MPI progress the reduction.
+* :func:`wait` completes the request (``MPI_Wait``) and returns the reduced array
+  (aliased: the same buffer again).
+
+MPI progress during the overlap. An MPI moves a non-blocking collective on only
+inside its own calls unless it runs a progress thread. ``MPI_Iallreduce`` sends what
+the first step of its algorithm can at the start; the later steps (receiving,
+adding, the next round of a recursive doubling: log2 P rounds) happen in whatever
+MPI call the process makes next: a :func:`test`, a halo exchange in the overlapped
+matvec, or the wait. For a few scalars on few ranks little is left for the wait;
+at scale more is. What helps:
+
+* MPICH: ``MPIR_CVAR_ASYNC_PROGRESS=1`` starts a progress thread in every process
+  (it needs ``MPI_THREAD_MULTIPLE``, which this package asks for anyway); it
+  progresses without calls, at the price of a core spinning, which competes with
+  the computation where ranks fill the cores.
+* Open MPI 5: no asynchronous progress for shared memory or most networks
+  (``ompi_info`` says ``OMPI progress: no``; ``btl_tcp_progress_thread`` covers TCP
+  only): non-blocking collectives (``coll/libnbc``) advance only inside MPI calls, so
+  place :func:`test` calls in the overlapped work.
+* Any MPI: :func:`test` between pieces of the work, e.g.
+  ``req, m = overlap(req, precond, w); req = test(req); req, n = overlap(req,
+  matvec, m)``.
+
+What is caught, and how:
+
+* **A start without its wait, under tracing** (``jit``, loops, ``vmap``): each start
+  gets a uid in its primitive's parameters; the :class:`Request` has a
+  ``weakref.finalize`` that marks the uid as dropped unless a wait, test or overlap
+  took it. Lowering runs after tracing finished, when CPython has finalized the
+  dropped requests of that trace: the start's lowering rule raises a
+  ``RuntimeError`` naming where the start was made. Nothing has run.
+* **A request used in another function than the one that started it** (the wait
+  inside a loop body or an inner ``jit`` whose start is outside): ``RuntimeError``
+  at the call, from JAX's trace state. A request is no pytree: it cannot be an
+  argument or result of ``jit``, ``cond`` or a loop.
+* **A request used twice** (waited twice, or waited after ``overlap``/``test``
+  returned its successor): ``RuntimeError`` at the call. Anything else passed as a
+  request: ``TypeError`` naming the argument.
+* **At run time**, by the extension: a start that runs again while its previous
+  request is still pending (its wait did not run: a request kept out of the traced
+  function, a wait in a branch not taken) fails that run with an error naming the
+  start; so does a 4097th pending request, a handle that is not pending (waited
+  already, or from another run), and a buffer that XLA moved between start and wait
+  (it would have copied data MPI was still writing).
+* **Eagerly** (no tracing): a request dropped without its wait is completed when
+  Python frees it (``MPI_Test`` polled for up to :data:`DROP_TIMEOUT_S` seconds),
+  with a ``RuntimeWarning`` naming its start; its buffer stays alive until MPI is
+  done with it.
+* **At exit**: requests still pending are reported on stderr, naming their starts,
+  and completed (polled for up to :data:`EXIT_TIMEOUT_S` seconds) before MPI is
+  finalized.
+
+Not caught: a wait placed where it never runs while the start runs once (the exit
+report names it); a start whose request is stored away during tracing and never
+waited, when its program runs only once (the exit report again); waits that do not
+match across ranks (a rank whose program differs hangs in the wait, as with
+blocking collectives). A run that fails on a run-time check leaves the job in a
+state to end, not to continue: JAX's token for ordered effects can keep the error
+and fail a later call on some ranks only (seen with jax 0.10.2 on 2 ranks), which
+leaves the others waiting.
+
+Counts above ``INT_MAX`` go to ``MPI_Iallreduce_c`` where the MPI has MPI-4's
+large-count calls (MPICH >= 4); elsewhere (Open MPI 5, MPI 3.1) they are refused
+with a ``ValueError``: one request cannot be split into chunks; use the blocking
+:func:`mpi4jax_dist.allreduce`, which reduces in chunks. On GPUs there is no handler:
+the start raises ``NotImplementedError`` naming the platform.
+
+Under ``grad``/``jvp`` derivatives flow through the overlapped work; the reduced
+array itself cannot carry one (``NotImplementedError``: use the blocking
+:func:`mpi4jax_dist.allreduce`, differentiable for ``MPI.SUM``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import sys
+import warnings
+import weakref
+
+import numpy as np
+
+from . import _allreduce, _extras
+
+INT_MAX = 2**31 - 1
+#: Seconds an eager request dropped without its wait is polled for completion.
+DROP_TIMEOUT_S = 60.0
+#: Seconds the requests still pending at exit are polled for completion.
+EXIT_TIMEOUT_S = 10.0
+
+_WHO = "mpi4jax_dist.iallreduce"
+# Start uids of traced requests (0: an eager start, not checked); those dropped
+# without their wait, uid -> where the start was made.
+_UIDS = itertools.count(1)
+_DROPPED: dict[int, str] = {}
+# Eager requests dropped without their wait whose completion timed out: their
+# buffers stay alive while MPI may still write them.
+_ABANDONED: list = []
+
+
+def _caller_site() -> str:
+    """Where the user's call into this module was made: ``file:line in function``."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    code = frame.f_code
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+
+
+def _trace_state():
+    """JAX's current trace, opaquely: equal for calls made in the same function."""
+    try:
+        from jax.extend.core import get_opaque_trace_state
+    except ImportError:  # jax < 0.7 has it in jax.core only
+        from jax.core import get_opaque_trace_state
+    return get_opaque_trace_state(convention="mpi4jax_dist")
+
+
+def _is_traced(value) -> bool:
+    import jax
+
+    return isinstance(value, jax.core.Tracer)
+
+
+class Request:
+    """A non-blocking allreduce in flight: what :func:`iallreduce`, :func:`overlap`
+    and :func:`test` return, and what :func:`wait` completes.
+
+    Holds the buffer MPI reduces into and the handle of the request, which are not
+    to be read before the wait. Use each request once: :func:`overlap` and
+    :func:`test` return its successor. It is no pytree: start, overlap, test and
+    wait it in one function (one ``jit``, one loop body).
+
+    Attributes:
+        shape, dtype: those of the array being reduced.
+        site: where the start was made (``file:line in function``).
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_handle",
+        "_deps",
+        "_uid",
+        "site",
+        "_trace",
+        "_finalizer",
+        "_used_by",
+        "__weakref__",
+    )
+
+    def __init__(self, buffer, handle, deps, uid, site, trace):
+        self._buffer, self._handle, self._deps = buffer, handle, tuple(deps)
+        self._uid, self.site, self._trace = uid, site, trace
+        self._used_by = None
+        if uid:
+            # Traced: the lowering of the start refuses a dropped request.
+            self._finalizer = weakref.finalize(self, _DROPPED.__setitem__, uid, site)
+            self._finalizer.atexit = False
+        else:
+            # Eager: the request is pending in MPI; complete it when dropped.
+            self._finalizer = weakref.finalize(
+                self, _eager_dropped, buffer, handle, site
+            )
+
+    @property
+    def shape(self):
+        return self._buffer.shape
+
+    @property
+    def dtype(self):
+        return self._buffer.dtype
+
+    def __repr__(self):
+        state = f"used by {self._used_by}" if self._used_by else "pending"
+        return (
+            f"<mpi4jax_dist.Request {self.dtype}{list(self.shape)} from "
+            f"{self.site}, {state}>"
+        )
+
+    def _check(self, who: str) -> None:
+        """Raise unless this request may be used now, by ``who``."""
+        if self._used_by is not None:
+            raise RuntimeError(
+                f"{who}: the request started at {self.site} was already passed to "
+                f"mpi4jax_dist.{self._used_by}; use the request that returned (a "
+                f"request is used once: overlap and test return its successor)."
+            )
+        if _trace_state() != self._trace:
+            raise RuntimeError(
+                f"{who}: the request started at {self.site} is used in another "
+                f"function than the one that started it (a jit, loop body or "
+                f"branch of its own). Start, overlap, test and wait a request in "
+                f"the same function: its buffer is in flight and cannot cross into "
+                f"another trace."
+            )
+
+    def _consume(self, name: str) -> None:
+        """Mark this request as used by ``mpi4jax_dist.<name>``."""
+        self._used_by = name
+        self._finalizer.detach()
+
+    def _successor(self, buffer, handle, deps) -> Request:
+        """The request that continues this one (from :func:`overlap`/:func:`test`)."""
+        return Request(buffer, handle, deps, self._uid, self.site, self._trace)
+
+
+def _check_request(req, who: str) -> Request:
+    if not isinstance(req, Request):
+        raise TypeError(
+            f"{who}: req must be the mpi4jax_dist.Request that "
+            f"mpi4jax_dist.iallreduce (or overlap, or test) returned; got "
+            f"{type(req).__name__}."
+        )
+    req._check(who)
+    return req
+
+
+def _eager_dropped(buffer, handle, site) -> None:
+    """Finalizer of an eager request dropped without its wait: complete it."""
+    try:
+        from . import _ffi
+
+        left = _ffi.load().complete_pending([int(handle)], DROP_TIMEOUT_S)
+    except Exception:  # at exit, or MPI gone: the exit report has it
+        left = [None]
+    if left:
+        _ABANDONED.append(buffer)  # MPI may still write it: keep it alive
+    warnings.warn(
+        f"{_WHO}: the request started at {site} was dropped without "
+        f"mpi4jax_dist.wait; "
+        + (
+            "it was completed and its result discarded."
+            if not left
+            else "it is still pending in MPI (its buffer is kept)."
+        ),
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+@functools.cache
+def _register_exit_report() -> None:
+    atexit.register(_report_pending_at_exit)
+
+
+def _report_pending_at_exit() -> None:
+    """Name the requests still pending at exit, and complete them before MPI is
+    finalized (mpi4py finalizes after atexit's callbacks)."""
+    from . import _ffi
+
+    try:
+        import jax
+
+        # Programs still running may be starting requests: let them finish.
+        jax.effects_barrier()
+    except Exception:  # a run that failed: the program was told already
+        pass
+    try:
+        ext = _ffi.load()
+        pending = ext.pending_requests()
+    except Exception:
+        return
+    if not pending:
+        return
+    # One write per line: the ranks' lines then do not interleave.
+    for handle, _uid, site in pending:
+        sys.stderr.write(
+            f"{_WHO}: at exit, the request started at {site} (handle {handle}) is "
+            f"still pending: its mpi4jax_dist.wait never ran.\n"
+        )
+    sys.stderr.flush()
+    left = ext.complete_pending([], EXIT_TIMEOUT_S)
+    if left:
+        sys.stderr.write(
+            f"{_WHO}: {len(left)} of them did not complete within "
+            f"{EXIT_TIMEOUT_S:g} s (did the other ranks start them?).\n"
+        )
+        sys.stderr.flush()
+
+
+def _load_extension():
+    """The CPU extension, with the non-blocking handlers registered."""
+    from . import _ffi
+
+    ext = _ffi.load()
+    if not hasattr(ext, "iallreduce_handlers"):
+        raise ImportError(
+            f"{_WHO}: the extension {ext.__file__} has no non-blocking handlers: "
+            f"it was built from an older mpi4jax_dist. Rebuild it: pip install "
+            f"--no-build-isolation --force-reinstall --no-deps <path to "
+            f"mpi4jax_dist>."
+        )
+    _register_exit_report()
+    return ext
+
+
+def iallreduce(x, op=None, *, comm=None) -> Request:
+    """Start reducing ``x`` over the ranks of ``comm`` without waiting: post
+    ``MPI_Iallreduce`` in place and return a :class:`Request` at once.
+
+    Complete it with :func:`wait` in the same function, on every path; put the work
+    to overlap between the two with :func:`overlap` (and :func:`test` for MPI
+    progress). The module docstring says what runs when, and what is caught.
+
+    Args:
+        x: array or scalar: float32/64, complex64/128, (u)int8/16/32/64, or bool
+            for the logical ops, as :func:`mpi4jax_dist.allreduce`.
+        op: an ``mpi4py.MPI.Op``: ``MPI.SUM`` (the default, also for None),
+            ``PROD``, ``MIN``, ``MAX``, ``LAND``, ``LOR``, ``LXOR``, ``BAND``,
+            ``BOR`` or ``BXOR``, where MPI defines it for the dtype.
+        comm: an mpi4py intracommunicator; default: mpi4jax's clone of
+            ``MPI.COMM_WORLD``.
+
+    Returns:
+        A :class:`Request`.
+
+    Raises:
+        TypeError: a dtype, op or communicator MPI cannot reduce with, before any
+            MPI call.
+        ValueError: more than ``INT_MAX`` elements on an MPI without
+            ``MPI_Iallreduce_c`` (MPI-4).
+        RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``; (at
+            lowering) the request was dropped without its wait.
+        ImportError: mpi4jax is not installed (naming the ``mpi4jax`` extra), or the
+            extension was built against another MPI than mpi4py's.
+        NotImplementedError: (at lowering) on a GPU.
+    """
+    import jax.numpy as jnp
+
+    _extras.require_mpi4jax(_WHO)
+    x = jnp.asarray(x)
+    _allreduce.check_supported(x.dtype, who=_WHO)
+    name = _allreduce.op_name(op, _WHO)
+    _allreduce.check_supported(x.dtype, name, _WHO)
+    _allreduce._check_mpi(_WHO)
+    comm = _allreduce._Comm(_allreduce._communicator(comm, _WHO))
+    ext = _load_extension()
+    _check_count(x.size, ext)
+    site = _caller_site()
+    uid = next(_UIDS)
+    start, _, _, _ = _primitives()
+    buffer, handle = start.bind(
+        x, op=_allreduce.OPS.index(name), comm=comm, uid=uid, site=site
+    )
+    if not _is_traced(buffer):  # it ran: an eager start (its uid is unused)
+        uid = 0
+    return Request(buffer, handle, (), uid, site, _trace_state())
+
+
+def _check_count(size: int, ext) -> None:
+    if size > INT_MAX and not ext.LARGE_COUNT:
+        major, minor = ext.MPI_STANDARD
+        raise ValueError(
+            f"{_WHO}: {size} elements are more than one MPI_Iallreduce takes "
+            f"(INT_MAX = {INT_MAX}), and this MPI ({ext.HEADER_MPI}, MPI "
+            f"{major}.{minor}) has no MPI-4 MPI_Iallreduce_c; one request cannot be "
+            f"split into chunks. Use mpi4jax_dist.allreduce, which reduces in "
+            f"chunks, or reduce smaller pieces."
+        )
+
+
+def _array_leaves(tree):
+    """``(leaves, treedef, indices of the JAX array leaves)``."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    return leaves, treedef, arrays
+
+
+def overlap(req: Request, fn, *args):
+    """Run ``fn(*args)`` while the reduction of ``req`` is in flight.
+
+    Start, ``fn`` and wait run in that order in the compiled program, by data
+    dependencies: ``args``' JAX arrays pass through a no-op call that reads the
+    request's handle (so ``fn`` starts after the start, or after the last
+    :func:`test`), and the wait (or the next test) takes ``fn``'s JAX arrays as
+    operands it never reads (so it runs after ``fn``). Pass ``fn``'s inputs as
+    ``args``: what ``fn`` closes over is not ordered. The no-op call passes the
+    arrays on in place; an array of ``args`` that is used again after ``overlap``
+    (or carried unchanged through a loop) is therefore copied once by XLA, which
+    keeps its value: return it from ``fn`` and use that instead to avoid the copy.
+    Eagerly, ``fn`` simply runs.
+
+    Args:
+        req: the :class:`Request` of :func:`iallreduce` (or of :func:`overlap` or
+            :func:`test`); used up.
+        fn: the work to overlap; its inputs and outputs are pytrees.
+        *args: ``fn``'s inputs; non-array leaves pass unchanged.
+
+    Returns:
+        ``(request, fn(*args))``: the request to wait on, and ``fn``'s result.
+
+    Raises:
+        TypeError: ``req`` is not a request, ``fn`` is not callable, or ``args`` or
+            ``fn``'s result hold no JAX array (nothing to order by).
+        RuntimeError: ``req`` was used already, or in another function.
+    """
+    import jax
+
+    who = "mpi4jax_dist.overlap"
+    _check_request(req, who)
+    if not callable(fn):
+        raise TypeError(f"{who}: fn={fn!r} is not callable.")
+    if not _is_traced(req._buffer):
+        out = fn(*args)  # eagerly, dispatch order is the order
+        req._consume("overlap")
+        return req._successor(req._buffer, req._handle, req._deps), out
+    leaves, treedef, arrays = _array_leaves(args)
+    if not arrays:
+        raise TypeError(
+            f"{who}: args hold no JAX array, so nothing orders fn's work after "
+            f"the start; pass fn's inputs as args rather than closing over them."
+        )
+    *_, tie = _primitives()
+    tied = tie.bind(req._handle, *(leaves[i] for i in arrays))
+    for i, value in zip(arrays, tied, strict=True):
+        leaves[i] = value
+    out = fn(*jax.tree.unflatten(treedef, leaves))
+    out_leaves, _, out_arrays = _array_leaves(out)
+    if not out_arrays:
+        raise TypeError(
+            f"{who}: fn returned no JAX array, so nothing orders the wait after "
+            f"its work; return the work's results."
+        )
+    req._consume("overlap")
+    deps = req._deps + tuple(out_leaves[i] for i in out_arrays)
+    return req._successor(req._buffer, req._handle, deps), out
+
+
+def test(req: Request) -> Request:
+    """Call ``MPI_Test`` on ``req`` once, so that the MPI progresses it; return the
+    request unchanged (to pass on to :func:`overlap` or :func:`wait`).
+
+    Place it between pieces of overlapped work (see the module docstring on MPI
+    progress). It runs after the work that :func:`overlap` placed before it.
+
+    Raises:
+        TypeError: ``req`` is not a request.
+        RuntimeError: ``req`` was used already, or in another function.
+    """
+    who = "mpi4jax_dist.test"
+    _check_request(req, who)
+    _, test_p, _, _ = _primitives()
+    buffer, handle = test_p.bind(req._buffer, req._handle, *req._deps)
+    req._consume("test")
+    return req._successor(buffer, handle, ())
+
+
+def wait(req: Request):
+    """Complete ``req`` (``MPI_Wait``) and return the reduced array.
+
+    It runs after the work that :func:`overlap` placed before it.
+
+    Args:
+        req: the :class:`Request` of :func:`iallreduce`, :func:`overlap` or
+            :func:`test`; used up.
+
+    Returns:
+        The reduced array, of the shape and dtype of the started one.
+
+    Raises:
+        TypeError: ``req`` is not a request.
+        RuntimeError: ``req`` was used already, or in another function.
+    """
+    who = "mpi4jax_dist.wait"
+    _check_request(req, who)
+    _, _, wait_p, _ = _primitives()
+    out = wait_p.bind(req._buffer, req._handle, *req._deps)
+    req._consume("wait")
+    return out
+
+
+@functools.cache
+def _primitives():
+    """Make the start, test, wait and tie primitives and their rules (first call)."""
+    import jax
+    from jax.core import ShapedArray
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+    from mpi4jax._src.jax_compat import abstract_token
+    from mpi4jax._src.utils import ordered_effect
+
+    from . import _ffi
+
+    start_target, test_target, wait_target, tie_target = _ffi.IALLREDUCE_TARGETS
+    start = Primitive("mpi4jax_dist_iallreduce_start")
+    start.multiple_results = True
+    test_p = Primitive("mpi4jax_dist_iallreduce_test")
+    test_p.multiple_results = True
+    wait_p = Primitive("mpi4jax_dist_iallreduce_wait")
+    tie = Primitive("mpi4jax_dist_iallreduce_tie")
+    tie.multiple_results = True
+    handle_aval = ShapedArray((), np.int32)
+
+    # -- eager: one jitted call per (op, comm, site), the request's buffer donated
+    # to the test and the wait so that they see the buffer MPI reduces.
+
+    @functools.cache
+    def start_jitted(op, comm, site):
+        return jax.jit(lambda x: start.bind(x, op=op, comm=comm, uid=0, site=site))
+
+    @functools.cache
+    def then_jitted(prim):
+        return jax.jit(lambda b, h, *deps: prim.bind(b, h, *deps), donate_argnums=0)
+
+    def start_impl(x, *, op, comm, uid, site):
+        del uid  # eager starts are not checked at lowering
+        return start_jitted(op, comm, site)(x)
+
+    def start_abstract(x, *, op, comm, uid, site):
+        buffer = ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
+        return [buffer, handle_aval], {ordered_effect}
+
+    def then_abstract(prim):
+        def rule(buffer, handle, *deps):
+            out = ShapedArray(buffer.shape, buffer.dtype, weak_type=buffer.weak_type)
+            if prim is test_p:
+                return [out, handle_aval], {ordered_effect}
+            return out, {ordered_effect}
+
+        return rule
+
+    def token_after(ctx, value, aval):
+        (token,) = jax.ffi.ffi_lowering(_ffi.TOKEN_AFTER_TARGET)(
+            ctx.replace(avals_in=(aval,), avals_out=(abstract_token,)), value
+        )
+        ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
+
+    def start_lowering(ctx, x, *, op, comm, uid, site):
+        if uid in _DROPPED:
+            raise RuntimeError(
+                f"{_WHO}: the request started at {_DROPPED[uid]} is never waited "
+                f"on: it was dropped without mpi4jax_dist.wait. A start without "
+                f"its wait would leave MPI's reduction pending (and the next "
+                f"collective on its communicator hanging). Call "
+                f"mpi4jax_dist.wait(req) on it, or on the request that "
+                f"mpi4jax_dist.overlap or mpi4jax_dist.test returned, in the same "
+                f"function and on every path."
+            )
+        ext = _load_extension()
+        _check_count(int(np.prod(ctx.avals_in[0].shape)), ext)
+        token = ctx.tokens_in.get(ordered_effect)
+        buffer, handle = jax.ffi.ffi_lowering(
+            start_target, operand_output_aliases={0: 0}, has_side_effect=True
+        )(
+            ctx.replace(avals_in=(*ctx.avals_in, abstract_token)),
+            x,
+            token,
+            comm=np.int64(comm.handle),
+            op=np.int32(op),
+            uid=np.int64(uid),
+            site=site,
+        )
+        token_after(ctx, handle, handle_aval)
+        return [buffer, handle]
+
+    def then_lowering(prim, target):
+        aliases = {0: 0, 1: 1} if prim is test_p else {0: 0}
+
+        def rule(ctx, buffer, handle, *deps):
+            _load_extension()
+            token = ctx.tokens_in.get(ordered_effect)
+            avals = ctx.avals_in
+            results = jax.ffi.ffi_lowering(
+                target, operand_output_aliases=aliases, has_side_effect=True
+            )(
+                ctx.replace(avals_in=(*avals[:2], abstract_token, *avals[2:])),
+                buffer,
+                handle,
+                token,
+                *deps,
+            )
+            if prim is test_p:
+                token_after(ctx, results[1], handle_aval)
+            else:
+                token_after(ctx, results[0], ctx.avals_out[0])
+            return results
+
+        return rule
+
+    def gpu_lowering(platform):
+        def rule(ctx, *args, **params):
+            raise NotImplementedError(
+                f"{_WHO} (and mpi4jax_dist.test and wait) has a CPU handler only, "
+                f"none for {platform} GPUs; use the blocking "
+                f"mpi4jax_dist.allreduce (CUDA) or mpi4jax.allreduce there."
+            )
+
+        return rule
+
+    def start_batching(args, dims, **params):
+        # Elementwise over ranks: the batch dimension stays; the handle is one.
+        return start.bind(*args, **params), [dims[0], None]
+
+    def then_batching(prim):
+        def rule(args, dims):
+            out = prim.bind(*args)
+            if prim is test_p:
+                return out, [dims[0], None]
+            return out, dims[0]
+
+        return rule
+
+    # The tie of overlap: the handle and arrays in, the arrays out in place (a
+    # no-op call; see cpu.cc). Eagerly the identity: no call, no copy.
+    def tie_impl(handle, *arrays):
+        return list(arrays)
+
+    def tie_abstract(handle, *arrays):
+        return list(arrays)
+
+    def tie_lowering(ctx, handle, *arrays):
+        _load_extension()
+        return jax.ffi.ffi_lowering(
+            tie_target,
+            operand_output_aliases={i + 1: i for i in range(len(arrays))},
+        )(ctx, handle, *arrays)
+
+    def tie_batching(args, dims):
+        return tie.bind(*args), list(dims[1:])
+
+    def tie_jvp(primals, tangents):
+        return tie.bind(*primals), list(tangents[1:])
+
+    # Derivatives flow through the overlapped work (the test's and wait's operands
+    # after the handle are only dependencies), never through the reduction: JAX
+    # calls these rules only when some input carries a tangent.
+    def no_derivative():
+        return NotImplementedError(
+            f"{_WHO} does not differentiate the array it reduces; use "
+            f"mpi4jax_dist.allreduce (MPI.SUM, differentiable) for that."
+        )
+
+    def start_jvp(primals, tangents, **params):
+        raise no_derivative()
+
+    def then_jvp(prim):
+        def rule(primals, tangents):
+            if not isinstance(tangents[0], ad.Zero):
+                raise no_derivative()
+            out = prim.bind(*primals)
+            return out, (list(tangents[:2]) if prim is test_p else tangents[0])
+
+        return rule
+
+    start.def_impl(start_impl)
+    start.def_effectful_abstract_eval(start_abstract)
+    mlir.register_lowering(start, start_lowering, platform="cpu")
+    batching.primitive_batchers[start] = start_batching
+    ad.primitive_jvps[start] = start_jvp
+    for prim, target in ((test_p, test_target), (wait_p, wait_target)):
+        prim.def_impl(functools.partial(lambda p, *a: then_jitted(p)(*a), prim))
+        prim.def_effectful_abstract_eval(then_abstract(prim))
+        mlir.register_lowering(prim, then_lowering(prim, target), platform="cpu")
+        batching.primitive_batchers[prim] = then_batching(prim)
+        ad.primitive_jvps[prim] = then_jvp(prim)
+    for prim in (start, test_p, wait_p, tie):
+        for platform in ("cuda", "rocm"):
+            try:
+                mlir.register_lowering(prim, gpu_lowering(platform), platform=platform)
+            except NotImplementedError:  # that platform's plugin is not installed
+                pass
+    tie.def_impl(tie_impl)
+    tie.def_abstract_eval(tie_abstract)
+    mlir.register_lowering(tie, tie_lowering, platform="cpu")
+    batching.primitive_batchers[tie] = tie_batching
+    ad.primitive_jvps[tie] = tie_jvp
+    return start, test_p, wait_p, tie
