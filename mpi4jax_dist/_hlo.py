@@ -15,7 +15,9 @@ The rules, in the order :func:`loop_reductions` applies them:
   ``matvec`` is not taken for the outer one. None or several: ``LookupError``.
 * **A reduction** is an instruction that combines values of several processes:
   ``all-reduce``, ``all-reduce-start`` (its ``-done`` half is the same reduction),
-  ``reduce-scatter``, and mpi4jax's custom calls for allreduce, reduce and scan.
+  ``reduce-scatter``, mpi4jax's custom calls for allreduce, reduce and scan, and
+  this package's: :func:`mpi4jax_dist.allreduce`'s, and the start of
+  :func:`mpi4jax_dist.iallreduce` (its test and wait complete the same reduction).
   Collectives that only move data are not: ``collective-permute``, ``all-gather``,
   ``all-to-all``, send/recv, mpi4jax's ``sendrecv`` (halo exchanges), broadcasts.
   An all-reduce that XLA combined from several independent ones (a tuple of
@@ -51,6 +53,10 @@ MPI_REDUCTION_TARGETS = frozenset(
     for op in ("allreduce", "reduce", "scan")
     for suffix in ("_ffi", "")
 )
+# This package's: the blocking allreduce, and the start of the non-blocking one
+# (its "mpi4jax_dist_iallreduce_test" and "_wait" are the same reduction's later
+# halves, like all-reduce-done, and are not counted).
+MPI_REDUCTION_TARGETS |= {"mpi4jax_dist_allreduce", "mpi4jax_dist_iallreduce_start"}
 REDUCTION_OPCODES = frozenset({"all-reduce", "all-reduce-start", "reduce-scatter"})
 # Second halves of asynchronous pairs: the first half was counted and walked.
 _SECOND_HALVES = frozenset(

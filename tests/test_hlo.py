@@ -64,6 +64,28 @@ def test_counts_reductions_not_halo_exchanges(mpi):
     assert "mpi_sendrecv_ffi" in text  # it is there, and was not counted
 
 
+def test_counts_this_packages_reductions_once_each(mpi):
+    """mpi4jax_dist.allreduce is one reduction; so is a non-blocking one, counted at
+    its start: its tie, test and wait complete the same reduction."""
+    jax, jnp, lax, _, _ = mpi
+    from mpi4py import MPI
+
+    import mpi4jax_dist
+
+    def body(k, x):
+        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+        req, y = mpi4jax_dist.overlap(req, lambda v: v * 2, x)
+        req = mpi4jax_dist.test(req)
+        return mpi4jax_dist.wait(req) + mpi4jax_dist.allreduce(y, comm=MPI.COMM_SELF)
+
+    text = hlo(jax, marked_loop(jax, lax, body), jnp.ones(4), 3)
+    found = _hlo.loop_reductions(text, "loop")
+    assert (found.body, found.branch, found.condition) == (2, 0, 0), found
+    for name in ("allreduce", "iallreduce_start", "iallreduce_tie", "iallreduce_wait"):
+        assert f'custom_call_target="mpi4jax_dist_{name}"' in text, name
+    assert 'custom_call_target="mpi4jax_dist_iallreduce_test"' in text
+
+
 def test_inner_loop_with_known_trip_count_multiplies(mpi):
     jax, jnp, lax, allreduce, _ = mpi
 
