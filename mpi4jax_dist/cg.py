@@ -21,18 +21,34 @@ Two backends provide that reduction and the way the solve is compiled:
     the local block and communicates with ``lax.ppermute``/``lax.psum`` over the
     mesh axis.
 
-Three variants, identical in exact arithmetic (same iterates, same iteration count):
+Four variants, identical in exact arithmetic (same iterates, same iteration count):
 
-=============  ===================================================  ==============
-variant        recurrences                                          reductions/it
-=============  ===================================================  ==============
-``classic``    Hestenes-Stiefel: ``p.Ap``, then ``[r.z, r.r]``       2 (3 scalars)
-``single``     Chronopoulos-Gear: ``[r.u, w.u, r.r]`` after the      1 (3 scalars)
-               matvec, ``w = A u`` carried
-``pipelined``  Ghysels-Vanroose: ``[r.u, w.u, r.r]`` independent    1 (3 scalars)
-               of that iteration's matvec ``n = A M w``, so the
-               two can overlap where the runtime allows it
-=============  ===================================================  ==============
+================  ================================================  ==============
+variant           recurrences                                       reductions/it
+================  ================================================  ==============
+``classic``       Hestenes-Stiefel: ``p.Ap``, then ``[r.z, r.r]``    2 (3 scalars)
+``single``        Chronopoulos-Gear: ``[r.u, w.u, r.r]`` after the   1 (3 scalars)
+                  matvec, ``w = A u`` carried
+``pipelined``     Ghysels-Vanroose: ``[r.u, w.u, r.r]`` independent  1 (3 scalars)
+                  of that iteration's matvec ``n = A M w``, so the
+                  two can overlap where the runtime allows it
+``pipelined_nb``  ``pipelined``, its reduction non-blocking: the     1 (3 scalars)
+                  ``mpi4jax`` backend posts it
+                  (:func:`mpi4jax_dist.iallreduce`) before the
+                  preconditioner and matvec and waits after them
+================  ================================================  ==============
+
+``pipelined_nb`` is where the overlap happens: on the ``mpi4jax`` backend the
+iteration's ``MPI_Iallreduce`` is in flight while ``M w`` and ``A M w`` run, ordered so
+by data dependencies in the compiled loop (:func:`mpi4jax_dist.overlap`); the
+iterates are ``pipelined``'s (the same dot products, summed by ``MPI_Iallreduce``
+instead of ``MPI_Allreduce``: the same to rounding, and bit for bit in the 2-rank
+runs of the tests here).
+How much of the reduction hides depends on the MPI's progress: see
+:mod:`mpi4jax_dist._iallreduce` (``MPIR_CVAR_ASYNC_PROGRESS=1`` for MPICH). The
+``psum`` backend has no non-blocking reduction: there ``pipelined_nb`` reduces
+blocking, as ``pipelined`` does (XLA may still overlap independent work); so does
+shape B (below), whose dot products need no reduction.
 
 The whole solve is one jitted ``lax.while_loop``; :class:`CGInfo` says what it did.
 Matvecs and residual replacements are counted at run time in the loop carry.
@@ -156,6 +172,9 @@ class _Ops(NamedTuple):
     matvec: Callable
     inv_diag: jax.Array | None  # Jacobi; None: no preconditioner
     reduce: Callable | None  # sums partial sums over ranks; None: already global
+    # overlap(stacked, fn, *args) -> (summed, fn(*args)): the reduction in flight
+    # while fn runs (non-blocking); None: reduce, then run fn.
+    overlap: Callable | None = None
 
     def precond(self, v):
         """Return ``M^-1 v``: ``v`` itself without a preconditioner."""
@@ -169,6 +188,13 @@ class _Ops(NamedTuple):
         """Return the partial sums stacked and summed over ranks, in one reduction."""
         stacked = jnp.stack(partials)
         return stacked if self.reduce is None else self.reduce(stacked)
+
+    def sum_overlapping(self, partials, fn, *args):
+        """Return ``(self.sum(partials), fn(*args))``, the reduction in flight while
+        ``fn`` runs where the backend has a non-blocking one (``overlap``)."""
+        if self.overlap is None or self.reduce is None:
+            return self.sum(partials), fn(*args)
+        return self.overlap(jnp.stack(partials), fn, *args)
 
 
 def _dot(a, b):
@@ -313,9 +339,18 @@ def _pipelined_step(ops, b, st, k, counts, replace_every):
                 counts,
             )
         r, u, w, s, q, z = vectors
-    gamma, delta, rr = ops.sum([_dot(r, u), _dot(w, u), _dot(r, r)])
-    m = ops.precond(w)
-    n, counts = ops.apply(m, counts)  # independent of the reduction above
+
+    def precond_and_matvec(w, counts):  # independent of the reduction
+        m = ops.precond(w)
+        n, counts = ops.apply(m, counts)
+        # w comes back too: the non-blocking form passes it in place through a
+        # call that orders the matvec after the start, which would copy a w
+        # used afterwards (see mpi4jax_dist.overlap).
+        return w, m, n, counts
+
+    (gamma, delta, rr), (w, m, n, counts) = ops.sum_overlapping(
+        [_dot(r, u), _dot(w, u), _dot(r, r)], precond_and_matvec, w, counts
+    )
     alpha, beta = _next_coefficients(gamma, delta, st["gamma"], alpha)
     st = {
         "x": x,
@@ -363,6 +398,10 @@ class Variant:
             so that the two may overlap; XLA may then also combine a ``psum`` the
             matvec makes with the dot products' into one all-reduce (one
             collective, counted once).
+        nonblocking: whether the ``mpi4jax`` backend posts that reduction
+            non-blocking before the preconditioner and matvec and waits after them
+            (:func:`mpi4jax_dist.iallreduce`, :func:`mpi4jax_dist.overlap`,
+            :func:`mpi4jax_dist.wait`); the other backends reduce blocking.
     """
 
     name: str
@@ -372,6 +411,7 @@ class Variant:
     scalars: int
     replaces: bool = False
     overlaps: bool = False
+    nonblocking: bool = False
 
 
 VARIANT_RECORDS: dict[str, Variant] = {
@@ -387,6 +427,16 @@ VARIANT_RECORDS: dict[str, Variant] = {
             3,
             replaces=True,
             overlaps=True,
+        ),
+        Variant(
+            "pipelined_nb",
+            _pipelined_init,
+            _pipelined_step,
+            1,
+            3,
+            replaces=True,
+            overlaps=True,
+            nonblocking=True,
         ),
     )
 }
@@ -497,6 +547,22 @@ def _mpi4jax_sum(comm):
     return allreduce
 
 
+def _mpi4jax_overlap(comm):
+    """Return the non-blocking mpi4jax-backend reduction: ``overlap(stacked, fn,
+    *args) -> (summed, fn(*args))``, the sum over the ranks of ``comm`` in flight
+    (``MPI_Iallreduce``) while ``fn`` runs, inside jit."""
+    from mpi4py import MPI
+
+    from . import _iallreduce
+
+    def overlap(stacked, fn, *args):
+        req = _iallreduce.iallreduce(stacked, MPI.SUM, comm=comm)
+        req, out = _iallreduce.overlap(req, fn, *args)
+        return _iallreduce.wait(req), out
+
+    return overlap
+
+
 def _comm_size(comm):
     from mpi4py import MPI
 
@@ -548,13 +614,15 @@ class _ById:
 
 
 def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
-    """Return ``(program, mesh)``: ``fn(*args, counted, total)`` as a :class:`_Program`.
+    """Return ``(program, mesh)``: ``fn(*args, counted, total, overlap)`` as a
+    :class:`_Program`.
 
     ``total(x)`` sums ``x`` over ranks: ``mpi4jax.allreduce`` in a ``jit`` of per-rank
     arrays, or ``lax.psum`` in a ``jit(shard_map)`` of global arrays whose layouts
     are ``"rows"`` (split along axis 0 over the mesh) or ``"same"`` (replicated).
-    ``counted`` is the triple of loop reduction counts that :class:`_Program`
-    appends to every call's arguments.
+    ``overlap`` is the non-blocking form of ``total`` (:attr:`_Ops.overlap`), or None
+    where the backend has none (psum). ``counted`` is the triple of loop reduction
+    counts that :class:`_Program` appends to every call's arguments.
     """
     counts = len(_COUNT_FIELDS)
 
@@ -562,11 +630,11 @@ def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
         return args[:-counts], args[-counts:]
 
     if backend == "mpi4jax":
-        total = _mpi4jax_sum(comm)
+        total, overlap = _mpi4jax_sum(comm), _mpi4jax_overlap(comm)
 
         def local(*args):
             args, counted = split(*args)
-            return fn(*args, counted, total)
+            return fn(*args, counted, total, overlap)
 
         return _Program(jax.jit(local)), None
     mesh, axis = _mesh_axis(mesh)
@@ -574,7 +642,7 @@ def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
 
     def sharded(*args):
         args, counted = split(*args)
-        return fn(*args, counted, lambda x: lax.psum(x, axis))
+        return fn(*args, counted, lambda x: lax.psum(x, axis), None)
 
     sharded = _jax_compat.shard_map(
         sharded,
@@ -658,11 +726,12 @@ class Solver:
 
     def __init__(self, matvec, backend, variant, comm, mesh, replace_every):
         self.backend, self.variant, self.comm = backend, variant, comm
-        replaces = VARIANT_RECORDS[variant].replaces
-        self.replace_every = replace_every if replaces else 0
+        record = VARIANT_RECORDS[variant]
+        self.replace_every = replace_every if record.replaces else 0
 
-        def local(b, x0, diag, tol, maxiter, counted, total):
-            ops = _Ops(matvec, _inverse(diag), total)
+        def local(b, x0, diag, tol, maxiter, counted, total, overlap):
+            overlap = overlap if record.nonblocking else None
+            ops = _Ops(matvec, _inverse(diag), total, overlap)
             return _cg(ops, variant, self.replace_every, b, x0, tol, maxiter, counted)
 
         self._solve, self.mesh = _compile(
@@ -711,13 +780,15 @@ def make_solver(
             communicate (``mpi4jax.sendrecv`` / ``lax.ppermute`` halo exchanges).
         backend: ``"mpi4jax"`` (per-rank arrays) or ``"psum"`` (global arrays
             sharded along axis 0 over ``mesh``).
-        variant: ``"classic"``, ``"single"`` or ``"pipelined"`` (module docstring).
+        variant: ``"classic"``, ``"single"``, ``"pipelined"`` or ``"pipelined_nb"``
+            (module docstring).
         comm: mpi4py communicator of the mpi4jax backend (default mpi4jax's, a
             clone of ``COMM_WORLD``).
         mesh: 1-D mesh of the psum backend (default
             :func:`mpi4jax_dist.global_mesh`); ``matvec`` sees its axis name.
-        replace_every: residual replacement period of ``pipelined`` (0: none; see
-            the module docstring for the stability limit without it).
+        replace_every: residual replacement period of ``pipelined`` and
+            ``pipelined_nb`` (0: none; see the module docstring for the stability
+            limit without it).
         matvec_reductions: deprecated and ignored: the reductions a ``matvec``
             makes are counted in the compiled loop.
 
@@ -789,7 +860,8 @@ def solve(
             ``jax.Array`` sharded along axis 0 over the mesh (psum backend; build it
             with :func:`mpi4jax_dist.to_global`). Real floating point.
         backend: ``"mpi4jax"`` or ``"psum"``.
-        variant: ``"classic"``, ``"single"`` or ``"pipelined"``.
+        variant: ``"classic"``, ``"single"``, ``"pipelined"`` or
+            ``"pipelined_nb"``.
         x0: initial guess laid out like ``b`` (default zero).
         diag: the diagonal of ``A`` laid out like ``b``: Jacobi preconditioning
             (default none).
@@ -798,7 +870,8 @@ def solve(
             assuming equal blocks on every rank for the mpi4jax backend).
         comm: mpi4py communicator (mpi4jax backend).
         mesh: 1-D mesh (psum backend).
-        replace_every: residual replacement period of ``pipelined`` (0: none).
+        replace_every: residual replacement period of ``pipelined`` and
+            ``pipelined_nb`` (0: none).
         matvec_reductions: deprecated and ignored (see :func:`make_solver`).
 
     Returns:
@@ -857,7 +930,9 @@ class NormalSolver:
         replaces = VARIANT_RECORDS[variant].replaces
         self.replace_every = replace_every if replaces else 0
 
-        def local(J, f, x0, eps, num_samples, tol, maxiter, counted, total):
+        def local(J, f, x0, eps, num_samples, tol, maxiter, counted, total, overlap):
+            # The dot products are local here: nothing to overlap (``overlap``
+            # unused), every variant reduces in its matvec, blocking.
             dtype = jnp.result_type(J, f)
 
             def matvec(v, narrow=reduce_dtype):
@@ -947,17 +1022,20 @@ def make_normal_solver(
     variant therefore makes one reduction per iteration here; ``single`` and
     ``pipelined`` only change how the vector updates fuse.
 
-    Narrowed reductions and ``pipelined`` do not mix: its extra recurrences amplify
-    the float32 error of the matvec, so the true residual stalls near ``1e-5`` and
-    can then grow while the recurrence still decreases (measured on small problems;
-    ``classic`` and ``single`` reach ``1e-8`` there). A warning is logged.
+    Narrowed reductions and ``pipelined`` (or ``pipelined_nb``) do not mix: its extra
+    recurrences amplify the float32 error of the matvec, so the true residual stalls
+    near ``1e-5`` and can then grow while the recurrence still decreases (measured
+    on small problems; ``classic`` and ``single`` reach ``1e-8`` there). A warning
+    is logged.
 
     Args:
         backend: ``"mpi4jax"`` (``J`` is this rank's samples) or ``"psum"`` (``J``
             a global array sharded by rows over ``mesh``; ``f`` and ``x0``
             replicated).
-        variant: ``"classic"``, ``"single"`` or ``"pipelined"``; all make one
-            reduction per iteration here, in the matvec.
+        variant: ``"classic"``, ``"single"``, ``"pipelined"`` or
+            ``"pipelined_nb"`` (here the same as ``"pipelined"``: the dot products
+            need no reduction); all make one reduction per iteration here, in the
+            matvec.
         jacobi: precondition with the diagonal ``sum(J**2, 0) / Ns + eps``
             (one more allreduce of ``n_params`` floats per solve, outside the loop).
         reduce_dtype: dtype the partial ``J^T J v`` is reduced in (e.g.
@@ -982,10 +1060,13 @@ def make_normal_solver(
     """
     _check_options(backend, variant, replace_every)
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
-    if reduce_dtype is not None and variant == "pipelined":
+    # The variants with residual replacement are the pipelined ones, whose extra
+    # recurrences amplify the narrowed matvec's error.
+    if reduce_dtype is not None and VARIANT_RECORDS[variant].replaces:
         logger.warning(
-            "mpi4jax_dist.cg: variant='pipelined' with reduce_dtype=%s is unstable "
+            "mpi4jax_dist.cg: variant=%r with reduce_dtype=%s is unstable "
             "below a relative residual of about 1e-5; use 'classic' or 'single'.",
+            variant,
             reduce_dtype.name,
         )
     return NormalSolver(
@@ -1033,7 +1114,8 @@ def solve_normal(
         f: the right-hand side, ``(params,)``, the same on every rank.
         eps: the diagonal shift (> 0 keeps the system definite).
         backend: ``"mpi4jax"`` or ``"psum"``.
-        variant: ``"classic"``, ``"single"`` or ``"pipelined"``.
+        variant: ``"classic"``, ``"single"``, ``"pipelined"`` or
+            ``"pipelined_nb"``.
         x0: warm start, e.g. the previous solution (default zero).
         tol: relative residual to stop at.
         maxiter: most iterations.

@@ -613,7 +613,7 @@ def self_comm_program(with_overlap=True):
 
 
 @pytest.mark.mpi_skip
-def test_overlapped_work_runs_between_start_and_wait_in_the_compiled_program(world):
+def test_overlapped_work_runs_between_start_and_wait_in_the_compiled_program():
     import jax
     import jax.numpy as jnp
 
@@ -644,8 +644,63 @@ def test_overlapped_work_runs_between_start_and_wait_in_the_compiled_program(wor
     assert all(np.allclose(a, b) for a, b in zip(got, eager, strict=True))
 
 
+def loop_body(text: str, scope: str) -> str:
+    """The name of the body computation of the while loop marked ``scope``."""
+    from mpi4jax_dist import _hlo
+
+    (loop,) = [
+        ins for ins in _hlo._top_level_loops(_hlo.parse(text)) if ins.scope() == scope
+    ]
+    return loop.calls("body")[0]
+
+
 @pytest.mark.mpi_skip
-def test_gpu_platforms_are_refused_by_name(world):
+def test_cg_reduction_overlaps_the_matvec_in_the_compiled_loop():
+    """pipelined_nb's loop body: its reduction's start, then the preconditioner and
+    matvec, then its wait, in schedule order and by data; pipelined's matvec does
+    not wait for its (blocking) reduction, nor does the reduction for the matvec,
+    which is the freedom that the non-blocking form turns into an overlap."""
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    from mpi4jax_dist import cg
+
+    n = 4096
+    d = 2.0 + jnp.arange(n) / n
+
+    def matvec(v):
+        with jax.named_scope("matvec"):
+            return d * v + 0.1 * (jnp.roll(v, 1) + jnp.roll(v, -1))
+
+    def compiled(variant):
+        solver = cg.make_solver(matvec, variant=variant, comm=MPI.COMM_SELF)
+        args = (jnp.ones(n), None, d, 1e-5, 100, 0, 0, 0)
+        text = solver._solve._jitted.lower(*args).compile().as_text()
+        return text, loop_body(text, cg._LOOP_SCOPE)
+
+    text, body = compiled("pipelined_nb")
+    names, graph, starts, ties, work, waits = order_of(text, body, "matvec")
+    assert len(starts) == len(ties) == len(waits) == 1 and work, (starts, waits)
+    (start,), (tie,), (wait,) = starts, ties, waits
+    at = names.index
+    assert at(start) < at(tie) < min(map(at, work)) <= max(map(at, work)) < at(wait)
+    assert all(reaches(graph, start, op) for op in work)
+    assert any(reaches(graph, op, wait) for op in work)
+    blocking = 'custom_call_target="mpi_allreduce_ffi"'
+    assert not [n for n, r in instructions(text, body) if blocking in r]
+    # The blocking variant: an allreduce, and no data path either way.
+    text, body = compiled("pipelined")
+    ins = instructions(text, body)
+    graph = {name: operands(rest) for name, rest in ins}
+    (reduce,) = [n for n, r in ins if blocking in r]
+    work = [n for n, r in ins if "/matvec/" in r]
+    assert work and not any(reaches(graph, reduce, op) for op in work)
+    assert not any(reaches(graph, op, reduce) for op in work)
+
+
+@pytest.mark.mpi_skip
+def test_gpu_platforms_are_refused_by_name():
     import jax
     import jax.numpy as jnp
 
