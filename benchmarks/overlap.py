@@ -123,6 +123,42 @@ def delayed(matvec, trips: int, noise: bool = False):
     return noisy
 
 
+def micro(prob, comm, trips: int, samples: int):
+    """Seconds per loop trip of: the non-blocking allreduce of three float64 alone,
+    the grid's matvec alone, and both overlapped (start, matvec, wait); the
+    slowest rank's median over ``samples`` runs of ``trips`` trips each."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import mpi4jax_dist
+
+    matvec = prob.mpi4jax_matvec()
+    three = jnp.ones(3)
+
+    def reduce_only(c, v):
+        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(c / comm.size)), v
+
+    def matvec_only(c, v):
+        return c, matvec(v) * 1e-3
+
+    def both(c, v):
+        req = mpi4jax_dist.iallreduce(c / comm.size)
+        req, av = mpi4jax_dist.overlap(req, matvec, v)
+        return mpi4jax_dist.wait(req), av * 1e-3
+
+    def looped(body):
+        return jax.jit(
+            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
+        )
+
+    v = jnp.asarray(prob.b)
+    compiled = [looped(f) for f in (reduce_only, matvec_only, both)]
+    cases = [lambda f=f: f(three, v) for f in compiled]
+    times = _harness.time_rounds(cases, comm, samples)
+    return [float(np.median(t)) / trips for t in times]
+
+
 def main(argv=None):
     args = parse_args(argv)
     import mpi4jax_dist  # noqa: I001  (before jax: it registers the cluster env)
@@ -152,6 +188,33 @@ def main(argv=None):
         f"{args.samples} solves",
     )
     rows = []
+    _harness.say(
+        comm,
+        "# overlap: one non-blocking allreduce of 3 float64 and the grid's matvec, "
+        f"in jitted loops of {args.micro_iters}; efficiency = (reduce + matvec - "
+        "both) / min(reduce, matvec)",
+        "#      n   reduce_us   matvec_us     both_us  efficiency",
+    )
+    for n in args.grids:
+        t_red, t_mv, t_both = micro(
+            cg_bench.Poisson(n, comm), comm, args.micro_iters, args.samples
+        )
+        efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
+        rows.append(
+            {
+                "micro": True,
+                "n": n,
+                "reduce_us": t_red * 1e6,
+                "matvec_us": t_mv * 1e6,
+                "both_us": t_both * 1e6,
+                "efficiency": efficiency,
+            }
+        )
+        _harness.say(
+            comm,
+            f"  {n:5d}  {t_red * 1e6:10.2f}  {t_mv * 1e6:10.2f}  "
+            f"{t_both * 1e6:10.2f}  {efficiency:10.2f}",
+        )
     for n in args.grids:
         prob = cg_bench.Poisson(n, comm)
         b = jnp.asarray(prob.b)
