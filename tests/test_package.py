@@ -281,10 +281,14 @@ def test_public_api():
         "allreduce",
         "cg",
         "global_mesh",
+        "iallreduce",
         "initialize",
+        "overlap",
+        "test",
         "to_global",
         "to_local",
         "topology",
+        "wait",
     ]
 
 
