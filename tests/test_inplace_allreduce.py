@@ -40,19 +40,8 @@ def first_line(library_version: str) -> str:
 
 
 def values(dtype: str, op: str, rank: int, n: int = 37) -> np.ndarray:
-    """Per-rank inputs whose reduction is exact and fits the dtype at 4 ranks."""
-    rng = np.random.default_rng(1000 + rank)
-    if dtype == "bool" or op in ("LAND", "LOR", "LXOR"):
-        base = rng.integers(0, 2, n)
-    elif op == "PROD":
-        base = rng.integers(1, 3, n)  # 2**4 fits int8
-    elif op in ("BAND", "BOR", "BXOR"):
-        base = rng.integers(0, 128, n)
-    else:
-        base = rng.integers(0, 50, n) - (25 if dtype[0] in "fic" else 0)
-    if dtype.startswith("complex"):
-        return (base + 1j * rng.integers(0, 2, n)).astype(dtype)
-    return base.astype(dtype)
+    """Per-rank inputs whose reduction is exact (:func:`util.exact_inputs`)."""
+    return util.exact_inputs(dtype, op, rank, seed=1000, n=n)
 
 
 def test_every_dtype_and_op_against_mpi4py():

@@ -224,3 +224,22 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
+    """Per-rank inputs for an allreduce with ``op`` (an MPI op's name) whose result
+    is exact and fits ``dtype`` at 4 ranks; drawn from ``seed + rank``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + rank)
+    if dtype == "bool" or op in ("LAND", "LOR", "LXOR"):
+        base = rng.integers(0, 2, n)
+    elif op == "PROD":
+        base = rng.integers(1, 3, n)  # 2**4 fits int8
+    elif op in ("BAND", "BOR", "BXOR"):
+        base = rng.integers(0, 128, n)
+    else:
+        base = rng.integers(0, 50, n) - (25 if dtype[0] in "fic" else 0)
+    if dtype.startswith("complex"):
+        return (base + 1j * rng.integers(0, 2, n)).astype(dtype)
+    return base.astype(dtype)
