@@ -8,7 +8,6 @@ tools/test.sh's Open MPI stage), so they run in the serial session.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -29,15 +28,8 @@ def needs_wrapper():
 
 
 def results(proc, n: int) -> list[dict]:
-    shown = f"\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, shown
-    # Split on the marker, not on lines: a launcher's output forwarding can put two
-    # ranks' lines on one (seen under Intel MPI's Hydra).
-    found = [
-        json.loads(chunk.splitlines()[0]) for chunk in proc.stdout.split("RESULT ")[1:]
-    ]
-    assert len(found) == n, f"expected {n} RESULT lines{shown}"
-    return sorted(found, key=lambda r: r["rank"])
+    """The RESULT lines of ``proc``, one per rank, by rank."""
+    return util.result_lines(proc, n, "rank")
 
 
 def test_switch_values():

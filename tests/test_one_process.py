@@ -9,7 +9,6 @@ asked before it. Real processes; the Slurm launch is faked by its variables.
 from __future__ import annotations
 
 import ipaddress
-import json
 import sys
 
 import numpy as np
@@ -27,15 +26,7 @@ EXPECTED_MEAN = float(np.mean(np.sin(np.arange(4096, dtype=np.float32))))
 
 def results(proc, n: int) -> list[dict]:
     """The RESULT lines of ``proc``, one per process, by process index."""
-    shown = f"\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert proc.returncode == 0, shown
-    found = [
-        json.loads(line[len("RESULT ") :])
-        for line in proc.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    assert len(found) == n, f"expected {n} RESULT lines{shown}"
-    return sorted(found, key=lambda r: r["process_index"])
+    return util.result_lines(proc, n, "process_index")
 
 
 def plain(**env):

@@ -243,3 +243,21 @@ def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
     if dtype.startswith("complex"):
         return (base + 1j * rng.integers(0, 2, n)).astype(dtype)
     return base.astype(dtype)
+
+
+def result_lines(proc, n: int, key: str) -> list[dict]:
+    """Return the ``RESULT {json}`` records of a job that exited 0, ``n`` of them,
+    sorted by ``key``.
+
+    Split on the marker, not on lines: a launcher's output forwarding can put two
+    ranks' lines on one (seen under Intel MPI's Hydra).
+    """
+    import json
+
+    shown = f"\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, shown
+    found = [
+        json.loads(chunk.splitlines()[0]) for chunk in proc.stdout.split("RESULT ")[1:]
+    ]
+    assert len(found) == n, f"expected {n} RESULT lines{shown}"
+    return sorted(found, key=lambda r: r[key])
