@@ -19,7 +19,6 @@ import util
 from util import skip_in_mpi_job
 
 TIMEOUT = 120  # seconds per job; jobs take a few seconds even oversubscribed
-PREFIX = "RESULT "
 README = util.ROOT / "README.rst"
 
 
@@ -29,11 +28,7 @@ def _env(**extra) -> dict:
 
 def _results(proc, n: int, key: str) -> dict:
     """Return ``{rank: result}`` from the RESULT lines, one per rank (checked)."""
-    lines = [
-        line[len(PREFIX) :]
-        for line in proc.stdout.splitlines()
-        if line.startswith(PREFIX)
-    ]
+    lines = util.result_texts(proc.stdout)
     shown = f"\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert len(lines) == n, f"expected {n} RESULT lines, got {len(lines)}{shown}"
     results = [json.loads(line) for line in lines]

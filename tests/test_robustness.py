@@ -12,11 +12,7 @@ pytestmark = util.skip_in_mpi_job
 
 
 def results(stdout: str) -> list[dict]:
-    rows = [
-        json.loads(line[7:])
-        for line in stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    rows = [json.loads(text) for text in util.result_texts(stdout)]
     return sorted(rows, key=lambda r: r["rank"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -245,19 +246,20 @@ def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
     return base.astype(dtype)
 
 
-def result_lines(proc, n: int, key: str) -> list[dict]:
-    """Return the ``RESULT {json}`` records of a job that exited 0, ``n`` of them,
-    sorted by ``key``.
+def result_texts(stdout: str) -> list[str]:
+    """The JSON texts after each ``RESULT `` marker in ``stdout``.
 
     Split on the marker, not on lines: a launcher's output forwarding can put two
-    ranks' lines on one (seen under Intel MPI's Hydra).
+    ranks' lines on one (seen under Intel MPI's Hydra and, under load, MPICH's).
     """
-    import json
+    return [chunk.splitlines()[0] for chunk in stdout.split("RESULT ")[1:]]
 
+
+def result_lines(proc, n: int, key: str) -> list[dict]:
+    """Return the ``RESULT {json}`` records of a job that exited 0, ``n`` of them,
+    sorted by ``key`` (:func:`result_texts`)."""
     shown = f"\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, shown
-    found = [
-        json.loads(chunk.splitlines()[0]) for chunk in proc.stdout.split("RESULT ")[1:]
-    ]
+    found = [json.loads(text) for text in result_texts(proc.stdout)]
     assert len(found) == n, f"expected {n} RESULT lines{shown}"
     return sorted(found, key=lambda r: r[key])
