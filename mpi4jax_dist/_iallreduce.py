@@ -17,8 +17,11 @@ every mpi4jax call and every allreduce of the program, on every rank.
   reachable only through the request, so nothing reads or reuses it before the wait.
 * :func:`overlap` runs ``fn(*args)`` between the start and the wait, by data
   dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
-  custom call that reads the request's handle (written by the start), and the wait
-  takes ``fn``'s result arrays as operands it never reads. XLA's schedule then has
+  custom call that reads the request's handle (written by the start), and
+  ``fn``'s result arrays pass through it again on their way out, the wait taking
+  them from there as operands it never reads (so that every later reader of the
+  results reads them from that call, and XLA cannot fuse ``fn``'s last step into
+  those readers, which would compute it again). XLA's schedule then has
   start, ``fn``, wait, and so does XLA:CPU's runtime, which runs thunks concurrently
   ordered only by the buffers they read and write. (``lax.optimization_barrier``
   would not do: XLA:CPU removes barriers before it schedules.)
@@ -46,6 +49,14 @@ at scale more is. What helps:
 * Any MPI: :func:`test` between pieces of the work, e.g.
   ``req, m = overlap(req, precond, w); req = test(req); req, n = overlap(req,
   matvec, m)``.
+
+A simulated latency, for benchmarks. Two ranks on one machine reduce a few scalars
+in about a microsecond; at 10^4 ranks an 8-byte allreduce takes tens. With
+``MPI4JAX_DIST_SIMULATED_LATENCY_US=L`` set when a start is traced, its wait holds
+the result until ``L`` µs after the start posted it (spinning, as ``MPI_Wait``
+polls), and ``mpi4jax_dist.cg``'s ``mpi4jax`` backend makes its blocking reductions
+a start and its wait back to back: a blocking reduction then costs ``L``, an
+overlapped one ``max(L, work)``. ``benchmarks/overlap.py --mode latency`` uses it.
 
 What is caught, and how:
 
@@ -107,7 +118,7 @@ import weakref
 
 import numpy as np
 
-from . import _allreduce, _extras
+from . import _allreduce, _config, _extras
 
 INT_MAX = 2**31 - 1
 #: Seconds an eager request dropped without its wait is polled for completion.
@@ -368,8 +379,14 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     site = _caller_site()
     uid = next(_UIDS)
     start, _, _, _ = _primitives()
+    latency_us = _config.simulated_latency_us() or 0.0
     buffer, handle = start.bind(
-        x, op=_allreduce.OPS.index(name), comm=comm, uid=uid, site=site
+        x,
+        op=_allreduce.OPS.index(name),
+        comm=comm,
+        uid=uid,
+        site=site,
+        latency_ns=int(round(latency_us * 1e3)),
     )
     if not _is_traced(buffer):  # it ran: an eager start (its uid is unused)
         uid = 0
@@ -403,12 +420,14 @@ def overlap(req: Request, fn, *args):
     Start, ``fn`` and wait run in that order in the compiled program, by data
     dependencies: ``args``' JAX arrays pass through a no-op call that reads the
     request's handle (so ``fn`` starts after the start, or after the last
-    :func:`test`), and the wait (or the next test) takes ``fn``'s JAX arrays as
-    operands it never reads (so it runs after ``fn``). Pass ``fn``'s inputs as
-    ``args``: what ``fn`` closes over is not ordered. The no-op call passes the
-    arrays on in place; an array of ``args`` that is used again after ``overlap``
-    (or carried unchanged through a loop) is therefore copied once by XLA, which
-    keeps its value: return it from ``fn`` and use that instead to avoid the copy.
+    :func:`test`), and ``fn``'s JAX arrays pass through it again, which the wait
+    (or the next test) takes as operands it never reads (so it runs after ``fn``,
+    and ``fn``'s work runs once: no reader of its results can recompute them).
+    Pass ``fn``'s inputs as ``args``: what ``fn`` closes over is not ordered. The
+    no-op call passes the arrays on in place; an array of ``args`` used again after
+    ``overlap`` (or carried unchanged through a loop) is therefore copied once by
+    XLA, which keeps its value: return it from ``fn`` and use that instead to avoid
+    the copy.
     Eagerly, ``fn`` simply runs.
 
     Args:
@@ -446,15 +465,24 @@ def overlap(req: Request, fn, *args):
     for i, value in zip(arrays, tied, strict=True):
         leaves[i] = value
     out = fn(*jax.tree.unflatten(treedef, leaves))
-    out_leaves, _, out_arrays = _array_leaves(out)
+    out_leaves, out_treedef, out_arrays = _array_leaves(out)
     if not out_arrays:
         raise TypeError(
             f"{who}: fn returned no JAX array, so nothing orders the wait after "
             f"its work; return the work's results."
         )
+    # fn's results pass through the no-op call too, and the wait takes them from
+    # there: a result that had two readers (the wait and the caller's next step)
+    # could have its computation fused into both by XLA, which would run it
+    # twice, once after the wait.
+    tied = tie.bind(req._handle, *(out_leaves[i] for i in out_arrays))
+    for i, value in zip(out_arrays, tied, strict=True):
+        out_leaves[i] = value
     req._consume("overlap")
-    deps = req._deps + tuple(out_leaves[i] for i in out_arrays)
-    return req._successor(req._buffer, req._handle, deps), out
+    deps = req._deps + tuple(tied)
+    return req._successor(req._buffer, req._handle, deps), jax.tree.unflatten(
+        out_treedef, out_leaves
+    )
 
 
 def test(req: Request) -> Request:
@@ -526,18 +554,22 @@ def _primitives():
     # to the test and the wait so that they see the buffer MPI reduces.
 
     @functools.cache
-    def start_jitted(op, comm, site):
-        return jax.jit(lambda x: start.bind(x, op=op, comm=comm, uid=0, site=site))
+    def start_jitted(op, comm, site, latency_ns):
+        return jax.jit(
+            lambda x: start.bind(
+                x, op=op, comm=comm, uid=0, site=site, latency_ns=latency_ns
+            )
+        )
 
     @functools.cache
     def then_jitted(prim):
         return jax.jit(lambda b, h, *deps: prim.bind(b, h, *deps), donate_argnums=0)
 
-    def start_impl(x, *, op, comm, uid, site):
+    def start_impl(x, *, op, comm, uid, site, latency_ns):
         del uid  # eager starts are not checked at lowering
-        return start_jitted(op, comm, site)(x)
+        return start_jitted(op, comm, site, latency_ns)(x)
 
-    def start_abstract(x, *, op, comm, uid, site):
+    def start_abstract(x, *, op, comm, uid, site, latency_ns):
         buffer = ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
         return [buffer, handle_aval], {ordered_effect}
 
@@ -556,7 +588,7 @@ def _primitives():
         )
         ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
 
-    def start_lowering(ctx, x, *, op, comm, uid, site):
+    def start_lowering(ctx, x, *, op, comm, uid, site, latency_ns):
         if uid in _DROPPED:
             raise RuntimeError(
                 f"{_WHO}: the request started at {_DROPPED[uid]} is never waited "
@@ -580,6 +612,7 @@ def _primitives():
             op=np.int32(op),
             uid=np.int64(uid),
             site=site,
+            latency_ns=np.int64(latency_ns),
         )
         token_after(ctx, handle, handle_aval)
         return [buffer, handle]

@@ -537,11 +537,20 @@ def _check_tol_maxiter(tol, maxiter):
 
 
 def _mpi4jax_sum(comm):
-    """Return the mpi4jax reduction: sum over the ranks of ``comm``, inside jit."""
+    """Return the mpi4jax reduction: sum over the ranks of ``comm``, inside jit.
+
+    Under a simulated latency (``MPI4JAX_DIST_SIMULATED_LATENCY_US``, read when
+    traced) it is an :func:`mpi4jax_dist.iallreduce` and its wait back to back, so
+    that the blocking variants pay the latency the non-blocking one may hide.
+    """
     import mpi4jax
     from mpi4py import MPI
 
+    from . import _config, _iallreduce
+
     def allreduce(x):
+        if _config.simulated_latency_us() is not None:
+            return _iallreduce.wait(_iallreduce.iallreduce(x, MPI.SUM, comm=comm))
         return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
     return allreduce

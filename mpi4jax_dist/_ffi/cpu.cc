@@ -58,8 +58,9 @@ ffi::Error IallreduceStartCpuImpl(ffi::AnyBuffer x, ffi::Token,
                                   ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::BufferR0<ffi::S32>> handle,
                                   int64_t comm_handle, int32_t op_code,
-                                  int64_t uid, std::string_view site) {
-  return IallreduceStart(x, *y, comm_handle, op_code, uid, site,
+                                  int64_t uid, std::string_view site,
+                                  int64_t latency_ns) {
+  return IallreduceStart(x, *y, comm_handle, op_code, uid, site, latency_ns,
                          handle->typed_data());
 }
 
@@ -127,7 +128,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceStartCpu,
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("uid")
-                                  .Attr<std::string_view>("site"));
+                                  .Attr<std::string_view>("site")
+                                  .Attr<int64_t>("latency_ns"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceTestCpu,
                               mpi4jax_dist::IallreduceTestCpuImpl,

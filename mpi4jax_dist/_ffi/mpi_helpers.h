@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -298,6 +299,13 @@ inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
 
 constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
 
+// Nanoseconds on the steady clock, for the simulated latency.
+inline int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // One request in flight.
 struct PendingRequest {
   MPI_Request request = MPI_REQUEST_NULL;
@@ -309,6 +317,9 @@ struct PendingRequest {
   // in Python it was made, for the messages.
   int64_t uid = 0;
   std::string site;
+  // Simulated latency: the wait holds the result until this time (steady
+  // clock, ns; 0: no simulation). See SteadyNs.
+  int64_t ready_ns = 0;
   int32_t generation = 0;
   bool active = false;
 };
@@ -370,7 +381,8 @@ class RequestTable {
   // kMaxRequests are; the slot is freed again when `post` fails.
   template <typename Post>
   ffi::Error Take(int64_t uid, std::string_view site, const void* data,
-                  size_t bytes, Post post, int* rc, int32_t* handle) {
+                  size_t bytes, int64_t ready_ns, Post post, int* rc,
+                  int32_t* handle) {
     std::lock_guard<std::mutex> lock(mu_);
     PendingRequest* free = nullptr;
     size_t index = 0;
@@ -412,6 +424,7 @@ class RequestTable {
     free->data = data;
     free->bytes = bytes;
     free->uid = uid;
+    free->ready_ns = ready_ns;
     free->site.assign(site.data(), site.size());
     free->generation = free->generation % kMaxGeneration + 1;
     free->active = true;
@@ -486,11 +499,13 @@ inline int PostIallreduce(void* data, size_t count, MPI_Datatype dtype,
 }
 
 // The start: post MPI_Iallreduce on y (x's values; one buffer when XLA
-// aliased them) and set *handle to its slot. Host memory.
+// aliased them) and set *handle to its slot. Host memory. latency_ns > 0
+// simulates a network with that latency: the wait holds the result until
+// latency_ns after this post (MPI4JAX_DIST_SIMULATED_LATENCY_US).
 inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
                                   int64_t comm_handle, int32_t op_code,
                                   int64_t uid, std::string_view site,
-                                  int32_t* handle) {
+                                  int64_t latency_ns, int32_t* handle) {
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
@@ -517,8 +532,9 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
                      : MPI_SUCCESS;  // nothing to reduce: a null request
   };
   int rc = MPI_SUCCESS;
-  if (ffi::Error error =
-          RequestTable::Get().Take(uid, site, data, bytes, post, &rc, handle);
+  const int64_t ready_ns = latency_ns > 0 ? SteadyNs() + latency_ns : 0;
+  if (ffi::Error error = RequestTable::Get().Take(uid, site, data, bytes,
+                                                  ready_ns, post, &rc, handle);
       error.failure()) {
     return error;
   }
@@ -558,11 +574,15 @@ inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   stats.waits.fetch_add(1, std::memory_order_relaxed);
   int done = 0;
   int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
-  if (rc == MPI_SUCCESS && done) {
+  if (rc == MPI_SUCCESS && done && SteadyNs() >= slot->ready_ns) {
     stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
   }
   if (rc == MPI_SUCCESS && !done) {
     rc = MPI_Wait(&slot->request, MPI_STATUS_IGNORE);
+  }
+  // A simulated latency: the result arrives latency_ns after the post. Spin,
+  // as MPI_Wait polls (a sleep overshoots by the timer slack, ~50 us).
+  while (slot->ready_ns > 0 && SteadyNs() < slot->ready_ns) {
   }
   const bool moved = slot->bytes > 0 && slot->data != x.untyped_data();
   const std::string site = slot->site;
@@ -595,7 +615,9 @@ inline ffi::Error IallreduceTest(const ffi::AnyBuffer& x,
   int done = 0;
   const int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
   if (rc != MPI_SUCCESS) return MpiError("MPI_Test", rc, who);
-  if (done) stats.tests_done.fetch_add(1, std::memory_order_relaxed);
+  if (done && SteadyNs() >= slot->ready_ns) {
+    stats.tests_done.fetch_add(1, std::memory_order_relaxed);
+  }
   return ffi::Error::Success();
 }
 
