@@ -38,20 +38,21 @@ if [ -x "$ompi/bin/mpiexec" ]; then
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
         tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
         tests/test_cpu_collectives.py
-    # The in-place allreduce built against Open MPI, whose MPI 3.1 has no
-    # MPI_Allreduce_c: counts above INT_MAX go in chunks there. (Open MPI refuses
-    # root without the two variables; elsewhere they change nothing.)
+    # The non-blocking and in-place allreduces built against Open MPI, whose MPI 3.1
+    # has no MPI_Allreduce_c: counts above INT_MAX go in chunks there, and a
+    # non-blocking one is refused. (Open MPI refuses root without the two
+    # variables; elsewhere they change nothing.)
     run env PATH="$ompi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
         -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
-        tests/test_inplace_allreduce.py
+        tests/test_iallreduce.py tests/test_inplace_allreduce.py
 else
     echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
 fi
 
 # Intel MPI (tools/setup.sh --with-intel-mpi): the launch tests under its mpiexec,
-# Open MPI's mpi4py under it (to be caught), its in-place allreduce, and the
-# bootstrap benchmark once, printing its table.
+# Open MPI's mpi4py under it (to be caught), its non-blocking and in-place
+# allreduces, and the bootstrap benchmark once, printing its table.
 impi=${VENV_IMPI:-$here/.venv-impi}
 if [ -x "$impi/bin/mpiexec" ]; then
     in_impi=(env PATH="$impi/bin:$PATH")
@@ -63,7 +64,7 @@ if [ -x "$impi/bin/mpiexec" ]; then
         tests/test_failfast.py tests/test_one_process.py tests/test_cpu_collectives.py
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
         "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
-        tests/test_inplace_allreduce.py
+        tests/test_iallreduce.py tests/test_inplace_allreduce.py
     run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
         --procs 2,4 --repeat 1
 else
