@@ -5,8 +5,9 @@ aliased to its result: under ``jax.jit(..., donate_argnums=...)``, or on an
 intermediate inside a ``jit``, XLA hands the handler one buffer, which it reduces
 in place (``MPI_IN_PLACE``). Element counts above ``INT_MAX`` go to
 ``MPI_Allreduce_c`` where the MPI has MPI-4's large-count calls, and in chunks
-otherwise; ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` bounds what one call reduces,
-and with it MPI's scratch memory.
+otherwise (also under Intel MPI 2021, whose ``MPI_Allreduce_c`` returns without
+reducing above ``INT_MAX``); ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` bounds what
+one call reduces, and with it MPI's scratch memory.
 
 On CUDA GPUs it lowers to ``_ffi/cuda.cc`` (built where ``pip install`` found a
 CUDA toolkit), aliased the same way, so that device memory holds one message.

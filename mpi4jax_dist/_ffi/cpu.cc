@@ -328,7 +328,10 @@ PyMODINIT_FUNC MPI4JAX_DIST_CAT(PyInit_, MPI4JAX_DIST_MODULE)(void) {
                          Py_BuildValue("(ii)", MPI_VERSION, MPI_SUBVERSION)) <
           0 ||
       PyModule_AddObject(module, "LARGE_COUNT",
-                         PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0) {
+                         PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0 ||
+      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_helpers.h).
+      PyModule_AddObject(module, "ALLREDUCE_LARGE_COUNT",
+                         PyBool_FromLong(MPI4JAX_DIST_ALLREDUCE_C)) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

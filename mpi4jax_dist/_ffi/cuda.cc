@@ -412,6 +412,9 @@ PyMODINIT_FUNC MPI4JAX_DIST_CAT(PyInit_, MPI4JAX_DIST_MODULE)(void) {
           0 ||
       PyModule_AddObject(module, "LARGE_COUNT",
                          PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0 ||
+      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_helpers.h).
+      PyModule_AddObject(module, "ALLREDUCE_LARGE_COUNT",
+                         PyBool_FromLong(MPI4JAX_DIST_ALLREDUCE_C)) < 0 ||
       // The CUDA runtime this module was compiled against (13000: CUDA 13.0).
       PyModule_AddIntConstant(module, "CUDART_VERSION", CUDART_VERSION) < 0) {
     Py_DECREF(module);

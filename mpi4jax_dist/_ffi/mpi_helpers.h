@@ -35,6 +35,16 @@
 #define MPI4JAX_DIST_LARGE_COUNT 0
 #endif
 
+// Intel MPI 2021.18.1's MPI_Allreduce_c returns MPI_SUCCESS without reducing a
+// count above INT_MAX (seen with mpi4py alone: 2**31 + 16 int8, in place or
+// not; its MPI_Iallreduce_c is right): the blocking allreduce goes in chunks of
+// at most INT_MAX elements there.
+#if MPI4JAX_DIST_LARGE_COUNT && !defined(I_MPI_VERSION)
+#define MPI4JAX_DIST_ALLREDUCE_C 1
+#else
+#define MPI4JAX_DIST_ALLREDUCE_C 0
+#endif
+
 namespace mpi4jax_dist {
 
 namespace ffi = xla::ffi;
@@ -176,7 +186,7 @@ inline int AllreduceOnce(void* data, size_t count, MPI_Datatype dtype,
          !stats.max_call_count.compare_exchange_weak(
              seen, static_cast<int64_t>(count), std::memory_order_relaxed)) {
   }
-#if MPI4JAX_DIST_LARGE_COUNT
+#if MPI4JAX_DIST_ALLREDUCE_C
   if (count > static_cast<size_t>(INT_MAX)) {
     stats.large_count_calls.fetch_add(1, std::memory_order_relaxed);
     return MPI_Allreduce_c(MPI_IN_PLACE, data, static_cast<MPI_Count>(count),
@@ -195,7 +205,7 @@ inline size_t ElementsPerCall(int64_t chunk_bytes, size_t element_bytes) {
     limit = std::max<size_t>(1, static_cast<size_t>(chunk_bytes) /
                                     std::max<size_t>(1, element_bytes));
   }
-#if !MPI4JAX_DIST_LARGE_COUNT
+#if !MPI4JAX_DIST_ALLREDUCE_C
   limit = std::min(limit, static_cast<size_t>(INT_MAX));
 #endif
   return limit;
@@ -206,8 +216,8 @@ inline ffi::Error AllreduceChunk(void* data, size_t n, MPI_Datatype dtype,
                                  MPI_Op op, MPI_Comm comm) {
   const int rc = AllreduceOnce(data, n, dtype, op, comm);
   if (rc != MPI_SUCCESS) {
-    return MpiError(MPI4JAX_DIST_LARGE_COUNT && n > INT_MAX ? "MPI_Allreduce_c"
-                                                            : "MPI_Allreduce",
+    return MpiError(MPI4JAX_DIST_ALLREDUCE_C && n > INT_MAX ? "MPI_Allreduce_c"
+                                                           : "MPI_Allreduce",
                     rc);
   }
   return ffi::Error::Success();
