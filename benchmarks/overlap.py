@@ -3,14 +3,31 @@ microbenchmark, for mpi4jax_dist.cg's mpi4jax backend.
 
 Usage::
 
-    mpiexec -n 2 python benchmarks/overlap.py [--delays 0,20,50,100,200]
-        [--grids 64,256] [--variants classic,single,pipelined,...] [--iters 100]
-        [--samples 5] [--json PATH]
+    mpiexec -bind-to core -n 2 python benchmarks/overlap.py
+        [--mode latency,rank1,noise] [--delays 0,20,50,100,200] [--grids 64,256]
+        [--variants classic,single,pipelined,...] [--iters 100] [--samples 5]
+        [--micro-latencies 0,50] [--json PATH]
+
+(Open MPI: ``--bind-to core``.) Every case of a table is compiled first and then
+timed round-robin with the others, so that a drift of the machine's speed falls on
+all alike.
 
 Two ranks on one machine's shared memory have almost no reduction latency to hide,
-so the delay table injects what a large machine has: rank 1 spins ``delay`` µs
-once per CG iteration (a busy loop inside XLA, calibrated here, which its matvec's
-input waits for), as OS noise and load imbalance do at scale. Each variant runs
+so the delay table injects what a large machine has, in one of three modes:
+
+* ``latency``: every reduction completes ``delay`` µs after it was posted, as an
+  8-byte allreduce over 10^4 ranks does (``MPI4JAX_DIST_SIMULATED_LATENCY_US``: the
+  non-blocking wait holds the result until then; the blocking variants' reductions
+  become a start and its wait back to back). A blocking reduction pays ``delay``,
+  an overlapped one ``max(delay, matvec)``.
+* ``rank1``: rank 1 spins ``delay`` µs once per CG iteration (a busy loop inside
+  XLA, calibrated here, which its matvec's input waits for): load imbalance, which
+  no variant can hide (the slow rank's own iteration takes matvec + delay).
+* ``noise``: each rank spins in about half the iterations, independently: OS
+  noise. A non-blocking reduction lets the ranks drift apart by up to a matvec, so
+  that one rank's delay need not stall the others in the same iteration.
+
+Each variant runs
 ``--iters`` iterations of the 2-D Poisson problem of ``benchmarks/cg.py`` (tolerance
 below reach, so every solve makes the same number), and the table gives the
 slowest rank's time per iteration, median of ``--samples`` solves, round-robin.
@@ -25,6 +42,7 @@ hides completely, 0 when nothing overlaps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -33,6 +51,26 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
+
+MODES = ("latency", "rank1", "noise")
+
+
+@contextlib.contextmanager
+def simulated_latency(us):
+    """Set ``MPI4JAX_DIST_SIMULATED_LATENCY_US`` to ``us`` (None: unset) while
+    solvers are traced; put back what was there after."""
+    from mpi4jax_dist import _config
+
+    name = _config.SIMULATED_LATENCY_US
+    before = os.environ.pop(name, None)
+    if us is not None:
+        os.environ[name] = f"{us:g}"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
 
 
 def parse_args(argv=None):
@@ -44,23 +82,30 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--mode",
-        default="rank1,noise",
-        help="comma-separated: rank1 (rank 1 every iteration), noise (every rank, "
-        "half the iterations, independently)",
+        default="latency,rank1,noise",
+        help="comma-separated: latency (every reduction takes delay us), rank1 "
+        "(rank 1 spins every iteration), noise (every rank spins in half the "
+        "iterations, independently)",
     )
     parser.add_argument("--iters", type=int, default=100, help="CG iterations")
     parser.add_argument("--samples", type=int, default=5, help="timed solves each")
     parser.add_argument(
         "--micro-iters", type=int, default=200, help="loop trips of the micro cases"
     )
+    parser.add_argument(
+        "--micro-latencies",
+        default="0,50",
+        help="simulated reduction latencies (us) of the micro cases, comma-sep.",
+    )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.delays = [float(d) for d in args.delays.split(",") if d]
     args.grids = [int(n) for n in args.grids.split(",") if n]
     args.mode = [m for m in args.mode.split(",") if m]
+    args.micro_latencies = [float(d) for d in args.micro_latencies.split(",") if d]
     for mode in args.mode:
-        if mode not in ("rank1", "noise"):
-            parser.error(f"--mode {mode}: expected rank1 or noise")
+        if mode not in MODES:
+            parser.error(f"--mode {mode}: expected one of {', '.join(MODES)}")
     return args
 
 
@@ -123,10 +168,31 @@ def delayed(matvec, trips: int, noise: bool = False):
     return noisy
 
 
-def micro(prob, comm, trips: int, samples: int):
-    """Seconds per loop trip of: the non-blocking allreduce of three float64 alone,
-    the grid's matvec alone, and both overlapped (start, matvec, wait); the
-    slowest rank's median over ``samples`` runs of ``trips`` trips each."""
+def warmed(case, latency):
+    """``case`` after one untimed call (compiling it) under ``latency`` (µs; None:
+    no simulation), which its compiled program keeps (read when traced)."""
+    with simulated_latency(latency):
+        _harness.block(case())
+    return case
+
+
+def progressed(case) -> tuple[int, int]:
+    """``(waits that found the reduction complete, waits)`` in one run of ``case``:
+    what the MPI progressed by itself (and through the matvec's halo exchange)
+    while the overlapped work ran, from the extension's counters."""
+    from mpi4jax_dist import _ffi
+
+    ext = _ffi.load()
+    ext.reset_stats()
+    _harness.block(case())
+    stats = ext.stats()
+    return stats["iallreduce_done_before_wait"], stats["iallreduce_waits"]
+
+
+def micro_cases(prob, comm, trips: int, latency):
+    """The three micro cases, compiled under ``latency``, as loops of ``trips``:
+    the non-blocking allreduce of three float64 alone (start, wait), the grid's
+    matvec alone, and both overlapped (start, matvec, wait)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -148,15 +214,13 @@ def micro(prob, comm, trips: int, samples: int):
         return mpi4jax_dist.wait(req), av * 1e-3
 
     def looped(body):
-        return jax.jit(
+        f = jax.jit(
             lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
         )
+        return warmed(lambda: f(three, v), latency)
 
     v = jnp.asarray(prob.b)
-    compiled = [looped(f) for f in (reduce_only, matvec_only, both)]
-    cases = [lambda f=f: f(three, v) for f in compiled]
-    times = _harness.time_rounds(cases, comm, samples)
-    return [float(np.median(t)) / trips for t in times]
+    return [looped(f) for f in (reduce_only, matvec_only, both)]
 
 
 def main(argv=None):
@@ -176,81 +240,109 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     rate = comm.allreduce(trips_per_us(), op=MPI.MIN)
     variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)
-    meta = _harness.meta(comm, spin_trips_per_us=rate, iters=args.iters)
+    # Unbound, each rank's XLA splits its loops over every core, and the two ranks
+    # then take each other's: bind them (mpiexec -bind-to core, Open MPI's
+    # default for 2 ranks), which the header shows.
+    cores = comm.allgather(sorted(os.sched_getaffinity(0)))
+    meta = _harness.meta(comm, spin_trips_per_us=rate, iters=args.iters, cores=cores)
     _harness.say(
         comm,
         f"# CG iteration time under an injected delay, {comm.size} ranks, "
         f"{meta['mpi_library']}, jax {meta['versions']['jax']}; mpi4jax backend, "
-        f"float64, {args.iters} iterations per solve",
-        f"# delay: a rank spins d us before its matvec ({rate:.0f} spin trips per "
-        f"us): rank1, rank 1 every iteration; noise, every rank in about half the "
+        f"float64, {args.iters} iterations per solve; cores of each rank: "
+        f"{cores}",
+        f"# delay d: latency, every reduction completes d us after its post "
+        f"(simulated); rank1, rank 1 spins d us before its matvec every iteration "
+        f"({rate:.0f} spin trips per us); noise, every rank in about half the "
         f"iterations, independently; t/iter: slowest rank, median of "
         f"{args.samples} solves",
     )
     rows = []
     _harness.say(
         comm,
-        "# overlap: one non-blocking allreduce of 3 float64 and the grid's matvec, "
-        f"in jitted loops of {args.micro_iters}; efficiency = (reduce + matvec - "
-        "both) / min(reduce, matvec)",
-        "#      n   reduce_us   matvec_us     both_us  efficiency",
+        "# overlap: one non-blocking allreduce of 3 float64 (with a simulated "
+        f"latency, us) and the grid's matvec, in jitted loops of "
+        f"{args.micro_iters}; efficiency = (reduce + matvec - both) / "
+        f"min(reduce, matvec)",
+        "# done: the share of the overlapped waits that found the reduction "
+        "complete (MPI progressed it during the matvec; all ranks)",
+        "#      n  latency   reduce_us   matvec_us     both_us  efficiency        "
+        "done",
     )
-    for n in args.grids:
-        t_red, t_mv, t_both = micro(
-            cg_bench.Poisson(n, comm), comm, args.micro_iters, args.samples
-        )
-        efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
-        rows.append(
-            {
-                "micro": True,
-                "n": n,
-                "reduce_us": t_red * 1e6,
-                "matvec_us": t_mv * 1e6,
-                "both_us": t_both * 1e6,
-                "efficiency": efficiency,
-            }
-        )
-        _harness.say(
-            comm,
-            f"  {n:5d}  {t_red * 1e6:10.2f}  {t_mv * 1e6:10.2f}  "
-            f"{t_both * 1e6:10.2f}  {efficiency:10.2f}",
-        )
+    # Every case of a table is compiled first, then all are timed round-robin, so
+    # that a drift of the machine's speed falls on all of them alike.
     for n in args.grids:
         prob = cg_bench.Poisson(n, comm)
+        cases = []
+        for latency in args.micro_latencies:
+            cases += micro_cases(prob, comm, args.micro_iters, latency)
+        times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
+        per_trip = [float(np.median(t)) / args.micro_iters * 1e6 for t in times]
+        for i, latency in enumerate(args.micro_latencies):
+            t_red, t_mv, t_both = per_trip[3 * i : 3 * i + 3]
+            efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
+            done, waits = progressed(cases[3 * i + 2])
+            done = comm.allreduce(done)
+            waits = comm.allreduce(waits)
+            rows.append(
+                {
+                    "micro": True,
+                    "n": n,
+                    "latency_us": latency,
+                    "reduce_us": t_red,
+                    "matvec_us": t_mv,
+                    "both_us": t_both,
+                    "efficiency": efficiency,
+                    "done_before_wait": done / waits,
+                }
+            )
+            _harness.say(
+                comm,
+                f"  {n:5d}  {latency:7g}  {t_red:10.2f}  {t_mv:10.2f}  "
+                f"{t_both:10.2f}  {efficiency:10.2f}  {done / waits:10.2f}",
+            )
+    for n, mode in [(n, m) for n in args.grids for m in args.mode]:
+        prob = cg_bench.Poisson(n, comm)
         b = jnp.asarray(prob.b)
+        cases = []
+        for delay, variant in [(d, v) for d in args.delays for v in variants]:
+            trips = int(round(delay * rate))
+            if mode == "latency" or (mode == "rank1" and comm.rank != 1):
+                trips = 0
+            solver = cg.make_solver(
+                delayed(prob.mpi4jax_matvec(), trips, noise=mode == "noise"),
+                backend="mpi4jax",
+                variant=variant,
+                comm=comm,
+            )
+            cases.append(
+                warmed(
+                    lambda solver=solver, b=b: solver(
+                        b, tol=1e-300, maxiter=args.iters
+                    ),
+                    delay if mode == "latency" else None,
+                )
+            )
+        times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
+        per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
         _harness.say(
             comm,
             "# mode     n  delay_us  " + "  ".join(f"{v:>14}" for v in variants),
         )
-        for mode, delay in [(m, d) for m in args.mode for d in args.delays]:
-            trips = int(round(delay * rate))
-            if mode == "rank1" and comm.rank != 1:
-                trips = 0
-            solves = []
-            for variant in variants:
-                solver = cg.make_solver(
-                    delayed(prob.mpi4jax_matvec(), trips, noise=mode == "noise"),
-                    backend="mpi4jax",
-                    variant=variant,
-                    comm=comm,
-                )
-                solves.append(
-                    lambda solver=solver, b=b: solver(b, tol=1e-300, maxiter=args.iters)
-                )
-            times = _harness.time_rounds(solves, comm, args.samples)
-            per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
+        for i, delay in enumerate(args.delays):
+            row = per_iter[i * len(variants) : (i + 1) * len(variants)]
             rows.append(
                 {
                     "mode": mode,
                     "n": n,
                     "delay_us": delay,
-                    **dict(zip(variants, per_iter, strict=True)),
+                    **dict(zip(variants, row, strict=True)),
                 }
             )
             _harness.say(
                 comm,
                 f"  {mode:6s}{n:5d}  {delay:8g}  "
-                + "  ".join(f"{t:14.1f}" for t in per_iter),
+                + "  ".join(f"{t:14.1f}" for t in row),
             )
     _harness.save(args, meta, rows, comm=comm)
     return rows

@@ -41,3 +41,35 @@ def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
     assert len(saved["results"]) == 3 and "versions" in saved["meta"]
     assert png.stat().st_size > 0
     assert "mpi4jax_dist/single" in capsys.readouterr().out
+
+
+def test_overlap_benchmark_and_scale_model(tmp_path, capsys):
+    """overlap.py's tables (2 ranks, tiny), and the scale model read from them."""
+    out = tmp_path / "overlap.json"
+    proc = util.run_mpi(
+        util.ROOT / "benchmarks" / "overlap.py",
+        2,
+        *("--grids", "16", "--delays", "0,40", "--mode", "latency,rank1"),
+        *("--variants", "single,pipelined_nb", "--iters", "5", "--samples", "1"),
+        *("--micro-iters", "5", "--micro-latencies", "0,40", "--json", str(out)),
+        timeout=300,
+    )
+    rows = json.loads(out.read_text())["results"]
+    micro = [r for r in rows if r.get("micro")]
+    assert [r["latency_us"] for r in micro] == [0, 40], rows
+    # A reduction held 40 us takes at least that; the counters saw every wait.
+    assert micro[1]["reduce_us"] >= 40 and 0 <= micro[1]["done_before_wait"] <= 1
+    cg_rows = [(r["mode"], r["delay_us"]) for r in rows if "mode" in r]
+    assert cg_rows == [("latency", 0), ("latency", 40), ("rank1", 0), ("rank1", 40)]
+    held = [r for r in rows if r.get("mode") == "latency" and r["delay_us"] == 40][0]
+    assert held["single"] >= 40 and held["pipelined_nb"] > 0, held
+    assert "cores of each rank" in proc.stdout
+    model = util.load_benchmark("scale_model").main([str(out), "--procs", "1000"])
+    checked = [r for r in model if "measured_us" in r]
+    assert {(r["variant"], r["latency_us"]) for r in checked} == {
+        ("single", 40),
+        ("pipelined_nb", 40),
+    }
+    predicted = [r for r in model if "procs" in r]
+    assert len(predicted) == 2 and all(r["single"] > 0 for r in predicted)
+    assert "Graham et al." in capsys.readouterr().out

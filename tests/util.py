@@ -223,6 +223,7 @@ def load_benchmark(name: str):
         f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as import does: dataclasses look it up
     spec.loader.exec_module(module)
     return module
 
