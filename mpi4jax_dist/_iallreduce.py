@@ -474,12 +474,22 @@ def overlap(req: Request, fn, *args):
     # fn's results pass through the no-op call too, and the wait takes them from
     # there: a result that had two readers (the wait and the caller's next step)
     # could have its computation fused into both by XLA, which would run it
-    # twice, once after the wait.
-    tied = tie.bind(req._handle, *(out_leaves[i] for i in out_arrays))
-    for i, value in zip(out_arrays, tied, strict=True):
-        out_leaves[i] = value
+    # twice, once after the wait. Each array once, and not an input fn passed
+    # through (already tied, and computed by no one): an array tied in place twice
+    # would be copied by XLA for each.
+    inputs = {id(value) for value in tied}
+    fresh = {}  # id -> the result array fn computed
+    for i in out_arrays:
+        if id(out_leaves[i]) not in inputs:
+            fresh.setdefault(id(out_leaves[i]), out_leaves[i])
+    through = dict(zip(fresh, tie.bind(req._handle, *fresh.values()), strict=True))
+    passed = {}  # the results' arrays, once each, as the wait will take them
+    for i in out_arrays:
+        key = id(out_leaves[i])
+        out_leaves[i] = through.get(key, out_leaves[i])
+        passed.setdefault(key, out_leaves[i])
     req._consume("overlap")
-    deps = req._deps + tuple(tied)
+    deps = req._deps + tuple(passed.values())
     return req._successor(req._buffer, req._handle, deps), jax.tree.unflatten(
         out_treedef, out_leaves
     )
