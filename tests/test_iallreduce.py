@@ -838,6 +838,28 @@ def test_simulated_latency_holds_the_result_until_after_the_post(monkeypatch):
     np.testing.assert_array_equal(np.asarray(y), np.arange(5.0))
 
 
+@pytest.mark.mpi_skip
+def test_the_4097th_pending_request_is_refused():
+    """At most 4096 requests may be pending (none waited on): the next start is
+    refused with the reason, and the ones pending complete."""
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    ext = extension()
+    x = jnp.ones(2)
+    held = [
+        mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+        for _ in range(len(ext.pending_requests()), 4096)
+    ]
+    try:
+        with pytest.raises(Exception, match="4096 requests are pending"):
+            mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+    finally:
+        got = [mpi4jax_dist.wait(req) for req in held]
+    assert len(got) == len(held) and not ext.pending_requests()
+    np.testing.assert_array_equal(np.asarray(got[-1]), np.ones(2))
+
+
 @pytest.mark.parametrize("value", ["-1", "fast", "inf", "nan"])
 def test_simulated_latency_rejects_what_is_not_a_latency(value):
     from mpi4jax_dist import _config
