@@ -373,21 +373,20 @@ SIMULATED_LATENCY_US = "MPI4JAX_DIST_SIMULATED_LATENCY_US"
 def simulated_latency_us(env: Mapping[str, str] | None = None) -> float | None:
     """Return the reduction latency to simulate in µs, or None (no simulation).
 
-        ``MPI4JAX_DIST_SIMULATED_LATENCY_US`` (for benchmarks: what a CG would cost
-        where an 8-byte allreduce takes that long, as on a large machine): every
-        :func:`mpi4jax_dist.iallreduce` started with it set holds its result in the
-        wait until that many µs after the start posted it, spinning as ``MPI_Wait``
-        polls, and ``mpi4jax_dist.cg``'s ``mpi4jax`` backend runs its blocking
-        reductions as an ``iallreduce`` and its ``wait`` back to back, so that every
-        variant pays the same latency: a blocking reduction all of it, an overlapped
-        one what its overlapped work does not cover. Read when a call is traced (JAX
-    reuses a function's traces: set it before the first call of a jitted function);
-    ``0``
-        simulates nothing but still routes cg's blocking reductions so (the
-        baseline). Unset or empty: no simulation.
+    ``MPI4JAX_DIST_SIMULATED_LATENCY_US`` (for benchmarks: what a CG would cost
+    where an 8-byte allreduce takes that long, as on a large machine): every
+    :func:`mpi4jax_dist.iallreduce` started with it set holds its result in the
+    wait until that many µs after the start posted it, spinning as ``MPI_Wait``
+    polls, and ``mpi4jax_dist.cg``'s ``mpi4jax`` backend runs its blocking
+    reductions as an ``iallreduce`` and its ``wait`` back to back, so that every
+    variant pays the same latency: a blocking reduction all of it, an overlapped
+    one what its overlapped work does not cover. Read when a call is traced (JAX
+    reuses a function's traces: set it before a jitted function's first call).
+    ``0`` simulates nothing but still routes cg's blocking reductions so (the
+    baseline). Unset or empty: no simulation.
 
-        Raises:
-            ValueError: the value is not a non-negative number.
+    Raises:
+        ValueError: the value is not a non-negative number.
     """
     env = environ() if env is None else env
     value = env.get(SIMULATED_LATENCY_US, "").strip()

@@ -482,7 +482,10 @@ def overlap(req: Request, fn, *args):
     for i in out_arrays:
         if id(out_leaves[i]) not in inputs:
             fresh.setdefault(id(out_leaves[i]), out_leaves[i])
-    through = dict(zip(fresh, tie.bind(req._handle, *fresh.values()), strict=True))
+    through = {}
+    if fresh:
+        tied_out = tie.bind(req._handle, *fresh.values())
+        through = dict(zip(fresh, tied_out, strict=True))
     passed = {}  # the results' arrays, once each, as the wait will take them
     for i in out_arrays:
         key = id(out_leaves[i])

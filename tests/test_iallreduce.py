@@ -839,6 +839,27 @@ def test_simulated_latency_holds_the_result_until_after_the_post(monkeypatch):
 
 
 @pytest.mark.mpi_skip
+def test_work_that_returns_its_inputs():
+    """fn may pass its inputs through (twice, even): nothing is tied again, and
+    the wait still comes after the work."""
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    def f(x, w):
+        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+        req, (a, b) = mpi4jax_dist.overlap(req, lambda v: (v, v), w * 2)
+        return mpi4jax_dist.wait(req), a + b
+
+    x, w = jnp.arange(3.0), jnp.ones(5)
+    text = jax.jit(f).lower(x, w).compile().as_text()
+    assert len(order_of(text)[3]) == 1, text  # the input's tie only
+    y, ab = jax.jit(f)(x, w)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(ab), np.full(5, 4.0))
+
+
+@pytest.mark.mpi_skip
 def test_the_4097th_pending_request_is_refused():
     """At most 4096 requests may be pending (none waited on): the next start is
     refused with the reason, and the ones pending complete."""
