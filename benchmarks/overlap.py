@@ -37,6 +37,16 @@ float64 alone (start, wait), the grid's matvec alone, and both overlapped (start
 matvec, wait), and reports the overlap efficiency
 ``(t_reduce + t_matvec - t_both) / min(t_reduce, t_matvec)``: 1 when the smaller
 hides completely, 0 when nothing overlaps.
+
+Progress: what the MPI does with the reduction while the overlapped work runs. The
+extension counts, per wait, whether its first ``MPI_Test`` completed the reduction
+(``done``), the time from the post to the wait (``slack``: the work overlapped) and
+the time the wait then spent waiting (``blocked``: what the work did not hide). The
+progress table (no simulated latency) compares three kinds of overlapped work: the
+matvec (its halo exchange makes MPI calls), the same stencil on the local rows only
+(no MPI call: what the MPI does by itself), and that stencil in two halves with an
+``mpi4jax_dist.test`` between them (what one ``MPI_Test`` adds). The CG table gives
+the same counts for ``pipelined_nb``'s waits.
 """
 
 from __future__ import annotations
@@ -176,17 +186,31 @@ def warmed(case, latency):
     return case
 
 
-def progressed(case) -> tuple[int, int]:
-    """``(waits that found the reduction complete, waits)`` in one run of ``case``:
-    what the MPI progressed by itself (and through the matvec's halo exchange)
-    while the overlapped work ran, from the extension's counters."""
+def wait_counts(case, comm) -> dict:
+    """What the waits of one run of ``case`` found, over all ranks, from the
+    extension's counters: ``done``, the share whose first ``MPI_Test`` completed
+    the reduction; ``test_done``, the share of ``mpi4jax_dist.test`` calls that did
+    (None without tests); ``slack_us``, µs from post to wait, and ``blocked_us``,
+    µs the wait then waited, each per wait."""
     from mpi4jax_dist import _ffi
 
     ext = _ffi.load()
     ext.reset_stats()
+    comm.Barrier()
     _harness.block(case())
     stats = ext.stats()
-    return stats["iallreduce_done_before_wait"], stats["iallreduce_waits"]
+    names = ("waits", "done_before_wait", "tests", "tests_done")
+    names += ("wait_slack_ns", "wait_blocked_ns")
+    mine = [stats[f"iallreduce_{k}"] for k in names]
+    total = dict(zip(names, np.sum(comm.allgather(mine), axis=0), strict=True))
+    waits = max(int(total["waits"]), 1)
+    tests = int(total["tests"])
+    return {
+        "done": total["done_before_wait"] / waits,
+        "test_done": total["tests_done"] / tests if tests else None,
+        "slack_us": total["wait_slack_ns"] / waits / 1e3,
+        "blocked_us": total["wait_blocked_ns"] / waits / 1e3,
+    }
 
 
 def micro_cases(prob, comm, trips: int, latency):
@@ -221,6 +245,55 @@ def micro_cases(prob, comm, trips: int, latency):
 
     v = jnp.asarray(prob.b)
     return [looped(f) for f in (reduce_only, matvec_only, both)]
+
+
+def progress_cases(prob, comm, trips: int):
+    """Three cases whose overlapped work makes no MPI call, as loops of ``trips``
+    (no simulated latency): the grid's stencil on this rank's rows alone (zero
+    halos, in two halves), the reduction overlapped with it, and the same with an
+    ``mpi4jax_dist.test`` between the two halves."""
+    import cg as cg_bench
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import mpi4jax_dist
+
+    n, three = prob.n, jnp.ones(3)
+
+    def half(v, top):
+        u = v.reshape(-1, n)
+        u = u[: len(u) // 2] if top else u[len(u) // 2 :]
+        zeros = jnp.zeros(n, v.dtype)
+        return cg_bench.stencil(u, zeros, zeros, jnp).reshape(-1) * 1e-3
+
+    def work(v):
+        return jnp.concatenate([half(v, True), half(v, False)])
+
+    def work_only(c, v):
+        return c, work(v)
+
+    def both(c, v):
+        req = mpi4jax_dist.iallreduce(c / comm.size)
+        req, av = mpi4jax_dist.overlap(req, work, v)
+        return mpi4jax_dist.wait(req), av
+
+    def both_test(c, v):
+        req = mpi4jax_dist.iallreduce(c / comm.size)
+        # v passes through the first half's work (no copy of it for the second).
+        req, (top, v) = mpi4jax_dist.overlap(req, lambda v: (half(v, True), v), v)
+        req = mpi4jax_dist.test(req)
+        req, bottom = mpi4jax_dist.overlap(req, lambda v: half(v, False), v)
+        return mpi4jax_dist.wait(req), jnp.concatenate([top, bottom])
+
+    def looped(body):
+        f = jax.jit(
+            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
+        )
+        return warmed(lambda: f(three, v), None)
+
+    v = jnp.asarray(prob.b)
+    return [looped(f) for f in (work_only, both, both_test)]
 
 
 def main(argv=None):
@@ -264,11 +337,13 @@ def main(argv=None):
         f"latency, us) and the grid's matvec, in jitted loops of "
         f"{args.micro_iters}; efficiency = (reduce + matvec - both) / "
         f"min(reduce, matvec)",
-        "# done: the share of the overlapped waits that found the reduction "
-        "complete (MPI progressed it during the matvec; all ranks)",
-        "#      n  latency   reduce_us   matvec_us     both_us  efficiency        "
-        "done",
+        "# of the overlapped waits (all ranks): done, the share whose first "
+        "MPI_Test completed the reduction; slack, us from post to wait; blocked, "
+        "us the wait then waited",
+        "#      n  latency   reduce_us   matvec_us     both_us  efficiency    done"
+        "  slack_us  blocked_us",
     )
+    progress = []
     # Every case of a table is compiled first, then all are timed round-robin, so
     # that a drift of the machine's speed falls on all of them alike.
     for n in args.grids:
@@ -276,31 +351,74 @@ def main(argv=None):
         cases = []
         for latency in args.micro_latencies:
             cases += micro_cases(prob, comm, args.micro_iters, latency)
-        times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
+        local = progress_cases(prob, comm, args.micro_iters)
+        times = _harness.time_rounds(cases + local, comm, args.samples, warmup=0)
         per_trip = [float(np.median(t)) / args.micro_iters * 1e6 for t in times]
         for i, latency in enumerate(args.micro_latencies):
             t_red, t_mv, t_both = per_trip[3 * i : 3 * i + 3]
             efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
-            done, waits = progressed(cases[3 * i + 2])
-            done = comm.allreduce(done)
-            waits = comm.allreduce(waits)
-            rows.append(
-                {
-                    "micro": True,
-                    "n": n,
-                    "latency_us": latency,
-                    "reduce_us": t_red,
-                    "matvec_us": t_mv,
-                    "both_us": t_both,
-                    "efficiency": efficiency,
-                    "done_before_wait": done / waits,
-                }
-            )
+            counts = wait_counts(cases[3 * i + 2], comm)
+            row = {
+                "micro": True,
+                "n": n,
+                "latency_us": latency,
+                "reduce_us": t_red,
+                "matvec_us": t_mv,
+                "both_us": t_both,
+                "efficiency": efficiency,
+                "done_before_wait": counts["done"],
+                "slack_us": counts["slack_us"],
+                "blocked_us": counts["blocked_us"],
+            }
+            rows.append(row)
             _harness.say(
                 comm,
                 f"  {n:5d}  {latency:7g}  {t_red:10.2f}  {t_mv:10.2f}  "
-                f"{t_both:10.2f}  {efficiency:10.2f}  {done / waits:10.2f}",
+                f"{t_both:10.2f}  {efficiency:10.2f}  {counts['done']:6.2f}  "
+                f"{counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
             )
+            if latency == 0:
+                progress.append((n, "matvec", t_red, t_mv, t_both, counts))
+        # The reduction alone without a simulated latency (NaN: not measured).
+        zero = 0 in args.micro_latencies
+        t_red = per_trip[3 * args.micro_latencies.index(0)] if zero else np.nan
+        t_work = per_trip[len(cases)]
+        for label, case, t_both in zip(
+            ("stencil", "stencil+test"),
+            local[1:],
+            per_trip[len(cases) + 1 :],
+            strict=True,
+        ):
+            progress.append((n, label, t_red, t_work, t_both, wait_counts(case, comm)))
+    _harness.say(
+        comm,
+        "# progress, no simulated latency: the reduction overlapped with the "
+        "matvec (its halo exchange calls MPI), with the stencil on the local rows "
+        "(no MPI call), and with that stencil in two halves and an "
+        "mpi4jax_dist.test between them",
+        "#      n  work            reduce_us     work_us     both_us    done  "
+        "test_done  slack_us  blocked_us",
+    )
+    for n, label, t_red, t_work, t_both, counts in progress:
+        test_done = counts["test_done"]
+        rows.append(
+            {
+                "progress": True,
+                "n": n,
+                "work": label,
+                "reduce_us": t_red,
+                "work_us": t_work,
+                "both_us": t_both,
+                **counts,
+            }
+        )
+        _harness.say(
+            comm,
+            f"  {n:5d}  {label:14s}  {t_red:9.2f}  {t_work:10.2f}  {t_both:10.2f}  "
+            f"{counts['done']:6.2f}  "
+            + (f"{test_done:9.2f}" if test_done is not None else f"{'-':>9}")
+            + f"  {counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
+        )
     for n, mode in [(n, m) for n in args.grids for m in args.mode]:
         prob = cg_bench.Poisson(n, comm)
         b = jnp.asarray(prob.b)
@@ -325,25 +443,34 @@ def main(argv=None):
             )
         times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
         per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
+        # The overlapped variant's waits: what its work hid (slack) and did not
+        # (blocked), per wait, all ranks (one more solve each, untimed).
+        nb = "pipelined_nb" if "pipelined_nb" in variants else None
         _harness.say(
             comm,
-            "# mode     n  delay_us  " + "  ".join(f"{v:>14}" for v in variants),
+            "# mode     n  delay_us  "
+            + "  ".join(f"{v:>14}" for v in variants)
+            + ("  nb_slack_us  nb_blocked_us" if nb else ""),
         )
         for i, delay in enumerate(args.delays):
             row = per_iter[i * len(variants) : (i + 1) * len(variants)]
-            rows.append(
-                {
-                    "mode": mode,
-                    "n": n,
-                    "delay_us": delay,
-                    **dict(zip(variants, row, strict=True)),
-                }
+            result = {
+                "mode": mode,
+                "n": n,
+                "delay_us": delay,
+                **dict(zip(variants, row, strict=True)),
+            }
+            line = f"  {mode:6s}{n:5d}  {delay:8g}  " + "  ".join(
+                f"{t:14.1f}" for t in row
             )
-            _harness.say(
-                comm,
-                f"  {mode:6s}{n:5d}  {delay:8g}  "
-                + "  ".join(f"{t:14.1f}" for t in row),
-            )
+            if nb:
+                counts = wait_counts(
+                    cases[i * len(variants) + variants.index(nb)], comm
+                )
+                result["pipelined_nb_waits"] = counts
+                line += f"  {counts['slack_us']:11.1f}  {counts['blocked_us']:13.1f}"
+            rows.append(result)
+            _harness.say(comm, line)
     _harness.save(args, meta, rows, comm=comm)
     return rows
 

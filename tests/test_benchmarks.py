@@ -63,6 +63,14 @@ def test_overlap_benchmark_and_scale_model(tmp_path, capsys):
     assert cg_rows == [("latency", 0), ("latency", 40), ("rank1", 0), ("rank1", 40)]
     held = [r for r in rows if r.get("mode") == "latency" and r["delay_us"] == 40][0]
     assert held["single"] >= 40 and held["pipelined_nb"] > 0, held
+    # pipelined_nb's waits, counted: the work between post and wait, and the wait
+    # for the rest of the 40 us (less each wait's first MPI_Test).
+    waits = held["pipelined_nb_waits"]
+    assert waits["slack_us"] > 0 and waits["slack_us"] + waits["blocked_us"] >= 39
+    # The progress table: the matvec, the local stencil, and it with a test.
+    progress = [r for r in rows if r.get("progress")]
+    assert [r["work"] for r in progress] == ["matvec", "stencil", "stencil+test"]
+    assert [r["test_done"] is None for r in progress] == [True, True, False]
     assert "cores of each rank" in proc.stdout
     model = util.load_benchmark("scale_model").main([str(out), "--procs", "1000"])
     checked = [r for r in model if "measured_us" in r]

@@ -839,6 +839,46 @@ def test_simulated_latency_holds_the_result_until_after_the_post(monkeypatch):
 
 
 @pytest.mark.mpi_skip
+def test_waits_count_their_slack_and_what_they_waited(monkeypatch):
+    """The extension's per-wait times, which benchmarks/overlap.py reports: slack
+    is the time from the post to the wait (here a sleep between them), blocked the
+    time the wait then waited (here the rest of a simulated latency); a wait whose
+    first MPI_Test completed the reduction waited nothing."""
+    import time
+
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    from mpi4jax_dist import _config
+
+    ext, x = extension(), jnp.arange(4.0)
+
+    def one_wait(sleep_s):
+        ext.reset_stats()
+        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+        time.sleep(sleep_s)
+        np.testing.assert_array_equal(np.asarray(mpi4jax_dist.wait(req)), x)
+        stats = ext.stats()
+        assert stats["iallreduce_waits"] == 1, stats
+        return (
+            stats["iallreduce_done_before_wait"],
+            stats["iallreduce_wait_slack_ns"] / 1e6,
+            stats["iallreduce_wait_blocked_ns"] / 1e6,
+        )
+
+    monkeypatch.delenv(_config.SIMULATED_LATENCY_US, raising=False)
+    done, slack_ms, blocked_ms = one_wait(0.02)
+    assert done == 1 and slack_ms >= 20 and blocked_ms == 0, (done, slack_ms)
+    monkeypatch.setenv(_config.SIMULATED_LATENCY_US, "60000")  # 60 ms
+    done, slack_ms, blocked_ms = one_wait(0.02)
+    assert done == 0 and 20 <= slack_ms < 60, (done, slack_ms, blocked_ms)
+    # The wait held the result for the rest of the 60 ms (less its first
+    # MPI_Test, counted in neither), and no longer than a loaded machine's
+    # scheduling slack past them.
+    assert 59 <= slack_ms + blocked_ms < 60 + 200, (slack_ms, blocked_ms)
+
+
+@pytest.mark.mpi_skip
 def test_work_that_returns_its_inputs():
     """fn may pass its inputs through (twice, even): nothing is tied again, and
     the wait still comes after the work."""

@@ -205,6 +205,8 @@ PyObject* GetStatsDict(PyObject*, PyObject*) {
       {"iallreduce_large_count_starts", r.large_count_starts.load()},
       {"iallreduce_waits", r.waits.load()},
       {"iallreduce_done_before_wait", r.done_before_wait.load()},
+      {"iallreduce_wait_slack_ns", r.wait_slack_ns.load()},
+      {"iallreduce_wait_blocked_ns", r.wait_blocked_ns.load()},
       {"iallreduce_tests", r.tests.load()},
       {"iallreduce_tests_done", r.tests_done.load()},
       {"iallreduce_max_pending", r.max_pending.load()},

@@ -309,7 +309,8 @@ inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
 
 constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
 
-// Nanoseconds on the steady clock, for the simulated latency.
+// Nanoseconds on the steady clock, for the simulated latency and the wait's
+// counts of time.
 inline int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -327,8 +328,10 @@ struct PendingRequest {
   // in Python it was made, for the messages.
   int64_t uid = 0;
   std::string site;
+  // When the start posted it (steady clock, ns; see SteadyNs).
+  int64_t posted_ns = 0;
   // Simulated latency: the wait holds the result until this time (steady
-  // clock, ns; 0: no simulation). See SteadyNs.
+  // clock, ns; 0: no simulation).
   int64_t ready_ns = 0;
   int32_t generation = 0;
   bool active = false;
@@ -342,6 +345,12 @@ struct RequestStats {
   // Waits whose reduction was complete at the wait's first MPI_Test: it had
   // progressed while the overlapped work ran.
   std::atomic<int64_t> done_before_wait{0};
+  // Nanoseconds from the posts to their waits, summed: the work overlapped.
+  std::atomic<int64_t> wait_slack_ns{0};
+  // Nanoseconds the waits spent waiting (MPI_Wait, and the simulated
+  // latency's hold) after their first MPI_Test, summed: what the overlapped
+  // work did not hide. A wait whose first test completed it adds nothing.
+  std::atomic<int64_t> wait_blocked_ns{0};
   std::atomic<int64_t> tests{0};
   // Tests (mpi4jax_dist.test) that found the reduction complete.
   std::atomic<int64_t> tests_done{0};
@@ -352,6 +361,8 @@ struct RequestStats {
     large_count_starts = 0;
     waits = 0;
     done_before_wait = 0;
+    wait_slack_ns = 0;
+    wait_blocked_ns = 0;
     tests = 0;
     tests_done = 0;
     max_pending = 0;
@@ -391,8 +402,8 @@ class RequestTable {
   // kMaxRequests are; the slot is freed again when `post` fails.
   template <typename Post>
   ffi::Error Take(int64_t uid, std::string_view site, const void* data,
-                  size_t bytes, int64_t ready_ns, Post post, int* rc,
-                  int32_t* handle) {
+                  size_t bytes, int64_t posted_ns, int64_t ready_ns, Post post,
+                  int* rc, int32_t* handle) {
     std::lock_guard<std::mutex> lock(mu_);
     PendingRequest* free = nullptr;
     size_t index = 0;
@@ -434,6 +445,7 @@ class RequestTable {
     free->data = data;
     free->bytes = bytes;
     free->uid = uid;
+    free->posted_ns = posted_ns;
     free->ready_ns = ready_ns;
     free->site.assign(site.data(), site.size());
     free->generation = free->generation % kMaxGeneration + 1;
@@ -542,9 +554,10 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
                      : MPI_SUCCESS;  // nothing to reduce: a null request
   };
   int rc = MPI_SUCCESS;
-  const int64_t ready_ns = latency_ns > 0 ? SteadyNs() + latency_ns : 0;
-  if (ffi::Error error = RequestTable::Get().Take(uid, site, data, bytes,
-                                                  ready_ns, post, &rc, handle);
+  const int64_t posted_ns = SteadyNs();
+  const int64_t ready_ns = latency_ns > 0 ? posted_ns + latency_ns : 0;
+  if (ffi::Error error = RequestTable::Get().Take(
+          uid, site, data, bytes, posted_ns, ready_ns, post, &rc, handle);
       error.failure()) {
     return error;
   }
@@ -582,9 +595,14 @@ inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   }
   RequestStats& stats = GetRequestStats();
   stats.waits.fetch_add(1, std::memory_order_relaxed);
+  const int64_t entered_ns = SteadyNs();
+  stats.wait_slack_ns.fetch_add(entered_ns - slot->posted_ns,
+                                std::memory_order_relaxed);
   int done = 0;
   int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
-  if (rc == MPI_SUCCESS && done && SteadyNs() >= slot->ready_ns) {
+  const int64_t tested_ns = SteadyNs();
+  const bool complete = rc == MPI_SUCCESS && done && tested_ns >= slot->ready_ns;
+  if (complete) {
     stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
   }
   if (rc == MPI_SUCCESS && !done) {
@@ -593,6 +611,10 @@ inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   // A simulated latency: the result arrives latency_ns after the post. Spin,
   // as MPI_Wait polls (a sleep overshoots by the timer slack, ~50 us).
   while (slot->ready_ns > 0 && SteadyNs() < slot->ready_ns) {
+  }
+  if (!complete) {
+    stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,
+                                    std::memory_order_relaxed);
   }
   const bool moved = slot->bytes > 0 && slot->data != x.untyped_data();
   const std::string site = slot->site;
