@@ -186,30 +186,42 @@ def warmed(case, latency):
     return case
 
 
-def wait_counts(case, comm) -> dict:
-    """What the waits of one run of ``case`` found, over all ranks, from the
-    extension's counters: ``done``, the share whose first ``MPI_Test`` completed
-    the reduction; ``test_done``, the share of ``mpi4jax_dist.test`` calls that did
-    (None without tests); ``slack_us``, µs from post to wait, and ``blocked_us``,
-    µs the wait then waited, each per wait."""
+def wait_counts(case, comm, runs: int = 1) -> dict:
+    """What the waits of ``case`` found, over all ranks, from the extension's
+    counters, the median over ``runs`` runs (untimed): ``done``, the share whose
+    first ``MPI_Test`` completed the reduction; ``test_done``, the share of
+    ``mpi4jax_dist.test`` calls that did (None without tests); ``slack_us``, µs from
+    post to wait, and ``blocked_us``, µs the wait then waited, each per wait."""
     from mpi4jax_dist import _ffi
 
     ext = _ffi.load()
-    ext.reset_stats()
-    comm.Barrier()
-    _harness.block(case())
-    stats = ext.stats()
     names = ("waits", "done_before_wait", "tests", "tests_done")
     names += ("wait_slack_ns", "wait_blocked_ns")
-    mine = [stats[f"iallreduce_{k}"] for k in names]
-    total = dict(zip(names, np.sum(comm.allgather(mine), axis=0), strict=True))
-    waits = max(int(total["waits"]), 1)
-    tests = int(total["tests"])
+    per_run = []
+    for _ in range(runs):
+        ext.reset_stats()
+        comm.Barrier()
+        _harness.block(case())
+        stats = ext.stats()
+        mine = [stats[f"iallreduce_{k}"] for k in names]
+        total = dict(zip(names, np.sum(comm.allgather(mine), axis=0), strict=True))
+        waits = max(int(total["waits"]), 1)
+        tests = int(total["tests"])
+        per_run.append(
+            {
+                "done": total["done_before_wait"] / waits,
+                "test_done": total["tests_done"] / tests if tests else None,
+                "slack_us": total["wait_slack_ns"] / waits / 1e3,
+                "blocked_us": total["wait_blocked_ns"] / waits / 1e3,
+            }
+        )
     return {
-        "done": total["done_before_wait"] / waits,
-        "test_done": total["tests_done"] / tests if tests else None,
-        "slack_us": total["wait_slack_ns"] / waits / 1e3,
-        "blocked_us": total["wait_blocked_ns"] / waits / 1e3,
+        key: (
+            None
+            if per_run[0][key] is None
+            else float(np.median([r[key] for r in per_run]))
+        )
+        for key in per_run[0]
     }
 
 
@@ -357,7 +369,7 @@ def main(argv=None):
         for i, latency in enumerate(args.micro_latencies):
             t_red, t_mv, t_both = per_trip[3 * i : 3 * i + 3]
             efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
-            counts = wait_counts(cases[3 * i + 2], comm)
+            counts = wait_counts(cases[3 * i + 2], comm, args.samples)
             row = {
                 "micro": True,
                 "n": n,
@@ -389,7 +401,9 @@ def main(argv=None):
             per_trip[len(cases) + 1 :],
             strict=True,
         ):
-            progress.append((n, label, t_red, t_work, t_both, wait_counts(case, comm)))
+            progress.append(
+                (n, label, t_red, t_work, t_both, wait_counts(case, comm, args.samples))
+            )
     _harness.say(
         comm,
         "# progress, no simulated latency: the reduction overlapped with the "
@@ -444,7 +458,7 @@ def main(argv=None):
         times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
         per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
         # The overlapped variant's waits: what its work hid (slack) and did not
-        # (blocked), per wait, all ranks (one more solve each, untimed).
+        # (blocked), per wait, all ranks (median of --samples more solves, untimed).
         nb = "pipelined_nb" if "pipelined_nb" in variants else None
         _harness.say(
             comm,
