@@ -78,10 +78,13 @@ def test_too_late_says_what_to_do():
         "try:\n"
         "    jax.distributed.initialize()\n"
         "except RuntimeError as err:\n"
-        "    print('REFUSED', err)\n"
+        "    print('REFUSED ' + str(err))\n"
     )
     proc = util.run_mpi(["-c", code], 2, env=util.clean_env(**SWITCH), timeout=90)
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    # The marker and the message are one string, so one write: unbuffered, print
+    # writes each argument apart, and the launcher may put the other rank's
+    # between them.
+    refused = util.result_texts(proc.stdout, marker="REFUSED ")
     assert len(refused) == 2, proc.stdout + proc.stderr
     assert "Import mpi4jax_dist before jax" in refused[0]
     assert 'eval "$(python -m mpi4jax_dist env)"' in refused[0]
@@ -95,11 +98,11 @@ def test_more_than_one_device_says_what_to_do():
         "try:\n"
         "    mpi4jax_dist.initialize()\n"
         "except RuntimeError as err:\n"
-        "    print('REFUSED', err)\n"
+        "    print('REFUSED ' + str(err))\n"
     )
     env = util.clean_env(JAX_NUM_CPU_DEVICES=2, **SWITCH)
     proc = util.run_mpi(["-c", code], 2, env=env, timeout=90)
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    refused = util.result_texts(proc.stdout, marker="REFUSED ")
     assert len(refused) == 2, proc.stdout + proc.stderr
     assert "one CPU device per process" in refused[0]
     assert "takes one CPU device per process" in refused[0]

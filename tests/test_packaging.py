@@ -239,11 +239,7 @@ def test_installed_without_mpi4jax(venv, tmp_path):
         _in_venv(venv, [*_mpiexec_python(venv), str(script)], tmp_path),
         "the ranks' script",
     )
-    results = [
-        json.loads(line.split(" ", 1)[1])
-        for line in proc.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    results = [json.loads(text) for text in util.result_texts(proc.stdout)]
     assert sorted(r["process"][0] for r in results) == [0, 1], proc.stdout
     family = _mpi_wheel()
     for result in results:

@@ -247,13 +247,14 @@ def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
     return base.astype(dtype)
 
 
-def result_texts(stdout: str) -> list[str]:
-    """The JSON texts after each ``RESULT `` marker in ``stdout``.
+def result_texts(stdout: str, marker: str = "RESULT ") -> list[str]:
+    """The texts (JSON, for ``RESULT ``) after each ``marker`` in ``stdout``, to
+    the end of its line.
 
     Split on the marker, not on lines: a launcher's output forwarding can put two
     ranks' lines on one (seen under Intel MPI's Hydra and, under load, MPICH's).
     """
-    return [chunk.splitlines()[0] for chunk in stdout.split("RESULT ")[1:]]
+    return [chunk.splitlines()[0] for chunk in stdout.split(marker)[1:]]
 
 
 def result_lines(proc, n: int, key: str) -> list[dict]:
