@@ -410,6 +410,11 @@ def shared_dir(world):
 
 @mpi
 def test_benchmark_reports_every_method(world, shared_dir):
+    if world.size != 2:
+        # All ranks skip alike. The benchmark's every method once, at 2 ranks;
+        # the solves at other sizes are the tests above (this one took 42 s of
+        # the 4-rank session on 2 cores).
+        pytest.skip("the CG benchmark's every-method run is checked at 2 ranks")
     bench = load_benchmark()
     out, png = shared_dir / "cg.json", shared_dir / "cg.png"
     results = bench.main(
