@@ -479,7 +479,7 @@ def main(argv=None):
             )
             if nb:
                 counts = wait_counts(
-                    cases[i * len(variants) + variants.index(nb)], comm
+                    cases[i * len(variants) + variants.index(nb)], comm, args.samples
                 )
                 result["pipelined_nb_waits"] = counts
                 line += f"  {counts['slack_us']:11.1f}  {counts['blocked_us']:13.1f}"
