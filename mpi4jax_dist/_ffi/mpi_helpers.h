@@ -342,10 +342,13 @@ struct RequestStats {
   std::atomic<int64_t> starts{0};
   std::atomic<int64_t> large_count_starts{0};
   std::atomic<int64_t> waits{0};
-  // Waits whose reduction was complete at the wait's first MPI_Test: it had
-  // progressed while the overlapped work ran.
+  // Waits whose first MPI_Test completed the reduction (past its simulated
+  // latency, if any): nothing was left to wait for. That test progresses the
+  // reduction too, so this alone does not say that the MPI moved it on during
+  // the overlapped work (wait_blocked_ns, and work without MPI calls, do).
   std::atomic<int64_t> done_before_wait{0};
-  // Nanoseconds from the posts to their waits, summed: the work overlapped.
+  // Nanoseconds from the posts to their waits, summed: the work overlapped (and
+  // any waiting for other ranks inside it).
   std::atomic<int64_t> wait_slack_ns{0};
   // Nanoseconds the waits spent waiting (MPI_Wait, and the simulated
   // latency's hold) after their first MPI_Test, summed: what the overlapped
