@@ -225,18 +225,31 @@ def wait_counts(case, comm, runs: int = 1) -> dict:
     }
 
 
-def micro_cases(prob, comm, trips: int, latency):
-    """The three micro cases, compiled under ``latency``, as loops of ``trips``:
-    the non-blocking allreduce of three float64 alone (start, wait), the grid's
-    matvec alone, and both overlapped (start, matvec, wait)."""
+def looped(prob, trips: int, latency, bodies):
+    """Each ``body(c, v) -> (c, v)`` as a jitted loop of ``trips`` from three
+    float64 ones and the grid's right-hand side, compiled under ``latency``."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
+    three, v = jnp.ones(3), jnp.asarray(prob.b)
+
+    def case(body):
+        f = jax.jit(
+            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
+        )
+        return warmed(lambda: f(three, v), latency)
+
+    return [case(body) for body in bodies]
+
+
+def micro_cases(prob, comm, trips: int, latency):
+    """The three micro cases, compiled under ``latency``, as loops of ``trips``:
+    the non-blocking allreduce of three float64 alone (start, wait), the grid's
+    matvec alone, and both overlapped (start, matvec, wait)."""
     import mpi4jax_dist
 
     matvec = prob.mpi4jax_matvec()
-    three = jnp.ones(3)
 
     def reduce_only(c, v):
         return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(c / comm.size)), v
@@ -249,14 +262,7 @@ def micro_cases(prob, comm, trips: int, latency):
         req, av = mpi4jax_dist.overlap(req, matvec, v)
         return mpi4jax_dist.wait(req), av * 1e-3
 
-    def looped(body):
-        f = jax.jit(
-            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
-        )
-        return warmed(lambda: f(three, v), latency)
-
-    v = jnp.asarray(prob.b)
-    return [looped(f) for f in (reduce_only, matvec_only, both)]
+    return looped(prob, trips, latency, (reduce_only, matvec_only, both))
 
 
 def progress_cases(prob, comm, trips: int):
@@ -265,13 +271,11 @@ def progress_cases(prob, comm, trips: int):
     halos, in two halves), the reduction overlapped with it, and the same with an
     ``mpi4jax_dist.test`` between the two halves."""
     import cg as cg_bench
-    import jax
     import jax.numpy as jnp
-    from jax import lax
 
     import mpi4jax_dist
 
-    n, three = prob.n, jnp.ones(3)
+    n = prob.n
 
     def half(v, top):
         u = v.reshape(-1, n)
@@ -298,14 +302,7 @@ def progress_cases(prob, comm, trips: int):
         req, bottom = mpi4jax_dist.overlap(req, lambda v: half(v, False), v)
         return mpi4jax_dist.wait(req), jnp.concatenate([top, bottom])
 
-    def looped(body):
-        f = jax.jit(
-            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
-        )
-        return warmed(lambda: f(three, v), None)
-
-    v = jnp.asarray(prob.b)
-    return [looped(f) for f in (work_only, both, both_test)]
+    return looped(prob, trips, None, (work_only, both, both_test))
 
 
 def main(argv=None):
