@@ -59,10 +59,12 @@ def test_file_limit_fails_without_protection_and_passes_with_it():
     )
     assert off["protection"] == "off" and not off["ok"]
     (error,) = off["errors"]
-    # gRPC's words for the files running out, and the client's failure: a deadline,
-    # or with jaxlib 0.6.0 sometimes a connect() that would wait for good.
+    # gRPC's words for the files running out, then how the run failed: a client's
+    # deadline; or, with jaxlib 0.6.0, a connect() that would wait for good, or one of
+    # gRPC's own assertions aborting the process (SIGABRT: exit -6, seen in CI).
     assert "File descriptor limit reached" in error or "Too many open files" in error
-    assert "DEADLINE_EXCEEDED" in error or "still in connect()" in error, error
+    failed_as = ("DEADLINE_EXCEEDED", "still in connect()", "(exit -6)")
+    assert any(words in error for words in failed_as), error
     (run,) = off["runs"]
     assert run["soft_limit_run"] == soft and run["run_s"] < 30
     assert on["protection"] == "on" and on["ok"], on["errors"]

@@ -12,7 +12,14 @@ export PATH="$venv/bin:$PATH"
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 cd "$here"
 
-run() { echo "+ $*"; "$@"; }
+# Each stage says what it ran and how long it took: CI's log then shows where the
+# time goes.
+run() {
+    echo "+ $*"
+    local start=$SECONDS
+    "$@"
+    echo "+ took $((SECONDS - start)) s"
+}
 
 # The code's own habits: black's layout and ruff's lint (versions pinned in setup.cfg).
 run black --check --quiet .
