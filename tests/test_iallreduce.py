@@ -67,28 +67,42 @@ def test_every_dtype_and_op_against_mpi4py(world):
     work = float(jnp.sum(jnp.sin(w) ** 2 * 4))
     wrong = []
     eager_ops = set()  # eagerly, each op once: the same handler, another dispatch
+
+    def check(dtype, op, how, got, b, expected):
+        got = np.asarray(got)
+        if got.dtype != expected.dtype or not np.array_equal(got, expected):
+            wrong.append(f"{dtype} {op} {how}: {got[:4]} != {expected[:4]}")
+        if not math.isclose(float(b), work, rel_tol=1e-5):
+            wrong.append(f"{dtype} {op} {how}: work {b} != {work}")
+
     with _jax_compat.enable_x64(True):
         for dtype, allowed in _allreduce.OPS_BY_DTYPE.items():
-            for op in allowed:
-                x = values(dtype, op, comm.rank)
-                mpi_op = getattr(MPI, op)
-                expected = reduced(comm, x, mpi_op)
-                jitted = jax.jit(lambda a, w, o=mpi_op: overlapped(a, o, w))
-                runs = [("jit", lambda f=jitted, x=x: f(x, w))]
-                if op not in eager_ops:
-                    eager_ops.add(op)
-                    runs.append(("eager", lambda o=mpi_op, x=x: overlapped(x, o, w)))
-                for how, run in runs:
-                    try:
-                        got, b = run()
-                        got = np.asarray(got)
-                    except Exception as e:  # report; do not leave the others waiting
-                        wrong.append(f"{dtype} {op} {how}: {type(e).__name__}: {e}")
-                        continue
-                    if got.dtype != x.dtype or not np.array_equal(got, expected):
-                        wrong.append(f"{dtype} {op} {how}: {got[:4]} != {expected[:4]}")
-                    if not math.isclose(float(b), work, rel_tol=1e-5):
-                        wrong.append(f"{dtype} {op} {how}: work {b} != {work}")
+            xs = [values(dtype, op, comm.rank) for op in allowed]
+            mpi_ops = [getattr(MPI, op) for op in allowed]
+            expected = [reduced(comm, x, o) for x, o in zip(xs, mpi_ops)]
+
+            # Jitted: one program per dtype, each op's start, work and wait in turn
+            # (one compilation per dtype rather than per dtype and op).
+            def every_op(xs, w, mpi_ops=mpi_ops):
+                return [overlapped(x, o, w) for x, o in zip(xs, mpi_ops)]
+
+            try:
+                results = jax.jit(every_op)(xs, w)
+            except Exception as e:  # report; do not leave the others waiting
+                wrong.append(f"{dtype} jit: {type(e).__name__}: {e}")
+                results = []
+            for op, (got, b), exp in zip(allowed, results, expected):
+                check(dtype, op, "jit", got, b, exp)
+            for op, x, mpi_op, exp in zip(allowed, xs, mpi_ops, expected):
+                if op in eager_ops:
+                    continue
+                eager_ops.add(op)
+                try:
+                    got, b = overlapped(x, mpi_op, w)
+                except Exception as e:
+                    wrong.append(f"{dtype} {op} eager: {type(e).__name__}: {e}")
+                    continue
+                check(dtype, op, "eager", got, b, exp)
     all_ranks(not wrong, wrong)
 
 
