@@ -208,6 +208,7 @@ def test_reductions_counted_per_iteration(solutions, backend, variant):
 
 
 @mpi
+@util.two_ranks_only
 @pytest.mark.parametrize("backend,variant", COMBOS)
 def test_reduction_hidden_in_matvec_is_counted(problem_a, backend, variant):
     """Fault injection: a reduction inside the user's matvec, which no declaration
@@ -231,6 +232,7 @@ def test_reduction_hidden_in_matvec_is_counted(problem_a, backend, variant):
 
 
 @mpi
+@util.two_ranks_only
 @pytest.mark.parametrize("variant", ["pipelined", "pipelined_nb"])
 @pytest.mark.parametrize("backend", cg.BACKENDS)
 def test_pipelined_residual_replacement(problem_a, backend, variant):
@@ -326,7 +328,9 @@ def problem_b(x64, bench):
 
 
 @mpi
-@pytest.mark.parametrize("jacobi", [False, True])
+@pytest.mark.parametrize(
+    "jacobi", [False, pytest.param(True, marks=util.two_ranks_only)]
+)
 @pytest.mark.parametrize("backend,variant", COMBOS)
 def test_normal_equations_match_numpy(problem_b, backend, variant, jacobi):
     x, info = problem_b.solve(backend, variant, tol=TOL, maxiter=300, jacobi=jacobi)
@@ -341,6 +345,7 @@ def test_normal_equations_match_numpy(problem_b, backend, variant, jacobi):
 
 
 @mpi
+@util.two_ranks_only
 @pytest.mark.parametrize("backend", cg.BACKENDS)
 @pytest.mark.parametrize("variant", ["classic", "single"])
 def test_float32_reductions_converge_looser(problem_b, backend, variant):
@@ -366,6 +371,7 @@ def test_reduce_dtype_wider_than_working_dtype_is_refused(problem_b):
 
 
 @mpi
+@util.two_ranks_only
 @pytest.mark.parametrize("backend", cg.BACKENDS)
 def test_warm_start_takes_fewer_iterations(problem_b, backend):
     x1, _ = problem_b.solve(backend, "classic", tol=1e-8, maxiter=300)
@@ -409,12 +415,8 @@ def shared_dir(world):
 
 
 @mpi
+@util.two_ranks_only  # (it took 42 s of the 4-rank session on 2 cores)
 def test_benchmark_reports_every_method(world, shared_dir):
-    if world.size != 2:
-        # All ranks skip alike. The benchmark's every method once, at 2 ranks;
-        # the solves at other sizes are the tests above (this one took 42 s of
-        # the 4-rank session on 2 cores).
-        pytest.skip("the CG benchmark's every-method run is checked at 2 ranks")
     bench = load_benchmark()
     out, png = shared_dir / "cg.json", shared_dir / "cg.png"
     results = bench.main(
@@ -517,10 +519,6 @@ def test_bad_options_are_named():
 # Reductions counted from the compiled program, in one process: mpi4jax on
 # COMM_SELF keeps its custom calls in the program, so the count sees them.
 
-serial_only = pytest.mark.skipif(
-    util.in_mpi_job(), reason="one process on COMM_SELF: runs in the serial session"
-)
-
 
 def self_allreduce(x):
     import mpi4jax
@@ -547,7 +545,7 @@ def self_solver(variant, extra=None, **options):
     return lambda **kw: solver(b, **{"tol": 1e-5, **kw})
 
 
-@serial_only
+@util.serial_only
 @pytest.mark.parametrize("variant", cg.VARIANTS)
 def test_hidden_reduction_is_counted_in_one_process(variant):
     import jax.numpy as jnp
@@ -565,7 +563,7 @@ def test_hidden_reduction_is_counted_in_one_process(variant):
         assert matvecs == k + 4 * (k // 3), info  # replacements ran, and counted
 
 
-@serial_only
+@util.serial_only
 @pytest.mark.parametrize("variant", cg.VARIANTS)
 def test_simulated_latency_makes_every_reduction_a_nonblocking_one(
     variant, monkeypatch
@@ -591,7 +589,7 @@ def test_simulated_latency_makes_every_reduction_a_nonblocking_one(
     np.testing.assert_allclose(np.asarray(x_sim), np.asarray(x_plain), rtol=1e-12)
 
 
-@serial_only
+@util.serial_only
 def test_reductions_that_depend_on_the_data_are_not_guessed(caplog):
     from jax import lax
 
@@ -604,7 +602,7 @@ def test_reductions_that_depend_on_the_data_are_not_guessed(caplog):
     assert "reduce differently" in caplog.text
 
 
-@serial_only
+@util.serial_only
 def test_inner_loop_reductions_count_times_its_trip_count():
     from jax import lax
 
@@ -616,7 +614,7 @@ def test_inner_loop_reductions_count_times_its_trip_count():
     assert int(info.reductions) == expected, info
 
 
-@serial_only
+@util.serial_only
 @pytest.mark.parametrize("variant", ["pipelined", "pipelined_nb"])
 def test_the_program_read_is_the_program_run(caplog, variant):
     """One compilation per input signature: the call after the ahead-of-time

@@ -40,6 +40,7 @@ def test_switch_values():
         _config.cpu_collectives({_config.CPU_COLLECTIVES: "nccl"})
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_env_lines_for_job_scripts():
     needs_wrapper()
@@ -69,6 +70,7 @@ def test_collectives_over_mpi_against_numpy(n):
         assert sorted(r["ops"]) == sorted(OPS), r["ops"]
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_too_late_says_what_to_do():
     """jax imported before mpi4jax_dist: jaxlib loaded without the wrapper."""
@@ -90,6 +92,7 @@ def test_too_late_says_what_to_do():
     assert 'eval "$(python -m mpi4jax_dist env)"' in refused[0]
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_more_than_one_device_says_what_to_do():
     needs_wrapper()
@@ -116,6 +119,7 @@ def test_not_built_says_what_to_do(monkeypatch):
         _cpu_collectives.env_lines()
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_benchmark_says_which_collectives_ran():
     """benchmarks/allreduce.py under the switch: its psum and gspmd rows run over

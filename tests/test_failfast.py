@@ -90,7 +90,9 @@ def test_signalled_rank_ends_the_job(case, signal):
     assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
 
 
-@pytest.mark.parametrize("case", ["ok", "caught_exit"])
+@pytest.mark.parametrize(
+    "case", ["ok", pytest.param("caught_exit", marks=util.same_under_every_mpi)]
+)
 def test_normal_exit_keeps_jax_shutdown(case):
     proc, _ = launch(case)
     assert proc.returncode == 0, show(proc)
@@ -100,6 +102,7 @@ def test_normal_exit_keeps_jax_shutdown(case):
     assert sigterm_caught(proc) == [False, False], show(proc)
 
 
+@util.same_under_every_mpi
 def test_switch_off_brings_back_jax_behaviour():
     # Rank 1 raises where nobody waits for it, so that the job ends either way.
     on, _ = launch("raise_after")
@@ -115,6 +118,7 @@ def test_switch_off_brings_back_jax_behaviour():
     assert sigterm_caught(off) == [True, True], show(off)  # JAX's notifier
 
 
+@util.same_under_every_mpi
 def test_jax_preemption_service_on_request():
     proc, took = launch("raise", JAX_ENABLE_PREEMPTION_SERVICE=1)
     assert sigterm_caught(proc) == [True, True], show(proc)
@@ -128,11 +132,17 @@ def test_jax_preemption_service_on_request():
     "env, installed, sigterm",
     [
         ({}, True, "default action (the process ends)"),
-        ({"MPI4JAX_DIST_FAIL_FAST": "0"}, False, "caught by JAX's preemption service"),
-        (
+        pytest.param(
+            {"MPI4JAX_DIST_FAIL_FAST": "0"},
+            False,
+            "caught by JAX's preemption service",
+            marks=util.same_under_every_mpi,
+        ),
+        pytest.param(
             {"JAX_ENABLE_PREEMPTION_SERVICE": "1"},
             True,
             "caught by JAX's preemption service",
+            marks=util.same_under_every_mpi,
         ),
     ],
 )
@@ -153,6 +163,7 @@ def test_diagnostics_report_what_is_in_force(env, installed, sigterm):
 # --- the sys.exit hook's judgement, without MPI -------------------------------------
 
 
+@util.same_under_every_mpi
 @pytest.mark.parametrize(
     "shape, code, aborts",
     [

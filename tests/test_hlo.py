@@ -15,6 +15,9 @@ import util
 
 from mpi4jax_dist import _hlo
 
+# One process each (compiling, or a fresh interpreter): the serial session's.
+pytestmark = util.serial_only
+
 
 @pytest.fixture(scope="module")
 def mpi():

@@ -77,23 +77,25 @@ def test_every_dtype_and_op_against_mpi4py(world):
 
     with _jax_compat.enable_x64(True):
         for dtype, allowed in _allreduce.OPS_BY_DTYPE.items():
-            xs = [values(dtype, op, comm.rank) for op in allowed]
-            mpi_ops = [getattr(MPI, op) for op in allowed]
-            expected = [reduced(comm, x, o) for x, o in zip(xs, mpi_ops)]
+            # Per op: this rank's input, the MPI op, and mpi4py's reduction of it.
+            cases = {}
+            for op in allowed:
+                x, mpi_op = values(dtype, op, comm.rank), getattr(MPI, op)
+                cases[op] = x, mpi_op, reduced(comm, x, mpi_op)
 
             # Jitted: one program per dtype, each op's start, work and wait in turn
             # (one compilation per dtype rather than per dtype and op).
-            def every_op(xs, w, mpi_ops=mpi_ops):
-                return [overlapped(x, o, w) for x, o in zip(xs, mpi_ops)]
+            def every_op(xs, w, cases=cases):
+                return {op: overlapped(xs[op], cases[op][1], w) for op in cases}
 
             try:
-                results = jax.jit(every_op)(xs, w)
+                found = jax.jit(every_op)({op: c[0] for op, c in cases.items()}, w)
             except Exception as e:  # report; do not leave the others waiting
                 wrong.append(f"{dtype} jit: {type(e).__name__}: {e}")
-                results = []
-            for op, (got, b), exp in zip(allowed, results, expected):
-                check(dtype, op, "jit", got, b, exp)
-            for op, x, mpi_op, exp in zip(allowed, xs, mpi_ops, expected):
+                found = {}
+            for op, (got, b) in found.items():
+                check(dtype, op, "jit", got, b, cases[op][2])
+            for op, (x, mpi_op, expected) in cases.items():
                 if op in eager_ops:
                     continue
                 eager_ops.add(op)
@@ -102,7 +104,7 @@ def test_every_dtype_and_op_against_mpi4py(world):
                 except Exception as e:
                     wrong.append(f"{dtype} {op} eager: {type(e).__name__}: {e}")
                     continue
-                check(dtype, op, "eager", got, b, exp)
+                check(dtype, op, "eager", got, b, expected)
     all_ranks(not wrong, wrong)
 
 

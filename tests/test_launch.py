@@ -280,6 +280,7 @@ def test_readme_block_extraction():
     assert readme_example("no code here\n") is None
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_readme_example_runs(tmp_path):
     text = README.read_text() if README.exists() else ""
@@ -295,6 +296,7 @@ def test_readme_example_runs(tmp_path):
     assert proc.returncode == 0
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_hello_example_runs():
     """examples/hello.py, the usage example with a psum, on two ranks."""
@@ -310,6 +312,7 @@ def test_hello_example_runs():
 _NO_ENV = "ValueError: coordinator_address should be defined."
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_without_launcher_one_process_off():
     """``python script.py`` with ``MPI4JAX_DIST_ONE_PROCESS=0``: plain JAX init fails
@@ -332,6 +335,7 @@ def test_without_launcher_one_process_off():
     assert (r["process_index"], r["process_count"], r["device_count"]) == (0, 1, 1)
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_disabled_under_mpiexec():
     """MPI4JAX_DIST_DISABLE=1: a plain jax.distributed.initialize() is not ours (JAX's

@@ -49,6 +49,7 @@ def test_asked_last_and_ours_first():
     assert not _cluster.OneProcessCluster.opt_in_only_method
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_present_only_without_launcher_and_switch():
     code = (
@@ -69,6 +70,7 @@ def test_present_only_without_launcher_and_switch():
     assert ask(PMI_RANK=0, PMI_SIZE=1, MPI_LOCALRANKID=0) == ["False", "False"]
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_env_registered_after_ours_is_asked_first():
     """A site's own ClusterEnv, defined after ``import mpi4jax_dist``, lands behind
@@ -97,7 +99,9 @@ print(last, with_site, _cluster.OneProcessCluster.is_env_present())
 
 
 @skip_in_mpi_job
-@pytest.mark.parametrize("launch", ["python", "mpiexec -n 2"])
+@pytest.mark.parametrize(
+    "launch", [pytest.param("python", marks=util.same_under_every_mpi), "mpiexec -n 2"]
+)
 def test_one_script_any_launch(launch):
     if launch == "python":
         found = results(plain(), 1)
@@ -117,6 +121,7 @@ def test_one_script_any_launch(launch):
         assert all(loopback(ip) for ip in r["listening"]), r["listening"]
 
 
+@util.same_under_every_mpi
 @skip_in_mpi_job
 def test_jax_slurm_env_still_asked_before_the_fallback():
     """``python script.py`` in a Slurm step without MPI (srun without --mpi: no PMI

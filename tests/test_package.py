@@ -12,6 +12,9 @@ import util
 import mpi4jax_dist
 from mpi4jax_dist import _cluster, _config, _devices, _jax_compat
 
+# One process each (compiling, or a fresh interpreter): the serial session's.
+pytestmark = util.serial_only
+
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (no launcher variables), with a timeout."""

@@ -48,6 +48,7 @@ def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
     assert took < 60, f"job took {took:.0f} s to end"
 
 
+@util.same_under_every_mpi
 def test_proxy_exempted_and_service_bound_to_loopback():
     proc = util.run_mpi(
         "robust_init.py",
@@ -72,6 +73,7 @@ def test_proxy_exempted_and_service_bound_to_loopback():
     assert zero["answers_on_other"] is False, zero
 
 
+@util.same_under_every_mpi
 def test_user_bind_address_wins():
     port = _free_port()
     proc = util.run_mpi(
@@ -92,6 +94,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@util.same_under_every_mpi
 def test_port_in_use_fails_fast_naming_port():
     with socket.socket() as held:
         held.bind(("0.0.0.0", 0))
@@ -132,6 +135,7 @@ def test_bad_input_names_variable(variable, value):
     assert f"{variable}={value!r}" in proc.stderr
 
 
+@util.same_under_every_mpi
 def test_non_boolean_disable_warns_and_keeps_working():
     proc = util.run_mpi(
         "robust_init.py", 2, env=util.clean_env(MPI4JAX_DIST_DISABLE="maybe")
@@ -185,6 +189,7 @@ def test_diagnostics_check_under_mpiexec():
     )
 
 
+@util.same_under_every_mpi
 def test_diagnostics_without_launcher_exit_nonzero():
     import subprocess
 
@@ -200,6 +205,7 @@ def test_diagnostics_without_launcher_exit_nonzero():
     assert "PROBLEM       rank 0: size 1 and no launcher variables" in proc.stdout
 
 
+@util.same_under_every_mpi
 def test_jobs_started_together_on_one_host_all_initialize():
     import subprocess
 
@@ -280,6 +286,7 @@ def test_hard_file_limit_too_low_fails_every_rank_at_once():
     assert took < 30, f"job took {took:.0f} s to end"
 
 
+@util.same_under_every_mpi
 def test_soft_file_limit_is_raised_to_the_hard_one():
     proc = util.run_mpi("file_limit.py", 2, nofile=(100, 4096))
     rows = results(proc.stdout)

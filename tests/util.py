@@ -92,6 +92,36 @@ skip_in_mpi_job = pytest.mark.skipif(
     reason="starts its own mpiexec: runs in the serial session (python -m pytest)",
 )
 
+# One process whose outcome is the same on every rank: under mpiexec each rank
+# would only repeat it.
+serial_only = pytest.mark.skipif(
+    in_mpi_job(),
+    reason="one process, alike on every rank: runs in the serial session",
+)
+
+
+# What a test checks is the package's own logic, alike under every MPI (a process
+# with no launcher, a switch, a message, a port): tools/test.sh runs it under
+# MPICH, and its Open MPI and Intel MPI stages, which are there for what differs
+# between the MPIs, leave it out (-m "not same_under_every_mpi").
+same_under_every_mpi = pytest.mark.same_under_every_mpi
+
+
+def job_size() -> int | None:
+    """Return the size of the MPI job this test process is in, from its launcher's
+    variables (None outside a job, or when the launcher does not say)."""
+    info = _launch.detect(os.environ)
+    return info.size if info else None
+
+
+# What a test checks does not change with the number of ranks beyond two: it runs
+# in the 2-rank session only, and the 4-rank session keeps the checks that do
+# (interior ranks with two neighbours, reductions over more than a pair).
+two_ranks_only = pytest.mark.skipif(
+    job_size() not in (None, 2),
+    reason="checked at 2 ranks: the same at every size",
+)
+
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that
 # are about them.
