@@ -20,11 +20,12 @@ _cpu_collectives.prepare()
 from . import _cluster, _jax_compat  # noqa: E402
 from ._allreduce import allreduce  # noqa: E402
 from ._api import initialize, topology  # noqa: E402
-from ._iallreduce import iallreduce, overlap, test, wait  # noqa: E402
+from ._iallreduce import Request, iallreduce, overlap, test, wait  # noqa: E402
 from ._topology import Topology  # noqa: E402
 from .interop import global_mesh, to_global, to_local  # noqa: E402
 
 __all__ = [
+    "Request",
     "Topology",
     "allreduce",
     "cg",

@@ -280,6 +280,7 @@ def test_installed_jax_matches_a_row():
 
 def test_public_api():
     assert sorted(mpi4jax_dist.__all__) == [
+        "Request",
         "Topology",
         "allreduce",
         "cg",
