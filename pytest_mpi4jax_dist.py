@@ -7,7 +7,9 @@ command line, or ``jax_world = true`` in the ini file (``[tool.pytest.ini_option
 of pyproject.toml). Then:
 
 - the session fixture ``jax_world`` calls :func:`mpi4jax_dist.initialize` once,
-  before any test starts JAX's backend, and returns the :class:`Topology`;
+  before any test starts JAX's backend, and returns the :class:`Topology`; under
+  an MPI launcher, before the first test runs when any test of the session asks
+  for it, so that a test that starts the backend without it can run first;
 - the marker ``@pytest.mark.jax_world`` gives a test that fixture without naming
   it (a test that needs an initialized JAX world, e.g. one that calls ``psum``
   across processes).
@@ -26,6 +28,7 @@ OPTION = "--jax-world"
 INI = "jax_world"
 MARKER = "jax_world"
 FIXTURE = "jax_world"
+_WORLD_NEEDED = pytest.StashKey[bool]()
 _SKIP = (
     f"needs an initialized JAX world: run pytest with {OPTION} (or set {INI} = "
     f"true in the ini file)"
@@ -70,6 +73,26 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.skip(reason=_SKIP))
         elif FIXTURE not in getattr(item, "fixturenames", [FIXTURE]):
             item.fixturenames.append(FIXTURE)
+    config.stash[_WORLD_NEEDED] = enabled(config) and any(
+        FIXTURE in getattr(item, "fixturenames", ()) for item in items
+    )
+
+
+@pytest.fixture(autouse=True)
+def _jax_world_before_any_test(request):
+    """Under an MPI launcher, the world before the first test runs, not at the first
+    test that asks for it: a test before that one that starts JAX's backend
+    (eagerly, or by compiling) would leave it unable to initialize, and which test
+    failed would depend on the order they ran in. Only when some test of the
+    session asks for the world; outside a launcher, at the first that does."""
+    if not request.config.stash.get(_WORLD_NEEDED, False):
+        return
+    import os
+
+    from mpi4jax_dist import _launch
+
+    if _launch.detect(os.environ) is not None:
+        request.getfixturevalue(FIXTURE)
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,7 @@ from jax._src import config as jax_config
 from mpi4jax_dist import _jax_compat
 
 # JAX in this process alone: before any JAX world of an mpiexec session exists.
-pytestmark = pytest.mark.skipif(
-    util.in_mpi_job(), reason="one process: runs in the serial session"
-)
+pytestmark = util.serial_only
 
 
 def _has_shard_map() -> bool:
