@@ -1,6 +1,7 @@
-"""The coordinator's address: which interface of rank 0's host, and a free port.
+"""Addresses: the coordinator's (which interface of rank 0's host, and a free port,
+chosen on rank 0), and each process's own for JAX's Gloo collectives.
 
-Runs on rank 0 only; no MPI here. ``psutil`` lists the interfaces.
+No MPI here. ``psutil`` lists the interfaces.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import socket
 import time
 
 from . import _config
+
+# How long one connection attempt of a poll may wait for an answer.
+_ATTEMPT_S = 0.5
+REFUSED = "refused"
 
 # Interfaces that belong to containers or VMs on the host, not to the cluster network.
 _VIRTUAL_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "tun")
@@ -97,6 +102,51 @@ def routable_address() -> str:
     )
 
 
+def source_address(host: str) -> str:
+    """Return the address of this host that its traffic to ``host`` leaves from.
+
+    The kernel's own choice (a UDP socket's ``connect`` sends nothing): on another
+    node, the address on the network that reaches ``host``; on ``host``'s own node,
+    ``host`` itself; loopback for loopback.
+
+    Raises:
+        OSError: no route to ``host``, or a host name that does not resolve.
+    """
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))  # any port: nothing is sent
+        return sock.getsockname()[0]
+
+
+def collectives_address(coordinator_address: str, interface: str | None = None) -> str:
+    """Return the address this process's Gloo collectives should publish.
+
+    Gloo (JAX's default CPU collectives) publishes the address its host name
+    resolves to, which on Debian-like hosts is 127.0.1.1: no other node can reach
+    it. Instead: the address of ``interface`` (``MPI4JAX_DIST_INTERFACE``) where one
+    is named, else the one this host reaches the coordinator from
+    (:func:`source_address`), which every node reaches the coordinator on too.
+
+    Raises:
+        ValueError: ``interface`` names no interface, or one without an address.
+        OSError: no route to the coordinator's host.
+    """
+    if interface is not None:
+        return interface_address(interface)
+    host, _ = _config.split_host_port(coordinator_address, "coordinator address")
+    return source_address(host)
+
+
+def hostname_on_loopback() -> str | None:
+    """Return the loopback address this host's name resolves to first, or None
+    (not loopback, or it does not resolve)."""
+    try:
+        first = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    address = first[0][4][0]
+    return address if ipaddress.ip_address(address.split("%")[0]).is_loopback else None
+
+
 def _usable(addresses, allow_loopback: bool = False) -> list[str]:
     """Return the IP addresses other hosts could use, IPv4 before IPv6, in order."""
     v4, v6 = [], []
@@ -153,23 +203,60 @@ def reserve_port(host: str) -> socket.socket:
 
 
 def wait_accepting(
-    host: str, port: int, deadline: float, first_pause: float, cap: float
-) -> bool:
+    host: str,
+    port: int,
+    deadline: float,
+    first_pause: float,
+    cap: float,
+    silence_s: float | None = None,
+) -> str | None:
     """Poll ``host:port`` until it accepts, pausing ``first_pause`` doubling up to
-    ``cap``; return whether it accepted before ``deadline`` (``time.monotonic``)."""
+    ``cap``.
+
+    Returns:
+        None once it accepts; else why it stopped waiting, in words: ``deadline``
+        (``time.monotonic``) passed, or for ``silence_s`` seconds no attempt was
+        answered at all (refusals are answers: nothing listens yet), which waiting
+        longer will not mend.
+    """
     pause = first_pause
-    while not accepts(host, port):
-        if time.monotonic() > deadline:
-            return False
+    silent_since = None
+    while True:
+        why = not_reached(host, port, _ATTEMPT_S)
+        if why is None:
+            return None
+        now = time.monotonic()
+        if why == REFUSED:
+            silent_since = None
+        elif silent_since is None:
+            silent_since = now
+        elif silence_s is not None and now - silent_since >= silence_s:
+            return f"{why}, for {now - silent_since:.0f} s"
+        if now > deadline:
+            return f"{why}, until the deadline"
         time.sleep(pause)
         pause = min(pause * 2, cap)
-    return True
 
 
-def accepts(host: str, port: int, timeout_s: float = 0.5) -> bool:
+def accepts(host: str, port: int, timeout_s: float = _ATTEMPT_S) -> bool:
     """Return True when something accepts TCP connections on ``host:port``."""
+    return not_reached(host, port, timeout_s) is None
+
+
+def not_reached(host: str, port: int, timeout_s: float) -> str | None:
+    """Try one TCP connection to ``host:port``; return None when it is accepted,
+    else why not, in words: :data:`REFUSED`, ``no answer in 20 s``, or the OS's
+    error (``No route to host``).
+
+    A refusal comes from the host (nothing listens there); no answer at all means
+    that something between the two drops the packets (a firewall).
+    """
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+            return None
+    except ConnectionRefusedError:
+        return REFUSED
+    except TimeoutError:
+        return f"no answer in {timeout_s:g} s"
+    except OSError as err:
+        return err.strerror or str(err)

@@ -32,6 +32,12 @@ elsewhere would deadlock). Its MPI calls all go through one
    probe rank 0's port themselves with a bounded back-off; on nodes other than rank
    0's only the leader probes, then releases its node with an ``Ibarrier`` on the
    node's communicator.
+4. **Reach** (TCP, no MPI): the leader of every node but rank 0's makes sure its node
+   reaches the coordinator's port. In thread mode a thread connects once after the
+   release (the probes did it in probe mode); a node whose connection goes
+   unanswered for :data:`REACH_TIMEOUT_S`, or is refused, ends the job with one line
+   naming the node and the address. Without it JAX's client retries in silence
+   until its initialization timeout (300 s), then fails naming no node.
 
 Every wait has a deadline; past it, the rank prints what it waited for and calls
 ``MPI_Abort``, which ends the job: a plain exception would leave ``MPI_Finalize``
@@ -41,6 +47,7 @@ waiting for the ranks that never came.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import typing
@@ -67,6 +74,10 @@ _PROBE_MIN_CAP_S = 2e-3
 # Rank 0 polling its own port: one prober, on its own host.
 _RANK0_PAUSE_CAP_S = 5e-3
 _PROBES_PER_S = 50_000
+# How long a node waits for any answer from the coordinator's port, once rank 0's
+# service listens, before it ends the job: TCP's retries of a lost connection
+# request (1, 2, 4 and 8 s apart) all fit in it.
+REACH_TIMEOUT_S = 20
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -343,6 +354,12 @@ class Bootstrap:
             self._wait(self._private.Ibarrier(), deadline, waiting_for)
             self._private.Free()
             self._private = None
+            if topo.node_index > 0 and topo.local_rank == 0:
+                threading.Thread(
+                    target=self._check_reachable,
+                    name="mpi4jax_dist-reach",
+                    daemon=True,
+                ).start()
         elif self.release_mode == "probe":
             if self._node is None or topo.local_rank == 0:
                 self._probe(deadline, waiting_for)
@@ -354,7 +371,7 @@ class Bootstrap:
 
     def _when_listening(self, deadline: float, on_listening) -> None:
         """Rank 0's thread: wait for the service, then release the others."""
-        if not self._port_accepts(deadline, _RANK0_PAUSE_CAP_S):
+        if self._port_accepts(deadline, _RANK0_PAUSE_CAP_S) is not None:
             message = (
                 f"JAX's coordination service did not listen on "
                 f"{self.topology.coordinator_address} within {self.timeout_s:g} s."
@@ -379,25 +396,70 @@ class Bootstrap:
 
     def _probe(self, deadline: float, waiting_for: str) -> None:
         """Poll rank 0's port until it accepts, with a bounded back-off; abort the
-        job past ``deadline``.
+        job past ``deadline``, or once :data:`REACH_TIMEOUT_S` of attempts went
+        unanswered (refusals are answers: the service is not up yet), saying
+        which.
 
         Each prober's pause doubles up to its share of :data:`_PROBES_PER_S` (at
         least 2 ms), so that rank 0 sees a bounded rate of refused connections
         however many nodes probe.
         """
         probers = self.topology.num_nodes + self.topology.local_size
-        if not self._port_accepts(
-            deadline, max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S)
-        ):
+        why = self._port_accepts(
+            deadline,
+            max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S),
+            silence_s=REACH_TIMEOUT_S,
+        )
+        if why is None:
+            return
+        if why.startswith(_network.REFUSED):  # reached, but nothing listened
             self._give_up(waiting_for)
+        self._abort(self._unreachable(why))
 
-    def _port_accepts(self, deadline: float, cap: float) -> bool:
-        """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
-        return whether it accepted connections before ``deadline``."""
+    def _check_reachable(self) -> None:
+        """A node leader's thread, once rank 0's service listens: connect to it
+        once, and end the job saying so when this node cannot reach it.
+
+        Without it, JAX's own connection retries in silence until its
+        initialization timeout (300 s by default) and then fails with a
+        ``DEADLINE_EXCEEDED`` that names no node. One connection per node beside
+        the P that JAX makes.
+        """
         host, port = _config.split_host_port(
             self.topology.coordinator_address, "coordinator address"
         )
-        return _network.wait_accepting(host, port, deadline, _PROBE_FIRST_PAUSE_S, cap)
+        why = _network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
+        if why is not None:
+            self._abort(self._unreachable(why))
+
+    def _unreachable(self, why: str) -> str:
+        """Say that this node cannot reach the coordinator, and what to do."""
+        address = self.topology.coordinator_address
+        host, _ = _config.split_host_port(address, "coordinator address")
+        try:
+            source = f" ({_network.source_address(host)})"
+        except OSError:
+            source = ""
+        return (
+            f"{socket.gethostname()}{source} cannot reach JAX's coordinator at "
+            f"{address}, where rank 0's service listens: {why}. Something between "
+            f"the nodes drops or refuses that port (a firewall?): open it between "
+            f"the nodes ({_config.COORDINATOR_PORT} chooses it), or name the "
+            f"interface of a network they share in {_config.INTERFACE}."
+        )
+
+    def _port_accepts(
+        self, deadline: float, cap: float, silence_s: float | None = None
+    ) -> str | None:
+        """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
+        return None once it accepts, else why not (see
+        :func:`_network.wait_accepting`)."""
+        host, port = _config.split_host_port(
+            self.topology.coordinator_address, "coordinator address"
+        )
+        return _network.wait_accepting(
+            host, port, deadline, _PROBE_FIRST_PAUSE_S, cap, silence_s
+        )
 
     def close(self) -> None:
         """Free what a bootstrap that will not release still holds (tests)."""
