@@ -24,6 +24,7 @@ logger = logging.getLogger("mpi4jax_dist")
 
 _explicit = False  # True while mpi4jax_dist.initialize() is asking JAX for us
 _proxy_alarm_checked = False
+_gloo_address_chosen = False
 
 
 class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
@@ -87,7 +88,53 @@ def _bootstrapped(**settings) -> _topology.Topology:
     _cpu_collectives.settle()
     _failfast.install(topo.rank, topo.size)
     _silence_false_proxy_alarm(topo)
+    _choose_gloo_address(topo)
     return topo
+
+
+def _choose_gloo_address(topo) -> None:
+    """Give JAX's Gloo collectives an address the other processes reach (once).
+
+    The one this host reaches the coordinator from, or ``MPI4JAX_DIST_INTERFACE``'s
+    (:func:`_network.collectives_address`), instead of what the host name resolves
+    to. Where that cannot be done, and rank 0's host name resolves to loopback in
+    a job of several nodes, rank 0 says so in one warning before the first
+    collective (which would otherwise fail after Gloo's timeout).
+
+    Raises:
+        ValueError: ``MPI4JAX_DIST_INTERFACE`` names no interface of this host, or
+            one without an address.
+    """
+    global _gloo_address_chosen
+    if _gloo_address_chosen or topo.size < 2:
+        return
+    _gloo_address_chosen = True
+    try:
+        address = _network.collectives_address(
+            topo.coordinator_address, _config.interface()
+        )
+    except OSError as err:  # no route to the coordinator: JAX will say more
+        why = f"no address for them ({err})"
+    else:
+        if _jax_compat.publish_gloo_address(address):
+            logger.info(
+                "mpi4jax_dist: rank %d: JAX's Gloo collectives on %s",
+                topo.rank,
+                address,
+            )
+            return
+        why = f"this JAX cannot be told their address ({address})"
+    loopback = _network.hostname_on_loopback()
+    if topo.rank == 0 and topo.num_nodes > 1 and loopback is not None:
+        logger.warning(
+            "mpi4jax_dist: JAX's Gloo collectives will publish %s, what rank 0's "
+            "host name resolves to, which other nodes cannot reach (%s): "
+            "collectives across nodes will fail. Map the host name to its cluster "
+            "address in /etc/hosts, or set %s=mpi.",
+            loopback,
+            why,
+            _config.CPU_COLLECTIVES,
+        )
 
 
 def _silence_false_proxy_alarm(topo) -> None:

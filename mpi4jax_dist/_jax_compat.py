@@ -191,6 +191,55 @@ def cpu_collectives() -> str | None:
     return value
 
 
+def publish_gloo_address(address: str) -> bool:
+    """Make JAX's CPU client give its Gloo collectives ``address``; return whether
+    this JAX allows it.
+
+    JAX makes Gloo's TCP collectives without an address, and Gloo then publishes the
+    one its host name resolves to (127.0.1.1 on Debian-like hosts: no other node
+    reaches it). jaxlib's ``make_gloo_tcp_collectives`` takes a ``hostname`` and
+    JAX's CPU backend factory takes ready ``collectives`` (both since jax 0.6.0), so
+    the factory is wrapped: where the collectives are gloo and a distributed client
+    exists when the CPU backend is made, Gloo gets ``address``; otherwise JAX's own
+    factory runs as it would. Must run before the CPU backend exists.
+    """
+    import dataclasses
+
+    from jax._src import xla_bridge
+
+    registration = xla_bridge._backend_factories.get("cpu")
+    if registration is None or backends_initialized():
+        return False
+    own = registration.factory
+    original = getattr(own, "jax_factory", own)  # ours already: wrap JAX's again
+    if "collectives" not in inspect.signature(original).parameters:
+        return False
+
+    def make_cpu_client(**kwargs):
+        client = _distributed.global_state.client
+        if kwargs or client is None or cpu_collectives() != "gloo":
+            return original(**kwargs)
+        gloo = distributed_runtime().make_gloo_tcp_collectives(
+            distributed_client=client, hostname=address
+        )
+        return original(collectives=gloo)
+
+    make_cpu_client.jax_factory = original
+    make_cpu_client.gloo_address = address
+    xla_bridge._backend_factories["cpu"] = dataclasses.replace(
+        registration, factory=make_cpu_client
+    )
+    return True
+
+
+def published_gloo_address() -> str | None:
+    """Return the address :func:`publish_gloo_address` gave Gloo, or None."""
+    from jax._src import xla_bridge
+
+    registration = xla_bridge._backend_factories.get("cpu")
+    return getattr(registration.factory, "gloo_address", None) if registration else None
+
+
 def cpu_devices_per_process() -> int:
     """Return the CPU devices each process will have: ``jax_num_cpu_devices``, else
     XLA_FLAGS' ``--xla_force_host_platform_device_count``, else 1."""

@@ -197,3 +197,45 @@ def test_disable_preemption_service():
         check=True,
     )
     assert json.loads(proc.stdout.splitlines()[-1]) == [True, False]
+
+
+_GLOO = """
+import json, sys
+import jax
+from mpi4jax_dist import _jax_compat
+published = _jax_compat.publish_gloo_address(sys.argv[1])
+again = _jax_compat.publish_gloo_address(sys.argv[1])  # wraps JAX's factory again
+jax.distributed.initialize()  # a world of one process: JAX makes Gloo
+try:
+    jax.devices()
+    made = "made"
+except Exception as err:
+    made = f"{type(err).__name__}: {err}"
+print(json.dumps([published, again, _jax_compat.published_gloo_address(), made,
+                  _jax_compat.publish_gloo_address("127.0.0.1")]))
+"""
+
+
+@pytest.mark.parametrize(
+    "address, made",
+    [
+        ("127.0.0.1", "made"),
+        # Not this host's: Gloo cannot listen there, so the backend fails to be
+        # made, which shows that the address reached Gloo (nothing is sent).
+        ("192.0.2.1", "Cannot assign requested address"),
+    ],
+)
+def test_publish_gloo_address(address, made):
+    """Gloo gets the address once the CPU backend is made; not after."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GLOO, address],
+        env=util.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    published, again, seen, outcome, late = json.loads(proc.stdout.splitlines()[-1])
+    assert (published, again, seen) == (True, True, address), proc.stderr
+    assert made in outcome, outcome
+    if made == "made":  # too late once the backend exists
+        assert late is False
