@@ -11,7 +11,9 @@ env)"`` before the ``mpiexec`` line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 
@@ -85,6 +87,10 @@ def _print_text(report: dict) -> None:
         check = report["check"]
         print(f"backend       {check['backend']}: {', '.join(check['devices'])}")
         print(f"check         psum correct: {check['psum_correct']}")
+        if check.get("gloo_address"):
+            print(f"  JAX's Gloo collectives on {check['gloo_address']}")
+        if check.get("psum_error"):
+            print(f"  {check['psum_error']}")
         if check["allreduce_equals_psum"] is None:
             print(f"  mpi4jax.allreduce {check['mpi4jax']}")
         else:
@@ -93,7 +99,26 @@ def _print_text(report: dict) -> None:
         print(f"PROBLEM       {problem}")
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send what the libraries print on standard output to standard error while
+    the report is made (jaxlib's Gloo prints ``[Gloo] Rank 0 is connected to ...``
+    there from C++), so that standard output carries the report alone: ``--json |
+    jq`` works."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv=None) -> int:
+    from ._diagnose import CHECK_TIMEOUT_S
+
     parser = argparse.ArgumentParser(
         prog="python -m mpi4jax_dist", description=__doc__.splitlines()[0]
     )
@@ -115,9 +140,18 @@ def main(argv=None) -> int:
         metavar="N",
         help="judge rank 0's limits for a job of N processes (default: this one's)",
     )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="with --check: how long the ranks wait for each other after JAX's psum "
+        f"before the job ends, saying that it hangs (default: {CHECK_TIMEOUT_S})",
+    )
     args = parser.parse_args(argv)
     if args.procs is not None and args.procs < 1:
         parser.error(f"--procs {args.procs}: expected a process count of 1 or more")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout {args.timeout:g}: expected seconds, more than 0")
     if args.command == "env":
         from ._cpu_collectives import env_lines
 
@@ -132,7 +166,8 @@ def main(argv=None) -> int:
 
     from ._diagnose import diagnose
 
-    report = diagnose(check=args.check, procs=args.procs)
+    with _stdout_to_stderr():
+        report = diagnose(check=args.check, procs=args.procs, timeout_s=args.timeout)
     if MPI.COMM_WORLD.Get_rank() == 0:
         if args.json:
             print(json.dumps(report, indent=1))

@@ -46,7 +46,9 @@ def _family(text: str) -> str | None:
     return None
 
 
-def diagnose(check: bool = False, procs: int | None = None) -> dict:
+def diagnose(
+    check: bool = False, procs: int | None = None, timeout_s: float | None = None
+) -> dict:
     """Return a report of this job (collective: every rank must call it).
 
     Args:
@@ -55,6 +57,9 @@ def diagnose(check: bool = False, procs: int | None = None) -> dict:
             (skipped, saying why, where mpi4jax is not installed: it is an extra).
         procs: judge rank 0's limits for a job of this many processes (default:
             this job's size), e.g. to plan a large job from a small one.
+        timeout_s: how long the ranks wait for each other after the check's psum
+            (default :data:`CHECK_TIMEOUT_S`); past it, a rank still in it hangs,
+            and the job ends saying so.
 
     Returns:
         On every rank, a dict; ``problems`` lists what looks wrong (empty: fine).
@@ -131,7 +136,7 @@ def diagnose(check: bool = False, procs: int | None = None) -> dict:
     if topo.rank == 0:
         problems += scale["problems"]
     if check:
-        report["check"] = _check(topo, problems)
+        report["check"] = _check(topo, problems, timeout_s or CHECK_TIMEOUT_S)
     # After the check, which initializes JAX and with it the hooks.
     report["on_failure"] = _failfast.report()
     report["cpu_collectives"] = _cpu_collectives.report()
@@ -160,7 +165,13 @@ def _mpi4jax_unusable(problems: list[str]) -> str | None:
     return None
 
 
-def _check(topo, problems: list[str]) -> dict:
+# How long the ranks wait for each other after JAX's check before they give up on
+# it: a collective that hangs (packets dropped between nodes) ends the job instead
+# of holding it. Gloo's own connection attempts give up within about 130 s.
+CHECK_TIMEOUT_S = 300
+
+
+def _check(topo, problems: list[str], timeout_s: float) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -169,35 +180,53 @@ def _check(topo, problems: list[str]) -> dict:
 
     from . import _api, _jax_compat, interop
 
+    comm = MPI.COMM_WORLD
     # Every rank calls mpi4jax.allreduce or none does: one rank alone in it would
     # wait for the others forever.
-    unusable = MPI.COMM_WORLD.allgather(_mpi4jax_unusable(problems))
+    unusable = comm.allgather(_mpi4jax_unusable(problems))
     _api.initialize()
-    mesh = interop.global_mesh()
     local = jnp.arange(8, dtype=jnp.float32) + topo.rank
-    summed = jax.jit(
-        _jax_compat.shard_map(
-            lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS),
-            mesh=mesh,
-            in_specs=PartitionSpec(interop.DEFAULT_AXIS),
-            out_specs=PartitionSpec(interop.DEFAULT_AXIS),
-        )
-    )(interop.to_global(local, mesh))
-    by_psum = np.asarray(interop.to_local(summed))
     expected = np.arange(8) * topo.size + sum(range(topo.size))
-    if not np.array_equal(by_psum, expected):
-        problems.append(f"psum {by_psum} != {expected}")
     result = {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "process_index": jax.process_index(),
-        "psum_correct": bool(np.array_equal(by_psum, expected)),
+        "gloo_address": _jax_compat.published_gloo_address(),
     }
-    if any(unusable):
+    try:
+        mesh = interop.global_mesh()
+        summed = jax.jit(
+            _jax_compat.shard_map(
+                lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS),
+                mesh=mesh,
+                in_specs=PartitionSpec(interop.DEFAULT_AXIS),
+                out_specs=PartitionSpec(interop.DEFAULT_AXIS),
+            )
+        )(interop.to_global(local, mesh))
+        by_psum = np.asarray(interop.to_local(summed))
+    except Exception as err:  # a collective that fails is what --check is for
+        error = " ".join(f"{type(err).__name__}: {err}".split())
+        problems.append(f"JAX's psum across the {topo.size} processes failed: {error}")
+        by_psum = None
+        result["psum_error"] = error
+    # The ranks compare notes only once every one of them is through the psum: a
+    # rank that hangs in it ends the job, saying so, after timeout_s.
+    _wait_for_all(comm, timeout_s, "JAX's psum across the processes", problems)
+    if by_psum is not None and not np.array_equal(by_psum, expected):
+        problems.append(f"psum {by_psum} != {expected}")
+    result["psum_correct"] = by_psum is not None and bool(
+        np.array_equal(by_psum, expected)
+    )
+    failed = [r for r, ok in enumerate(comm.allgather(by_psum is not None)) if not ok]
+    skip = None
+    if failed:
+        skip = f"JAX's psum failed on ranks {failed}"
+    elif any(unusable):
         rank = next(r for r, why in enumerate(unusable) if why)
-        why = unusable[topo.rank] or f"on rank {rank}, {unusable[rank]}"
+        skip = unusable[topo.rank] or f"on rank {rank}, {unusable[rank]}"
+    if skip is not None:
         # None, not False: nothing was compared.
-        return {**result, "allreduce_equals_psum": None, "mpi4jax": f"skipped: {why}"}
+        return {**result, "allreduce_equals_psum": None, "mpi4jax": f"skipped: {skip}"}
     import mpi4jax
 
     by_mpi4jax = np.asarray(jax.jit(lambda a: mpi4jax.allreduce(a, op=MPI.SUM))(local))
@@ -208,3 +237,30 @@ def _check(topo, problems: list[str]) -> dict:
         "allreduce_equals_psum": bool(np.array_equal(by_mpi4jax, by_psum)),
         "mpi4jax": "compared",
     }
+
+
+def _wait_for_all(comm, timeout_s: float, what: str, problems: list[str]) -> None:
+    """Return once every rank of ``comm`` got here; past ``timeout_s``, say in one
+    line which step some rank is still in, and this rank's ``problems``, and end
+    the job (``MPI_Abort``)."""
+    import logging
+    import time
+
+    from . import _mpi
+
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            logging.getLogger("mpi4jax_dist").critical(
+                "mpi4jax_dist --check: rank %d of %d: %ssome rank was still in %s "
+                "after %g s: it hangs (packets dropped between nodes?); ending the "
+                "job.",
+                comm.Get_rank(),
+                comm.Get_size(),
+                "".join(f"{p}; " for p in problems),
+                what,
+                timeout_s,
+            )
+            _mpi.abort(comm, 1)
+        time.sleep(0.01)

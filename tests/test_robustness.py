@@ -1,6 +1,7 @@
 """Launch tests of the bootstrap's failure handling, each mpiexec with a timeout."""
 
 import json
+import re
 import socket
 import sys
 import time
@@ -45,6 +46,29 @@ def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
         "rank 1 of 2: gave up after 2 s waiting for rank 0's JAX coordination "
         "service to listen on 127.0.0.1:" in proc.stderr
     ), proc.stderr[-2000:]
+    assert took < 60, f"job took {took:.0f} s to end"
+
+
+@pytest.mark.parametrize(
+    "mode, why",
+    [
+        ("thread", "no answer in 2 s"),
+        ("probe", "no answer in 0.5 s, until the deadline"),
+    ],
+)
+def test_a_node_that_cannot_reach_the_coordinator_ends_the_job(mode, why):
+    start = time.monotonic()
+    proc = util.run_mpi("reach_deadline.py", 2, mode, check=False, timeout=90)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "REACHED" not in proc.stdout and "RELEASED" not in proc.stdout
+    address = re.search(r"coordinator at (127\.0\.0\.1:\d+)", proc.stderr)
+    assert address, proc.stderr[-2000:]
+    line = (
+        f"rank 1 of 2: {socket.gethostname()} (127.0.0.1) cannot reach JAX's "
+        f"coordinator at {address.group(1)}, where rank 0's service listens: {why}. "
+    )
+    assert line in proc.stderr, proc.stderr[-2000:]
     assert took < 60, f"job took {took:.0f} s to end"
 
 
@@ -165,8 +189,7 @@ def test_launcher_size_differs_from_mpi_size():
 
 def test_diagnostics_check_under_mpiexec():
     proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--json", "--check")
-    start = proc.stdout.index("{")
-    report = json.loads(proc.stdout[start : proc.stdout.rindex("}") + 1])
+    report = json.loads(proc.stdout)  # all of it: jaxlib's Gloo prints to stderr
     assert report["problems"] == []
     assert report["launcher"] == util.expected_launcher()
     assert report["topology"]["ranks_per_node"] == {"0": [0, 1]}
