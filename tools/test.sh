@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run every test: serially (unit tests, and launch tests that start their own mpiexec),
 # then with peers under mpiexec -n 2 and -n 4; then, where tools/setup.sh built them
-# (--all), the launch tests under Open MPI's and Intel MPI's mpiexec and the serial
-# and 2-rank tests on the oldest JAX that setup.cfg allows. Needs tools/setup.sh first.
+# (--all), the launch tests under Open MPI's and Intel MPI's mpiexec, the tests on a
+# Slurm cluster of network namespaces (as root), and the serial and 2-rank tests on
+# the oldest JAX that setup.cfg allows. Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -79,6 +80,23 @@ if [ -x "$impi/bin/mpiexec" ]; then
         --procs 2,4 --repeat 1
 else
     echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
+fi
+
+# A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
+# makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
+# MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the faults
+# of a real cluster (tests/test_slurm_cluster.py). Taken down again whatever
+# happens.
+if [ "$(id -u)" -eq 0 ]; then
+    trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
+    run bash tools/cluster.sh up 3
+    run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
+        timeout -k 10 900 python -m pytest -q -p no:cacheprovider \
+        tests/test_slurm_cluster.py
+    run bash tools/cluster.sh down
+    trap - EXIT
+else
+    echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
 fi
 
 # The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax), installed
