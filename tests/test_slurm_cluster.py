@@ -213,30 +213,28 @@ RUN = f"python {PROGRAM} --bytes {BYTES}"
 HYDRA = f"mpiexec -n $SLURM_NTASKS -ppn $SLURM_NTASKS_PER_NODE {RUN}"
 PRRTE = f"mpirun -n $SLURM_NTASKS --map-by ppr:$SLURM_NTASKS_PER_NODE:node {RUN}"
 
-LAUNCHES = [
-    # id, how, MPI, nodes, ranks per node, extra environment
-    ("srun-pmi2-mpich", "srun --mpi=pmi2", "mpich", 2, 2, {}),
-    ("srun-pmi2-mpich", "srun --mpi=pmi2", "mpich", 3, 1, {}),
-    (
-        "srun-pmi2-mpich-mpi-collectives",
-        "srun --mpi=pmi2",
-        "mpich",
-        2,
-        2,
-        {"MPI4JAX_DIST_CPU_COLLECTIVES": "mpi"},
-    ),
-    ("srun-pmix-openmpi", "srun --mpi=pmix", "openmpi", 2, 2, {}),
-    ("sbatch-mpirun-openmpi", "sbatch", "openmpi", 3, 1, {}),
-    ("sbatch-mpiexec-mpich", "sbatch", "mpich", 2, 2, {}),
-    ("salloc-mpiexec-mpich", "salloc", "mpich", 3, 1, {}),
+# id, how, MPI, extra environment; each on 2 nodes of 2 ranks and 3 nodes of 1.
+LAUNCHERS = [
+    ("srun-pmi2-mpich", "srun --mpi=pmi2", "mpich", {}),
+    ("srun-pmix-openmpi", "srun --mpi=pmix", "openmpi", {}),
+    ("sbatch-mpirun-openmpi", "sbatch", "openmpi", {}),
+    ("sbatch-mpiexec-mpich", "sbatch", "mpich", {}),
+    ("salloc-mpiexec-mpich", "salloc", "mpich", {}),
+]
+SHAPES = [(2, 2), (3, 1)]
+# JAX's CPU collectives over MPI (this package's wrapper of each MPI), 2 x 2.
+OVER_MPI = {"MPI4JAX_DIST_CPU_COLLECTIVES": "mpi"}
+LAUNCHES = [(*launcher, *shape) for launcher in LAUNCHERS for shape in SHAPES] + [
+    ("srun-pmi2-mpich-mpi-collectives", "srun --mpi=pmi2", "mpich", OVER_MPI, 2, 2),
+    ("srun-pmix-openmpi-mpi-collectives", "srun --mpi=pmix", "openmpi", OVER_MPI, 2, 2),
 ]
 
 
 @pytest.mark.parametrize(
-    "how, mpi, nodes, per_node, extra",
-    [pytest.param(*case[1:], id=f"{case[0]}-{case[3]}x{case[4]}") for case in LAUNCHES],
+    "how, mpi, extra, nodes, per_node",
+    [pytest.param(*case[1:], id=f"{case[0]}-{case[4]}x{case[5]}") for case in LAUNCHES],
 )
-def test_one_world(tmp_path, how, mpi, nodes, per_node, extra):
+def test_one_world(tmp_path, how, mpi, extra, nodes, per_node):
     env = _env(mpi, **extra)
     shape = (f"--nodes={nodes}", f"--ntasks-per-node={per_node}")
     if how.startswith("srun"):
@@ -474,19 +472,28 @@ def _wait_for_line(proc, marker: str, timeout: float) -> str:
 
 
 def _wait_idle(timeout: float = 90):
-    """Wait until every node is idle again (a node cut off comes back once its
-    slurmd answers)."""
+    """Wait until every node is idle again; a node that was cut off is resumed
+    (Slurm would take it back only at its next ping of the node)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        states = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", "%T"],
+        rows = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %T"],
             env=_env(),
             capture_output=True,
             text=True,
             timeout=60,
-        ).stdout.split()
-        if states and all(s == "idle" for s in states):
+        ).stdout.split("\n")
+        states = dict(row.split() for row in rows if row.strip())
+        if states and all(s == "idle" for s in states.values()):
             return
+        for node, state in states.items():
+            if state.startswith("down"):
+                subprocess.run(
+                    ["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                    env=_env(),
+                    timeout=60,
+                    check=False,
+                )
         time.sleep(1)
     pytest.fail(f"nodes not idle after {timeout} s: {states}")
 
@@ -638,7 +645,7 @@ def test_host_name_that_does_not_resolve():
 def test_diagnostics_report_a_collective_that_fails():
     """node1 refuses new connections from node2 but to the coordinator: Gloo
     cannot connect. --check does not crash: the ranks that fail report why, and
-    the job ends once the others have hung in the psum for --timeout."""
+    the job ends once the others have hung in the psum for --timeout (10 s)."""
     rule = (
         f"ip saddr {_node_addresses()['node2']} tcp dport != {COORDINATOR_PORT} "
         "tcp flags syn / syn,ack reject with tcp reset"
@@ -654,7 +661,7 @@ def test_diagnostics_report_a_collective_that_fails():
             "mpi4jax_dist",
             "--check",
             "--timeout",
-            "20",
+            "10",
             env=_env(JAX_COORDINATOR_PORT=COORDINATOR_PORT),
         )
         took = time.monotonic() - start
@@ -663,5 +670,5 @@ def test_diagnostics_report_a_collective_that_fails():
     line = next(line for line in output.splitlines() if "mpi4jax_dist --check:" in line)
     assert "JAX's psum across the 2 processes failed: JaxRuntimeError" in line, line
     assert "Gloo context initialization failed" in line, line
-    assert "some rank was still in JAX's psum across the processes after 20 s" in line
+    assert "some rank was still in JAX's psum across the processes after 10 s" in line
     assert took < 90, f"{took:.0f} s"

@@ -144,7 +144,8 @@ KillOnBadExit=1
 KillWait=5
 MinJobAge=30
 InactiveLimit=0
-SlurmdTimeout=30
+# A node that stops answering is down after 15 s (sites: 300 s), and its jobs end.
+SlurmdTimeout=15
 EOF
     for k in $(seq 1 "$n"); do
         echo "NodeName=node$k NodeAddr=$(node_address "$k") CPUs=2 Gres=gpu:4 \

@@ -85,13 +85,13 @@ fi
 # A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
 # makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
 # MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the faults
-# of a real cluster (tests/test_slurm_cluster.py). Taken down again whatever
-# happens.
+# of a real cluster (tests/test_slurm_cluster.py), each case's seconds printed.
+# Taken down again whatever happens.
 if [ "$(id -u)" -eq 0 ]; then
     trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
     run bash tools/cluster.sh up 3
     run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
-        timeout -k 10 900 python -m pytest -q -p no:cacheprovider \
+        timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
         tests/test_slurm_cluster.py
     run bash tools/cluster.sh down
     trap - EXIT
