@@ -254,8 +254,8 @@ def _wait_for_all(comm, timeout_s: float, what: str, problems: list[str]) -> Non
         if time.monotonic() > deadline:
             logging.getLogger("mpi4jax_dist").critical(
                 "mpi4jax_dist --check: rank %d of %d: %ssome rank was still in %s "
-                "after %g s: it hangs (packets dropped between nodes?); ending the "
-                "job.",
+                "after %g s: it hangs (connections between nodes blocked?); ending "
+                "the job.",
                 comm.Get_rank(),
                 comm.Get_size(),
                 "".join(f"{p}; " for p in problems),

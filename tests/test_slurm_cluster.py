@@ -557,7 +557,8 @@ def test_node_network_down_mid_job_ends_the_job():
     assert (
         "The following tasks are unhealthy (stopped sending heartbeats)" in output
     ), output
-    print(f"ended {ended:.1f} s after node2's link went down")
+    cause = next(line for line in output.splitlines() if "unhealthy" in line)
+    print(f"ended {ended:.1f} s after node2's link went down: {cause[-200:]}")
 
 
 def test_firewall_dropping_the_coordinators_port_names_the_node():
@@ -584,6 +585,7 @@ def test_firewall_dropping_the_coordinators_port_names_the_node():
     )
     assert line in output, output
     assert took < 90, f"{took:.0f} s"
+    print(f"ended in {took:.1f} s: {line}")
 
 
 def test_dead_proxy_on_one_node_only(tmp_path):
@@ -672,3 +674,4 @@ def test_diagnostics_report_a_collective_that_fails():
     assert "Gloo context initialization failed" in line, line
     assert "some rank was still in JAX's psum across the processes after 10 s" in line
     assert took < 90, f"{took:.0f} s"
+    print(f"ended in {took:.1f} s: {line}")
