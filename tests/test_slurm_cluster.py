@@ -526,6 +526,15 @@ def _firewall(node: str, hook: str, rule: str):
 COORDINATOR_PORT = 29411  # fixed, so that a firewall rule can name it
 
 
+def _srun_behind(node: str, hook: str, rule: str, *args, env: dict):
+    """``srun args`` while ``rule`` holds on ``node`` (:func:`_firewall`); return
+    the CompletedProcess and the seconds it took."""
+    with _firewall(node, hook, rule):
+        start = time.monotonic()
+        proc = _srun(*args, env=env)
+        return proc, time.monotonic() - start
+
+
 def test_node_network_down_mid_job_ends_the_job():
     """node2's link goes down while the job calls collectives: JAX's coordination
     service misses node2's heartbeats (10 s here) and ends the job."""
@@ -564,17 +573,16 @@ def test_node_network_down_mid_job_ends_the_job():
 def test_firewall_dropping_the_coordinators_port_names_the_node():
     """node2 drops what it sends to the coordinator's port: the job ends within
     the reach timeout, naming node2 and the address, not after JAX's 300 s."""
-    rule = f"tcp dport {COORDINATOR_PORT} drop"
-    with _firewall("node2", "output", rule):
-        start = time.monotonic()
-        proc = _srun(
-            "--nodes=2",
-            "--ntasks-per-node=2",
-            "--mpi=pmi2",
-            *RUN.split(),
-            env=_env(JAX_COORDINATOR_PORT=COORDINATOR_PORT),
-        )
-        took = time.monotonic() - start
+    proc, took = _srun_behind(
+        "node2",
+        "output",
+        f"tcp dport {COORDINATOR_PORT} drop",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--mpi=pmi2",
+        *RUN.split(),
+        env=_env(JAX_COORDINATOR_PORT=COORDINATOR_PORT),
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     node1, node2 = _node_addresses()["node1"], _node_addresses()["node2"]
@@ -652,21 +660,21 @@ def test_diagnostics_report_a_collective_that_fails():
         f"ip saddr {_node_addresses()['node2']} tcp dport != {COORDINATOR_PORT} "
         "tcp flags syn / syn,ack reject with tcp reset"
     )
-    with _firewall("node1", "input", rule):
-        start = time.monotonic()
-        proc = _srun(
-            "--nodes=2",
-            "--ntasks-per-node=1",
-            "--mpi=pmi2",
-            "python",
-            "-m",
-            "mpi4jax_dist",
-            "--check",
-            "--timeout",
-            "10",
-            env=_env(JAX_COORDINATOR_PORT=COORDINATOR_PORT),
-        )
-        took = time.monotonic() - start
+    proc, took = _srun_behind(
+        "node1",
+        "input",
+        rule,
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--mpi=pmi2",
+        "python",
+        "-m",
+        "mpi4jax_dist",
+        "--check",
+        "--timeout",
+        "10",
+        env=_env(JAX_COORDINATOR_PORT=COORDINATOR_PORT),
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     line = next(line for line in output.splitlines() if "mpi4jax_dist --check:" in line)
