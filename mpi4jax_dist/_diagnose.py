@@ -4,11 +4,15 @@ proxies, versions and devices. A library function first; ``__main__`` prints it.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import shutil
 import subprocess
+import time
 
 from . import _config, _cpu_collectives, _failfast, _launch, _limits
-from ._mpi import mpi_library, thread_level_name
+from ._mpi import abort, mpi_library, thread_level_name
+
+logger = logging.getLogger("mpi4jax_dist")
 
 PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
 
@@ -166,8 +170,9 @@ def _mpi4jax_unusable(problems: list[str]) -> str | None:
 
 
 # How long the ranks wait for each other after JAX's check before they give up on
-# it: a collective that hangs (packets dropped between nodes) ends the job instead
-# of holding it. Gloo's own connection attempts give up within about 130 s.
+# it: a collective that hangs (connections blocked between nodes) ends the job
+# instead of holding it. A Gloo rank waiting for peers that never connect gives up
+# after about 150 s (measured on the test cluster).
 CHECK_TIMEOUT_S = 300
 
 
@@ -243,16 +248,11 @@ def _wait_for_all(comm, timeout_s: float, what: str, problems: list[str]) -> Non
     """Return once every rank of ``comm`` got here; past ``timeout_s``, say in one
     line which step some rank is still in, and this rank's ``problems``, and end
     the job (``MPI_Abort``)."""
-    import logging
-    import time
-
-    from . import _mpi
-
     request = comm.Ibarrier()
     deadline = time.monotonic() + timeout_s
     while not request.Test():
         if time.monotonic() > deadline:
-            logging.getLogger("mpi4jax_dist").critical(
+            logger.critical(
                 "mpi4jax_dist --check: rank %d of %d: %ssome rank was still in %s "
                 "after %g s: it hangs (connections between nodes blocked?); ending "
                 "the job.",
@@ -262,5 +262,5 @@ def _wait_for_all(comm, timeout_s: float, what: str, problems: list[str]) -> Non
                 what,
                 timeout_s,
             )
-            _mpi.abort(comm, 1)
+            abort(comm, 1)
         time.sleep(0.01)

@@ -414,7 +414,7 @@ class Bootstrap:
             return
         if why.startswith(_network.REFUSED):  # reached, but nothing listened
             self._give_up(waiting_for)
-        self._abort(self._unreachable(why))
+        self._abort(self._unreachable(why, "where rank 0's service is to listen"))
 
     def _check_reachable(self) -> None:
         """A node leader's thread, once rank 0's service listens: connect to it
@@ -430,10 +430,11 @@ class Bootstrap:
         )
         why = _network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
         if why is not None:
-            self._abort(self._unreachable(why))
+            self._abort(self._unreachable(why, "where rank 0's service listens"))
 
-    def _unreachable(self, why: str) -> str:
-        """Say that this node cannot reach the coordinator, and what to do."""
+    def _unreachable(self, why: str, where: str) -> str:
+        """Say that this node cannot reach the coordinator (``where``: what is
+        known of its service), why, and what to do."""
         address = self.topology.coordinator_address
         host, _ = _config.split_host_port(address, "coordinator address")
         try:
@@ -442,7 +443,7 @@ class Bootstrap:
             source = ""
         return (
             f"{socket.gethostname()}{source} cannot reach JAX's coordinator at "
-            f"{address}, where rank 0's service listens: {why}. Something between "
+            f"{address}, {where}: {why}. Something between "
             f"the nodes drops or refuses that port (a firewall?): open it between "
             f"the nodes ({_config.COORDINATOR_PORT} chooses it), or name the "
             f"interface of a network they share in {_config.INTERFACE}."

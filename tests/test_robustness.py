@@ -52,8 +52,12 @@ def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
 @pytest.mark.parametrize(
     "mode, why",
     [
-        ("thread", "no answer in 2 s"),
-        ("probe", "no answer in 0.5 s, until the deadline"),
+        ("thread", "where rank 0's service listens: no answer in 2 s"),
+        (
+            "probe",
+            "where rank 0's service is to listen: no answer in 0.5 s, until the "
+            "deadline",
+        ),
     ],
 )
 def test_a_node_that_cannot_reach_the_coordinator_ends_the_job(mode, why):
@@ -66,7 +70,7 @@ def test_a_node_that_cannot_reach_the_coordinator_ends_the_job(mode, why):
     assert address, proc.stderr[-2000:]
     line = (
         f"rank 1 of 2: {socket.gethostname()} (127.0.0.1) cannot reach JAX's "
-        f"coordinator at {address.group(1)}, where rank 0's service listens: {why}. "
+        f"coordinator at {address.group(1)}, {why}. "
     )
     assert line in proc.stderr, proc.stderr[-2000:]
     assert took < 60, f"job took {took:.0f} s to end"
