@@ -41,6 +41,8 @@ say() { echo "cluster.sh: $*"; }
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 node_count() { cat "$STATE/nodes" 2>/dev/null || echo 0; }
+# The namespaces this script made (also those an interrupted run left).
+node_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep "^${PREFIX}node" || true; }
 node_address() { echo "$NET.$((10 + $1))"; }
 
 # --- installing ------------------------------------------------------------------------
@@ -90,7 +92,7 @@ unused private /24, e.g. CLUSTER_NET=10.78.0"
 write_files() {
     local n=$1 k host
     host=$(hostname -s)
-    mkdir -p "$STATE/ctld" "$STATE/shared"
+    mkdir -p "$STATE/ctld"
     chmod 755 "$STATE"
     echo "$n" >"$STATE/nodes"
     # One munge key for all: the nodes share this machine's munged.
@@ -268,20 +270,19 @@ stop_pidfile() {
 }
 
 down() {
-    local ns pids k
+    local ns pids
     # Jobs first, while slurmctld can still end them; then everything that runs in
     # a node (slurmd, slurmstepd, tasks that outlived them), then the daemons.
     if [ -f "$CONF" ] && [ -f "$STATE/slurmctld.pid" ]; then
         SLURM_CONF=$CONF timeout 10 scancel --quiet --full "--user=$(id -un)" 2>/dev/null || true
     fi
-    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^${PREFIX}node" || true); do
+    for ns in $(node_namespaces); do
         pids=$(ip netns pids "$ns" 2>/dev/null || true)
         [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
     done
-    for k in $(seq 1 "$(node_count)"); do rm -f "$STATE/node$k/slurmd.pid"; done
     stop_pidfile "$STATE/slurmctld.pid"
     stop_pidfile "$STATE/munged.pid"
-    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^${PREFIX}node" || true); do
+    for ns in $(node_namespaces); do
         ip netns del "$ns" || say "could not remove the namespace $ns"
     done
     if ip link show "$BRIDGE" >/dev/null 2>&1; then
