@@ -86,6 +86,7 @@ def _bootstrapped(**settings) -> _topology.Topology:
     initialized, in which a failing rank now ends the job (``_failfast``)."""
     topo = _topology.topology(**settings)
     _cpu_collectives.settle()
+    _cpu_collectives.use_private_world()
     _failfast.install(topo.rank, topo.size)
     _silence_false_proxy_alarm(topo)
     _choose_gloo_address(topo)

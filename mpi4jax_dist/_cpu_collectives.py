@@ -157,6 +157,52 @@ def settle(choice: str | None = None) -> str | None:
     return _settled[0]
 
 
+def use_private_world() -> bool:
+    """Give XLA's MPI collectives a private duplicate of the world; return whether
+    it was given.
+
+    XLA makes its communicators with ``MPI_Comm_split(MPI_COMM_WORLD)`` from its
+    worker threads, whenever a program first runs a collective, while the main
+    thread may be in a collective of its own on ``MPI_COMM_WORLD`` (mpi4py's,
+    mpi4jax's): MPI forbids both, concurrent collectives on one communicator and
+    an order that differs between ranks. Our wrapper passes the duplicate wherever
+    XLA passes ``MPI_COMM_WORLD`` (``mpi4jax_dist_mpiabi_set_world`` in mpiabi.c).
+    Called right after the bootstrap (the duplicate is a collective), when MPI
+    collectives were settled on; a no-op otherwise, or where ``MPITRAMPOLINE_LIB``
+    names another wrapper (one without that function).
+    """
+    if _settled != ["mpi"] or _given:
+        return bool(_given)
+    import ctypes
+
+    from mpi4py import MPI
+
+    from . import _topology
+
+    library = _config.trampoline_lib()
+    try:
+        # The library MPItrampoline loaded: dlopen gives back the same one.
+        set_world = ctypes.CDLL(library).mpi4jax_dist_mpiabi_set_world
+    except (OSError, AttributeError, TypeError):
+        return False
+    world = _topology.world_for_xla()
+    if world is None:
+        return False
+    set_world.argtypes = [ctypes.c_size_t]
+    set_world.restype = ctypes.c_int
+    rc = set_world(MPI._handleof(world))
+    if rc != MPI.SUCCESS:
+        raise RuntimeError(
+            f"mpi4jax_dist: the MPI wrapper {library} refused the private world "
+            f"(MPI error {rc}): was it handed one already?"
+        )
+    _given.append(world)
+    return True
+
+
+_given: list = []  # the duplicate given to the wrapper, once
+
+
 def report() -> dict:
     """What the diagnostics print: the switch, JAX's setting and the wrapper."""
     from . import _jax_compat

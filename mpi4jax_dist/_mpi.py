@@ -47,6 +47,7 @@ _SPLIT_TYPE = (
 # name: (kind, payload in bytes from the call's arguments, what the MPI adds)
 CALLS = {
     "Idup": ("collective", _no_bytes, _COMM_CREATION),
+    "Dup": ("collective", _no_bytes, _COMM_CREATION),
     "Split_type": ("collective", _two_ints, _SPLIT_TYPE),
     "Split": ("collective", _two_ints, _SPLIT),
     "Ibcast": ("collective", _buffer_bytes, "a binomial tree: O(log P) steps"),

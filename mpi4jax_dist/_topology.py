@@ -603,6 +603,34 @@ def release(on_listening=None) -> None:
     bootstrap.release(on_listening)
 
 
+def world_for_xla():
+    """Return a duplicate of ``MPI.COMM_WORLD`` for XLA's MPI collectives, made once
+    (``Dup``, recorded in the bootstrap's calls), or None when the job's
+    communicator is not the whole world.
+
+    Collective on ``MPI.COMM_WORLD``: call it right after the bootstrap, a point
+    every rank reaches in the same order (see ``_cpu_collectives.use_private_world``
+    for why XLA needs it).
+    """
+    global _xla_world
+    from mpi4py import MPI
+
+    with _lock:
+        bootstrap = _current
+        if bootstrap is None:
+            raise RuntimeError("mpi4jax_dist: world_for_xla() before the bootstrap ran")
+        if _xla_world is None:
+            base = bootstrap.comm
+            if MPI.Comm.Compare(base, MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
+                return None
+            bootstrap.log.phase = "xla world"
+            _xla_world = _mpi.RecordingComm(MPI.COMM_WORLD, bootstrap.log).Dup().comm
+        return _xla_world
+
+
+_xla_world = None  # world_for_xla's duplicate, kept until MPI is finalized
+
+
 def collectives() -> list[_mpi.Call]:
     """Return the calls of this process's bootstrap that communicate, in order."""
     return [] if _current is None else _current.log.collectives()

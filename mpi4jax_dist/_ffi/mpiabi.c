@@ -35,6 +35,8 @@
  *   Open MPI 14 at the end of every job).
  * - MPI_Is_thread_main says yes on every thread when MPI provides
  *   MPI_THREAD_MULTIPLE (see there).
+ * - MPI_COMM_WORLD, wherever XLA passes it, is a private duplicate of the world
+ *   once mpi4jax_dist has handed one over (see xla_world below).
  */
 
 #define _GNU_SOURCE /* dladdr */
@@ -114,8 +116,57 @@ _Static_assert(MPI_MAX_LIBRARY_VERSION_STRING <= 8192,
                "MPIABI_MAX_LIBRARY_VERSION_STRING");
 _Static_assert(MPI_MAX_PROCESSOR_NAME <= 256, "MPIABI_MAX_PROCESSOR_NAME");
 
-/* Handles: the ABI value is the native one cast to uintptr_t. */
-#define COMM(h) ((MPI_Comm)(h))
+/* ---- The world XLA sees ---- */
+
+/* XLA makes its communicators with MPI_Comm_split(MPI_COMM_WORLD, ...) from its
+ * worker threads, lazily, while the program's main thread may be in a collective
+ * of its own on MPI_COMM_WORLD (mpi4py's, mpi4jax's): MPI forbids two threads to
+ * call collectives on one communicator at once, and asks every rank to call them
+ * in one order. mpi4jax_dist's bootstrap, which every rank runs at one point of
+ * its program, duplicates the world and hands the duplicate over here
+ * (mpi4jax_dist_mpiabi_set_world); from then on XLA's MPI_COMM_WORLD is that
+ * duplicate, on which nothing else runs. Before it (a wrapper used without
+ * mpi4jax_dist's bootstrap), XLA gets the world itself, as MPItrampoline's own
+ * wrapper would give it. */
+static MPI_Comm xla_world = MPI_COMM_NULL;
+/* Calls in which XLA passed MPI_COMM_WORLD and got the duplicate, for the tests. */
+static unsigned long long world_redirects = 0;
+
+/* Set XLA's world (a native handle, congruent to MPI_COMM_WORLD); once, before
+ * XLA's first collective. Returns MPI_SUCCESS, or MPI_ERR_COMM for a
+ * communicator that is not the whole world, or for a second call. */
+MPIABI_API int mpi4jax_dist_mpiabi_set_world(uintptr_t world) {
+  int result = MPI_UNEQUAL;
+  if (xla_world != MPI_COMM_NULL ||
+      MPI_Comm_compare(MPI_COMM_WORLD, (MPI_Comm)world, &result) !=
+          MPI_SUCCESS ||
+      result != MPI_CONGRUENT)
+    return MPI_ERR_COMM;
+  xla_world = (MPI_Comm)world;
+  return MPI_SUCCESS;
+}
+
+/* XLA's world now (a native handle), and how often it was handed out. */
+MPIABI_API uintptr_t mpi4jax_dist_mpiabi_world(void) {
+  return (uintptr_t)(xla_world != MPI_COMM_NULL ? xla_world : MPI_COMM_WORLD);
+}
+
+MPIABI_API unsigned long long mpi4jax_dist_mpiabi_world_redirects(void) {
+  return __atomic_load_n(&world_redirects, __ATOMIC_RELAXED);
+}
+
+/* The native communicator for an ABI handle XLA passes in. */
+static MPI_Comm comm_in(uintptr_t comm) {
+  if ((MPI_Comm)comm == MPI_COMM_WORLD && xla_world != MPI_COMM_NULL) {
+    __atomic_fetch_add(&world_redirects, 1, __ATOMIC_RELAXED);
+    return xla_world;
+  }
+  return (MPI_Comm)comm;
+}
+
+/* Handles: the ABI value is the native one cast to uintptr_t; XLA's world is
+ * its duplicate (comm_in). */
+#define COMM(h) comm_in(h)
 #define TYPE(h) ((MPI_Datatype)(h))
 #define OP(h) ((MPI_Op)(h))
 #define REQUEST(h) ((MPI_Request)(h))
@@ -309,7 +360,7 @@ MPIABI_API int MPIABI_Comm_free(MPIABI_Comm *comm) {
     *comm = ABI(MPI_COMM_NULL);
     return MPI_SUCCESS;
   }
-  MPI_Comm native = COMM(*comm);
+  MPI_Comm native = (MPI_Comm)*comm; /* never XLA's world: not XLA's to free */
   int rc = MPI_Comm_free(&native);
   *comm = ABI(native);
   return rc;
@@ -392,7 +443,8 @@ MPIABI_API int MPIABI_Waitall(int count, MPIABI_Request *array_of_requests,
     requests = malloc(n * sizeof *requests);
     if (!ignore)
       statuses = malloc(n * sizeof *statuses);
-    if (!requests || !statuses) {
+    /* Open MPI's MPI_STATUSES_IGNORE is a null pointer: not a failed malloc. */
+    if (!requests || (!ignore && !statuses)) {
       free(requests);
       if (!ignore)
         free(statuses);

@@ -216,6 +216,32 @@ with open("/proc/self/maps") as maps:
     mapped = library is not None and any(
         line.rstrip().endswith(os.path.realpath(library)) for line in maps
     )
+
+
+def xla_world() -> dict | None:
+    """The world our wrapper gives XLA: whether it is a private duplicate of
+    MPI_COMM_WORLD (another handle, congruent), and in how many calls XLA passed
+    MPI_COMM_WORLD and got it. None where the wrapper is not ours (or gloo)."""
+    import ctypes
+
+    try:
+        wrapper = ctypes.CDLL(library)
+        world, redirects = (
+            wrapper.mpi4jax_dist_mpiabi_world,
+            wrapper.mpi4jax_dist_mpiabi_world_redirects,
+        )
+    except (OSError, TypeError, AttributeError):
+        return None
+    world.restype, redirects.restype = ctypes.c_size_t, ctypes.c_ulonglong
+    handle = world()
+    given = MPI.Comm.fromhandle(handle)
+    return dict(
+        private=handle != MPI._handleof(MPI.COMM_WORLD),
+        congruent=MPI.Comm.Compare(MPI.COMM_WORLD, given) == MPI.CONGRUENT,
+        redirects=redirects(),
+    )
+
+
 report = dict(
     rank=rank,
     size=size,
@@ -229,6 +255,7 @@ report = dict(
     iters=args.iters if timings else None,
     wrapper=os.path.basename(library) if library else None,
     wrapper_loaded=mapped,
+    xla_world=xla_world() if mapped else None,
     mpi=MPI.Get_library_version().splitlines()[0].strip(),
     thread_level=MPI.Query_thread(),
     jax=jax.__version__,
