@@ -159,24 +159,46 @@ def _communicator(comm, who: str = "mpi4jax_dist.allreduce"):
 
 
 class _Comm:
-    """A communicator as a primitive parameter: hashable, equal by handle."""
+    """A communicator as a primitive parameter: hashable, equal by its
+    registration in the extension (``register_comm``), not by its handle.
 
-    __slots__ = ("comm", "handle")
+    Compiled code names the communicator by that registration's id: MPI gives a
+    freed communicator's handle to the next one made, and a call compiled for the
+    freed one would reduce over the new one. The extension marks the id freed when
+    the communicator goes (an MPI attribute's delete callback), and the compiled
+    call then fails; a new communicator gets a new id, so that JAX compiles its
+    calls anew. Made after MPI is initialized (:func:`_check_mpi`).
+    """
+
+    __slots__ = ("comm", "handle", "key", "_ids")
 
     def __init__(self, comm):
+        from . import _ffi
+
         self.comm = comm
         # The Fortran handle: one integer, the same for MPICH's int handles and
-        # Open MPI's pointers; MPI_Comm_f2c turns it back in the handler.
+        # Open MPI's pointers; MPI_Comm_f2c turns it back in the extension.
         self.handle = int(comm.py2f())
+        self.key = _ffi.load().register_comm(self.handle)
+        # The id in each platform's extension (its own registry), by module name.
+        self._ids = {}
+
+    def id_in(self, module) -> int:
+        """The communicator's id in ``module`` (the CPU or CUDA extension),
+        registered on first use and then kept: a lowering after the communicator
+        was freed compiles the dead id, which fails, never a handle's new owner."""
+        if module.__name__ not in self._ids:
+            self._ids[module.__name__] = module.register_comm(self.handle)
+        return self._ids[module.__name__]
 
     def __hash__(self):
-        return hash(("mpi4jax_dist._Comm", self.handle))
+        return hash(("mpi4jax_dist._Comm", self.key))
 
     def __eq__(self, other):
-        return isinstance(other, _Comm) and other.handle == self.handle
+        return isinstance(other, _Comm) and other.key == self.key
 
     def __repr__(self):
-        return f"Comm(f2c={self.handle})"
+        return f"Comm(f2c={self.handle}, id={self.key})"
 
 
 def allreduce(x, op=None, *, comm=None):
@@ -242,9 +264,6 @@ def allreduce(x, op=None, *, comm=None):
     check_supported(x.dtype, name)
     _check_mpi()
     comm = _Comm(_communicator(comm))
-    from . import _ffi
-
-    _ffi.load()
     return _primitive().bind(x, op=OPS.index(name), comm=comm, transpose=False)
 
 
@@ -307,15 +326,15 @@ def _primitive():
     def lowering(ctx, x, *, op, comm, transpose, platform="cpu"):
         if transpose:
             return [x]
+        module = _ffi.load_cuda() if platform == "cuda" else _ffi.load()
         attributes = {
-            "comm": np.int64(comm.handle),
+            "comm": np.int64(comm.id_in(module)),
             "op": np.int32(op),
             "chunk_bytes": np.int64(_config.allreduce_chunk_bytes()),
+            "check": np.int32(_config.debug_checks()),
         }
         if platform == "cuda":
-            attributes["cuda_aware"] = np.int32(_cuda_aware(_ffi.load_cuda()))
-        else:
-            _ffi.load()
+            attributes["cuda_aware"] = np.int32(_cuda_aware(module))
         token = ctx.tokens_in.get(ordered_effect)
         (result,) = jax.ffi.ffi_lowering(
             _ffi.ALLREDUCE_TARGET,

@@ -367,6 +367,22 @@ def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> bool:
     return get_bool(MPI4JAX_CUDA_AWARE_MPI, False, env)
 
 
+DEBUG_CHECKS = "MPI4JAX_DIST_DEBUG_CHECKS"
+
+
+def debug_checks(env: Mapping[str, str] | None = None) -> bool:
+    """Return True when every compiled allreduce checks that the ranks agree.
+
+    The first ``mpi4jax_dist.allreduce`` or ``iallreduce`` call on each communicator
+    checks, with one allreduce of 8 integers, that all ranks make it with the same
+    element count, dtype, op and chunk size: ranks that disagree otherwise hang
+    once the message goes in chunks, or mix up messages. With
+    ``MPI4JAX_DIST_DEBUG_CHECKS=1`` every call checks (one more small allreduce per
+    call: for debugging). Read when a call is compiled; set it alike on every rank.
+    """
+    return get_bool(DEBUG_CHECKS, False, env)
+
+
 SIMULATED_LATENCY_US = "MPI4JAX_DIST_SIMULATED_LATENCY_US"
 
 

@@ -10,11 +10,13 @@ Four ops, all on the CPU handlers of ``_ffi/cpu.cc``, and all carrying mpi4jax's
 ordered effect, as :func:`mpi4jax_dist.allreduce` does: one token orders them with
 every mpi4jax call and every allreduce of the program, on every rank.
 
-* :func:`iallreduce` posts ``MPI_Iallreduce`` in place on its operand and returns at
-  once: a :class:`Request` holding the buffer MPI reduces into (aliased to the
-  operand: in place, as the blocking allreduce) and the request's handle, an int32
-  naming its slot in the extension's table of ``MPI_Request``\\ s. The buffer is
-  reachable only through the request, so nothing reads or reuses it before the wait.
+* :func:`iallreduce` copies its operand into memory the extension owns, posts
+  ``MPI_Iallreduce`` there and returns at once: a :class:`Request` holding the
+  array's buffer (aliased to the operand) and the request's handle, an int32 naming
+  its slot in the extension's table of ``MPI_Request``\\ s. MPI never writes into
+  XLA's memory: XLA frees its buffers when a run fails between start and wait, and
+  MPI would go on writing into them until the request completes (at exit, say).
+  The slot's memory lives until then; the price is two copies of the message.
 * :func:`overlap` runs ``fn(*args)`` between the start and the wait, by data
   dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
   custom call that reads the request's handle (written by the start), and
@@ -27,8 +29,8 @@ every mpi4jax call and every allreduce of the program, on every rank.
   would not do: XLA:CPU removes barriers before it schedules.)
 * :func:`test` calls ``MPI_Test`` once and returns the request unchanged: placed
   between two overlapped pieces of work, it lets the MPI progress the reduction.
-* :func:`wait` completes the request (``MPI_Wait``) and returns the reduced array
-  (aliased: the same buffer again).
+* :func:`wait` completes the request (``MPI_Wait``), copies the result out of the
+  extension's memory and returns the reduced array (aliased: the same buffer again).
 
 MPI progress during the overlap. An MPI moves a non-blocking collective on only
 inside its own calls unless it runs a progress thread. ``MPI_Iallreduce`` sends what
@@ -76,16 +78,25 @@ What is caught, and how:
 * **At run time**, by the extension: a start that runs again while its previous
   request is still pending (its wait did not run: a request kept out of the traced
   function, a wait in a branch not taken) fails that run with an error naming the
-  start; so does a 4097th pending request, a handle that is not pending (waited
-  already, or from another run), and a buffer that XLA moved between start and wait
-  (it would have copied data MPI was still writing).
+  start; so does a 4097th pending request and a handle that is not pending (waited
+  already, or from another run). Such a run fails with XLA's error; MPI's
+  reduction goes on in the extension's memory.
+* **Ranks that disagree on the count, dtype or op**: the first start on each
+  communicator (every start with ``MPI4JAX_DIST_DEBUG_CHECKS=1``) posts, beside its
+  reduction, an ``MPI_Iallreduce`` of 8 integers that its wait judges: the wait
+  fails on every rank, naming what differs (MPICH reduces 1,000 floats on one rank
+  with 2,000 on the other without an error). Not a blocking check, as
+  :func:`mpi4jax_dist.allreduce` makes: a start that only some ranks make would
+  hang in it.
 * **Eagerly** (no tracing): a request dropped without its wait is completed when
   Python frees it (``MPI_Test`` polled for up to :data:`DROP_TIMEOUT_S` seconds),
-  with a ``RuntimeWarning`` naming its start; its buffer stays alive until MPI is
-  done with it.
-* **At exit**: requests still pending are reported on stderr, naming their starts,
-  and completed (polled for up to :data:`EXIT_TIMEOUT_S` seconds) before MPI is
-  finalized.
+  with a ``RuntimeWarning`` naming its start; one that does not complete by then
+  (the other ranks never started it) stays pending, for the exit report.
+* **At exit**: requests still pending are a program that lost its waits: each is
+  named on stderr, MPI gets :data:`EXIT_TIMEOUT_S` seconds to complete them, and
+  the job ends with status :data:`EXIT_STATUS` (``MPI_Abort``: a request that
+  never completes would hang ``MPI_Finalize``, and a job that lost its waits did
+  not do what it was written to).
 
 Not caught: a wait placed where it never runs while the start runs once (the exit
 report names it); a start whose request is stored away during tracing and never
@@ -121,19 +132,21 @@ import numpy as np
 from . import _allreduce, _config, _extras
 
 INT_MAX = 2**31 - 1
-#: Seconds an eager request dropped without its wait is polled for completion.
-DROP_TIMEOUT_S = 60.0
-#: Seconds the requests still pending at exit are polled for completion.
-EXIT_TIMEOUT_S = 10.0
+#: Seconds an eager request dropped without its wait is polled for completion
+#: (the other ranks' drops complete it at once; a longer wait would only hold up
+#: a rank whose peers never started it).
+DROP_TIMEOUT_S = 2.0
+#: Seconds the requests still pending at exit are polled for completion before
+#: the job is ended.
+EXIT_TIMEOUT_S = 2.0
+#: The job's exit status when requests were still pending at exit.
+EXIT_STATUS = 1
 
 _WHO = "mpi4jax_dist.iallreduce"
 # Start uids of traced requests (0: an eager start, not checked); those dropped
 # without their wait, uid -> where the start was made.
 _UIDS = itertools.count(1)
 _DROPPED: dict[int, str] = {}
-# Eager requests dropped without their wait whose completion timed out: their
-# buffers stay alive while MPI may still write them.
-_ABANDONED: list = []
 
 
 def _caller_site() -> str:
@@ -197,10 +210,10 @@ class Request:
             self._finalizer = weakref.finalize(self, _DROPPED.__setitem__, uid, site)
             self._finalizer.atexit = False
         else:
-            # Eager: the request is pending in MPI; complete it when dropped.
-            self._finalizer = weakref.finalize(
-                self, _eager_dropped, buffer, handle, site
-            )
+            # Eager: the request is pending in MPI; complete it when dropped (not
+            # at exit, where the exit report takes every pending request).
+            self._finalizer = weakref.finalize(self, _eager_dropped, handle, site)
+            self._finalizer.atexit = False
 
     @property
     def shape(self):
@@ -255,23 +268,22 @@ def _check_request(req, who: str) -> Request:
     return req
 
 
-def _eager_dropped(buffer, handle, site) -> None:
+def _eager_dropped(handle, site) -> None:
     """Finalizer of an eager request dropped without its wait: complete it."""
     try:
         from . import _ffi
 
         left = _ffi.load().complete_pending([int(handle)], DROP_TIMEOUT_S)
-    except Exception:  # at exit, or MPI gone: the exit report has it
+    except Exception:  # MPI gone: the exit report has it
         left = [None]
-    if left:
-        _ABANDONED.append(buffer)  # MPI may still write it: keep it alive
     warnings.warn(
         f"{_WHO}: the request started at {site} was dropped without "
         f"mpi4jax_dist.wait; "
         + (
             "it was completed and its result discarded."
             if not left
-            else "it is still pending in MPI (its buffer is kept)."
+            else f"it did not complete within {DROP_TIMEOUT_S:g} s (did the other "
+            f"ranks start it?) and stays pending."
         ),
         RuntimeWarning,
         stacklevel=2,
@@ -284,8 +296,9 @@ def _register_exit_report() -> None:
 
 
 def _report_pending_at_exit() -> None:
-    """Name the requests still pending at exit, and complete them before MPI is
-    finalized (mpi4py finalizes after atexit's callbacks)."""
+    """Name the requests still pending at exit, give MPI :data:`EXIT_TIMEOUT_S` to
+    complete them, and end the job with :data:`EXIT_STATUS` (before mpi4py
+    finalizes MPI, after atexit's callbacks)."""
     from . import _ffi
 
     try:
@@ -310,12 +323,18 @@ def _report_pending_at_exit() -> None:
         )
     sys.stderr.flush()
     left = ext.complete_pending([], EXIT_TIMEOUT_S)
-    if left:
-        sys.stderr.write(
-            f"{_WHO}: {len(left)} of them did not complete within "
-            f"{EXIT_TIMEOUT_S:g} s (did the other ranks start them?).\n"
-        )
-        sys.stderr.flush()
+    done = len(pending) - len(left)
+    sys.stderr.write(
+        f"{_WHO}: {len(pending)} request(s) left pending at exit ({done} completed "
+        f"since, {len(left)} not within {EXIT_TIMEOUT_S:g} s): ending the job with "
+        f"status {EXIT_STATUS}. Every start needs its mpi4jax_dist.wait, on every "
+        f"rank and every path.\n"
+    )
+    from mpi4py import MPI
+
+    from . import _mpi
+
+    _mpi.abort(MPI.COMM_WORLD, EXIT_STATUS)
 
 
 def _load_extension():
@@ -373,8 +392,8 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     name = _allreduce.op_name(op, _WHO)
     _allreduce.check_supported(x.dtype, name, _WHO)
     _allreduce._check_mpi(_WHO)
-    comm = _allreduce._Comm(_allreduce._communicator(comm, _WHO))
     ext = _load_extension()
+    comm = _allreduce._Comm(_allreduce._communicator(comm, _WHO))
     _check_count(x.size, ext)
     site = _caller_site()
     uid = next(_UIDS)
@@ -563,8 +582,8 @@ def _primitives():
     tie.multiple_results = True
     handle_aval = ShapedArray((), np.int32)
 
-    # -- eager: one jitted call per (op, comm, site), the request's buffer donated
-    # to the test and the wait so that they see the buffer MPI reduces.
+    # -- eager: one jitted call per (op, comm, site); the request's buffer is
+    # donated to the test and the wait, which write into it in place (no copy).
 
     @functools.cache
     def start_jitted(op, comm, site, latency_ns):
@@ -621,8 +640,9 @@ def _primitives():
             ctx.replace(avals_in=(*ctx.avals_in, abstract_token)),
             x,
             token,
-            comm=np.int64(comm.handle),
+            comm=np.int64(comm.id_in(ext)),
             op=np.int32(op),
+            check=np.int32(_config.debug_checks()),
             uid=np.int64(uid),
             site=site,
             latency_ns=np.int64(latency_ns),

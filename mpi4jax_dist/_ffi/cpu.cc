@@ -28,16 +28,21 @@ namespace {
 // x and a token in, the reduced x out (aliased with x by the lowering). The
 // token orders the call after every earlier MPI call of the program: XLA:CPU
 // otherwise runs thunks concurrently, ordered only by data. The next call's
-// token comes from TokenAfter(y) below.
+// token comes from TokenAfter(y) below. `comm` is the communicator's id in
+// the CommRegistry; `check` 1 checks the ranks' agreement on every call, not
+// only on the communicator's first (MPI4JAX_DIST_DEBUG_CHECKS).
 ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
-                            ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                            int32_t op_code, int64_t chunk_bytes) {
+                            ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                            int32_t op_code, int64_t chunk_bytes,
+                            int32_t check) {
   CountHandlerCall(x.untyped_data(), y->untyped_data());
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
-  if (ffi::Error error =
-          CheckAllreduce(x, *y, comm_handle, op_code, &dtype, &op, &comm);
+  const Agreement agreement =
+      check ? Agreement::kEveryCall : Agreement::kFirstCall;
+  if (ffi::Error error = CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
+                                        agreement, &dtype, &op, &comm);
       error.failure()) {
     return error;
   }
@@ -57,11 +62,13 @@ ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
 ffi::Error IallreduceStartCpuImpl(ffi::AnyBuffer x, ffi::Token,
                                   ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::BufferR0<ffi::S32>> handle,
-                                  int64_t comm_handle, int32_t op_code,
-                                  int64_t uid, std::string_view site,
-                                  int64_t latency_ns) {
-  return IallreduceStart(x, *y, comm_handle, op_code, uid, site, latency_ns,
-                         handle->typed_data());
+                                  int64_t comm_id, int32_t op_code,
+                                  int32_t check, int64_t uid,
+                                  std::string_view site, int64_t latency_ns) {
+  return IallreduceStart(
+      x, *y, comm_id, op_code,
+      check ? Agreement::kEveryCall : Agreement::kFirstCall, uid, site,
+      latency_ns, handle->typed_data());
 }
 
 ffi::Error IallreduceTestCpuImpl(ffi::AnyBuffer x,
@@ -71,14 +78,18 @@ ffi::Error IallreduceTestCpuImpl(ffi::AnyBuffer x,
                                  ffi::Result<ffi::BufferR0<ffi::S32>> handle_out) {
   const int32_t h = *handle.typed_data();
   *handle_out->typed_data() = h;
-  return IallreduceTest(x, *y, h);
+  // Aliased, XLA hands one buffer; were it ever two, pass the values on.
+  if (x.untyped_data() != y->untyped_data() && x.size_bytes() > 0) {
+    std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
+  }
+  return IallreduceTest(h);
 }
 
-ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer x,
+ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer,
                                  ffi::BufferR0<ffi::S32> handle, ffi::Token,
                                  ffi::RemainingArgs,
                                  ffi::Result<ffi::AnyBuffer> y) {
-  return IallreduceWait(x, *y, *handle.typed_data());
+  return IallreduceWait(*y, *handle.typed_data());
 }
 
 // The tie of mpi4jax_dist.overlap: the request's handle and arrays in, the
@@ -127,6 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceStartCpu,
                                   .Ret<xla::ffi::BufferR0<xla::ffi::S32>>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("op")
+                                  .Attr<int32_t>("check")
                                   .Attr<int64_t>("uid")
                                   .Attr<std::string_view>("site")
                                   .Attr<int64_t>("latency_ns"));
@@ -158,7 +170,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCpu,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("op")
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .Attr<int64_t>("chunk_bytes")
+                                  .Attr<int32_t>("check"));
 
 // The token after the allreduce: mpi4jax_dist::TokenAfterImpl (mpi_helpers.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistTokenAfterCpu,
@@ -276,6 +289,9 @@ PyObject* CompletePending(PyObject*, PyObject* args) {
 }
 
 PyMethodDef kMethods[] = {
+    {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
+     "register_comm(fortran_handle): the communicator's id for compiled calls "
+     "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},
     {"allreduce_handler", Handler, METH_NOARGS,
      "Return the XLA FFI handler of the CPU allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,

@@ -242,14 +242,17 @@ ffi::Error AllreduceStaged(cudaStream_t stream, const char* in, char* out,
 // the CPU; the token orders the call after every earlier MPI call.
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
                              ffi::Result<ffi::AnyBuffer> y,
-                             int64_t comm_handle, int32_t op_code,
-                             int64_t chunk_bytes, int32_t cuda_aware) {
+                             int64_t comm_id, int32_t op_code,
+                             int64_t chunk_bytes, int32_t cuda_aware,
+                             int32_t check) {
   CountHandlerCall(x.untyped_data(), y->untyped_data());
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
   if (ffi::Error error =
-          CheckAllreduce(x, *y, comm_handle, op_code, &dtype, &op, &comm);
+          CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
+                         check ? Agreement::kEveryCall : Agreement::kFirstCall,
+                         &dtype, &op, &comm);
       error.failure()) {
     return error;
   }
@@ -280,7 +283,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("comm")
         .Attr<int32_t>("op")
         .Attr<int64_t>("chunk_bytes")
-        .Attr<int32_t>("cuda_aware"));
+        .Attr<int32_t>("cuda_aware")
+        .Attr<int32_t>("check"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistTokenAfterCuda,
                               mpi4jax_dist::TokenAfterImpl,
@@ -362,6 +366,9 @@ PyObject* ResetStats(PyObject*, PyObject*) {
 }
 
 PyMethodDef kMethods[] = {
+    {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
+     "register_comm(fortran_handle): the communicator's id for compiled calls "
+     "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},
     {"allreduce_handler", Handler, METH_NOARGS,
      "Return the XLA FFI handler of the CUDA allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,

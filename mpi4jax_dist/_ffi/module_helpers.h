@@ -32,6 +32,20 @@ inline PyObject* StatsDict() {
       static_cast<long long>(s.max_call_count.load()));
 }
 
+// register_comm(fortran_handle) -> id: see CommRegistry (mpi_helpers.h).
+inline PyObject* RegisterComm(PyObject*, PyObject* args) {
+  long long handle = 0;
+  if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
+  int64_t id = 0;
+  ffi::Error error = CheckMpiUsable("mpi4jax_dist");
+  if (error.success()) error = CommRegistry::Get().Register(handle, &id);
+  if (error.failure()) {
+    PyErr_SetString(PyExc_RuntimeError, error.message().c_str());
+    return nullptr;
+  }
+  return PyLong_FromLongLong(id);
+}
+
 }  // namespace mpi4jax_dist
 
 #endif  // MPI4JAX_DIST_FFI_MODULE_HELPERS_H_

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -251,29 +252,201 @@ inline ffi::Error AllreduceChunked(const void* in, void* out, size_t count,
   return ffi::Error::Success();
 }
 
-// The communicator from its Fortran handle (mpi4py's Comm.py2f()): one integer
-// that means the same for MPICH (int handles) and Open MPI (pointer handles).
-inline ffi::Error CommFromHandle(int64_t handle, MPI_Comm* comm,
-                                 const char* who = kAllreduceName) {
-  *comm = MPI_Comm_f2c(static_cast<MPI_Fint>(handle));
-  if (*comm == MPI_COMM_NULL) {
-    return ffi::Error::InvalidArgument(
-        std::string(who) +
-        ": the communicator is MPI_COMM_NULL (was it freed after the function "
-        "was compiled?)");
+// ---------------------------------------------------------------------------
+// Communicators, as compiled code names them. A Fortran handle (py2f) is no
+// name to compile in: once the communicator is freed, MPI gives its number to
+// the next one made (MPICH did, with the same MPI_Comm value, so MPI_Comm_f2c
+// cannot tell). Python registers each communicator here before it lowers a
+// call (register_comm); the compiled call carries the registration's id, and
+// MPI's attribute delete callback marks it freed when the communicator goes.
+// A call on a freed one fails, naming why.
+//
+// The first call on each registered communicator also checks, with one
+// allreduce of 8 integers, that the ranks agree on the call (CheckAgreement):
+// ranks that disagree on the count hang once the message goes in chunks.
+
+class CommRegistry {
+ public:
+  struct Entry {
+    MPI_Comm comm = MPI_COMM_NULL;
+    std::atomic<bool> freed{false};
+    // Whether a call on it has checked the ranks' agreement already.
+    std::atomic<bool> checked{false};
+  };
+
+  // Never destroyed: MPI may call the delete callback at MPI_Finalize, from
+  // an atexit handler, after static destructors could have run.
+  static CommRegistry& Get() {
+    static CommRegistry* registry = new CommRegistry();
+    return *registry;
   }
-  return ffi::Error::Success();
+
+  // The id of the communicator of Fortran handle `handle`, registering it
+  // first if it is new. MPI must be usable (CheckMpiUsable).
+  ffi::Error Register(int64_t handle, int64_t* id,
+                      const char* who = kAllreduceName) {
+    MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(handle));
+    if (comm == MPI_COMM_NULL) {
+      return ffi::Error::InvalidArgument(std::string(who) +
+                                         ": the communicator is MPI_COMM_NULL");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (keyval_ == MPI_KEYVAL_INVALID) {
+      int rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, OnFree, &keyval_,
+                                      nullptr);
+      if (rc != MPI_SUCCESS) {
+        keyval_ = MPI_KEYVAL_INVALID;
+        return MpiError("MPI_Comm_create_keyval", rc, who);
+      }
+    }
+    void* value = nullptr;
+    int found = 0;
+    int rc = MPI_Comm_get_attr(comm, keyval_, &value, &found);
+    if (rc != MPI_SUCCESS) return MpiError("MPI_Comm_get_attr", rc, who);
+    if (found) {
+      *id = static_cast<int64_t>(reinterpret_cast<intptr_t>(value));
+      return ffi::Error::Success();
+    }
+    entries_.push_back(std::make_unique<Entry>());
+    entries_.back()->comm = comm;
+    const int64_t new_id = static_cast<int64_t>(entries_.size());
+    rc = MPI_Comm_set_attr(comm, keyval_,
+                           reinterpret_cast<void*>(static_cast<intptr_t>(new_id)));
+    if (rc != MPI_SUCCESS) {
+      entries_.pop_back();
+      return MpiError("MPI_Comm_set_attr", rc, who);
+    }
+    *id = new_id;
+    return ffi::Error::Success();
+  }
+
+  // The live communicator of `id`, and whether this call is the first on it
+  // to check the ranks' agreement (see CheckAgreement).
+  ffi::Error Find(int64_t id, MPI_Comm* comm, bool* first,
+                  const char* who = kAllreduceName) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id < 1 || id > static_cast<int64_t>(entries_.size())) {
+      return ffi::Error::InvalidArgument(
+          std::string(who) + ": communicator id " + std::to_string(id) +
+          " was never registered in this process (was the function compiled "
+          "in another process, or by another build of mpi4jax_dist?)");
+    }
+    Entry& entry = *entries_[id - 1];
+    if (entry.freed.load()) {
+      return ffi::Error(
+          ffi::ErrorCode::kFailedPrecondition,
+          std::string(who) +
+              ": the communicator this function was compiled for has been "
+              "freed (comm.Free()) since; MPI may have given its handle to "
+              "another communicator. Call the function with a live "
+              "communicator (jax.jit traces it again for a new one).");
+    }
+    *comm = entry.comm;
+    *first = !entry.checked.exchange(true);
+    return ffi::Error::Success();
+  }
+
+ private:
+  // MPI's attribute delete callback: the communicator is being freed (or MPI
+  // finalized, for COMM_WORLD and COMM_SELF).
+  static int OnFree(MPI_Comm, int, void* value, void*) {
+    CommRegistry& registry = Get();
+    std::lock_guard<std::mutex> lock(registry.mu_);
+    const int64_t id = static_cast<int64_t>(reinterpret_cast<intptr_t>(value));
+    if (id >= 1 && id <= static_cast<int64_t>(registry.entries_.size())) {
+      registry.entries_[id - 1]->freed.store(true);
+    }
+    return MPI_SUCCESS;
+  }
+
+  std::mutex mu_;
+  int keyval_ = MPI_KEYVAL_INVALID;
+  std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+// The communicator of compiled id `comm_id`; `*first` tells whether this call
+// is the first on it (it then checks the ranks' agreement).
+inline ffi::Error CommFromId(int64_t comm_id, MPI_Comm* comm, bool* first,
+                             const char* who = kAllreduceName) {
+  return CommRegistry::Get().Find(comm_id, comm, first, who);
 }
 
+// Whether every rank of a communicator makes a call alike: the same element
+// count, element type, op and chunk size. One MPI_Allreduce (MPI_MAX) of each
+// value and its negation (AgreementValues): the ranks agree where both maxima
+// give the value back (AgreementVerdict). Every rank sees the same maxima, so
+// every rank fails alike, and none is left waiting in a chunk the others never
+// post. Made on a communicator's first call, and on every call with
+// MPI4JAX_DIST_DEBUG_CHECKS=1; blocking in the allreduce (CheckAgreement),
+// posted beside the reduction in the non-blocking start and judged in its wait.
+constexpr int kAgreementValues = 8;
+
+inline void AgreementValues(size_t count, ffi::DataType dtype, int32_t op_code,
+                            int64_t chunk_bytes, int64_t out[kAgreementValues]) {
+  const int64_t mine[4] = {static_cast<int64_t>(count),
+                           static_cast<int64_t>(dtype), op_code, chunk_bytes};
+  for (int i = 0; i < 4; ++i) {
+    out[i] = mine[i];
+    out[4 + i] = -mine[i];
+  }
+}
+
+// The error naming what differs between `mine` (AgreementValues) and the
+// ranks' maxima `most`; success where nothing does.
+inline ffi::Error AgreementVerdict(const int64_t mine[kAgreementValues],
+                                   const int64_t most[kAgreementValues],
+                                   const char* who) {
+  static const char* const kWhat[4] = {"element count", "element type (XLA)",
+                                       "op code", "chunk bytes"};
+  std::string differ;
+  for (int i = 0; i < 4; ++i) {
+    if (most[i] != mine[i] || -most[4 + i] != mine[i]) {
+      differ += std::string(differ.empty() ? "" : "; ") + kWhat[i] +
+                " from " + std::to_string(-most[4 + i]) + " to " +
+                std::to_string(most[i]) + " (this rank " +
+                std::to_string(mine[i]) + ")";
+    }
+  }
+  if (differ.empty()) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string(who) +
+      ": the ranks of the communicator disagree on this call: " + differ +
+      ". Every rank must reduce an array of the same shape and dtype with the "
+      "same op (and the same MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES); otherwise "
+      "MPI hangs, or returns wrong values.");
+}
+
+// The blocking check, for the allreduce.
+inline ffi::Error CheckAgreement(MPI_Comm comm, size_t count,
+                                 ffi::DataType dtype, int32_t op_code,
+                                 int64_t chunk_bytes, const char* who) {
+  int64_t mine[kAgreementValues], most[kAgreementValues];
+  AgreementValues(count, dtype, op_code, chunk_bytes, mine);
+  const int rc =
+      MPI_Allreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX, comm);
+  if (rc != MPI_SUCCESS) {
+    return MpiError("MPI_Allreduce (agreement check)", rc, who);
+  }
+  return AgreementVerdict(mine, most, who);
+}
+
+// When a call checks the ranks' agreement: on the first call on its
+// communicator, or on every call (MPI4JAX_DIST_DEBUG_CHECKS).
+enum class Agreement { kFirstCall, kEveryCall };
+
 // What every platform's allreduce checks before it touches MPI: operand and
-// result of one type and size, a type and an op MPI knows, MPI up, and the
-// communicator. Fills in the MPI datatype, op and communicator.
+// result of one type and size, a type and an op MPI knows, MPI up, the
+// communicator live, and the ranks' agreement when `agreement` says so
+// (CheckAgreement, blocking). With `deferred` the caller checks the agreement
+// itself (the non-blocking start posts it): *deferred then says whether to.
+// Fills in the MPI datatype, op and communicator.
 inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
-                                 const ffi::AnyBuffer& y,
-                                 int64_t comm_handle, int32_t op_code,
-                                 MPI_Datatype* dtype, MPI_Op* op,
-                                 MPI_Comm* comm,
-                                 const char* who = kAllreduceName) {
+                                 const ffi::AnyBuffer& y, int64_t comm_id,
+                                 int32_t op_code, int64_t chunk_bytes,
+                                 Agreement agreement, MPI_Datatype* dtype,
+                                 MPI_Op* op, MPI_Comm* comm,
+                                 const char* who = kAllreduceName,
+                                 bool* deferred = nullptr) {
   if (x.element_type() != y.element_type() ||
       x.element_count() != y.element_count()) {
     return ffi::Error::InvalidArgument(
@@ -289,7 +462,19 @@ inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
         std::string(who) + ": unknown op code " + std::to_string(op_code));
   }
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
-  return CommFromHandle(comm_handle, comm, who);
+  bool first = false;
+  if (ffi::Error error = CommFromId(comm_id, comm, &first, who);
+      error.failure()) {
+    return error;
+  }
+  const bool check = agreement == Agreement::kEveryCall || first;
+  if (deferred != nullptr) {
+    *deferred = check;
+  } else if (check) {
+    return CheckAgreement(*comm, x.element_count(), x.element_type(), op_code,
+                          chunk_bytes, who);
+  }
+  return ffi::Error::Success();
 }
 
 // A token that exists once `x` does, for the MPI call after an allreduce. With
@@ -302,10 +487,20 @@ inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
 
 // ---------------------------------------------------------------------------
 // The non-blocking allreduce (mpi4jax_dist.iallreduce, mpi4jax_dist.wait,
-// mpi4jax_dist.test): a start posts MPI_Iallreduce in place and returns at
-// once, a wait completes it. Between them the request lives in the
-// RequestTable: a start takes a slot and hands XLA its handle, an int32 that
-// travels with the buffer to the test and wait ops; the wait frees the slot.
+// mpi4jax_dist.test): a start posts MPI_Iallreduce and returns at once, a
+// wait completes it. Between them the request lives in the RequestTable: a
+// start takes a slot and hands XLA its handle, an int32 that travels with the
+// buffer to the test and wait ops; the wait frees the slot.
+//
+// MPI reduces into memory the slot owns, never into XLA's buffer: the start
+// copies the operand there, the wait copies the result out. XLA may free its
+// buffers whenever a run fails between start and wait (the overlapped work
+// raising, a check refusing a wait), or never run the wait at all (a request
+// kept out of its function), while MPI goes on writing until the request
+// completes: at the next MPI call, or in the report at exit. The slot's memory
+// stays until then (and forever, for a request that never completes). The
+// price is two copies of the message per request, against the microseconds an
+// allreduce over a network takes for the few scalars this serves.
 
 constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
 
@@ -320,9 +515,15 @@ inline int64_t SteadyNs() {
 // One request in flight.
 struct PendingRequest {
   MPI_Request request = MPI_REQUEST_NULL;
-  // The buffer MPI reduces into: a test or wait handed another one means XLA
-  // moved the data while MPI was still writing it.
-  const void* data = nullptr;
+  // The ranks' agreement, when this start checks it (see AgreementValues):
+  // posted before the reduction, judged by the wait. MPI_REQUEST_NULL else.
+  MPI_Request agreement = MPI_REQUEST_NULL;
+  int64_t agreement_mine[kAgreementValues] = {};
+  int64_t agreement_most[kAgreementValues] = {};
+  // The memory MPI reduces into, owned here (see above), and the message's
+  // size; capacity is what `data` holds, kept between requests when small.
+  std::unique_ptr<char[]> data;
+  size_t capacity = 0;
   size_t bytes = 0;
   // The start op's id from tracing (0: an eager start, not checked), and where
   // in Python it was made, for the messages.
@@ -386,6 +587,10 @@ class RequestTable {
  public:
   static constexpr int32_t kMaxRequests = 4096;
   static constexpr int32_t kMaxGeneration = INT32_MAX / kMaxRequests - 1;
+  // A completed slot keeps at most this much memory for its next request (a
+  // fresh allocation each time costs its page faults: for 64 MiB, as much as
+  // the two copies).
+  static constexpr size_t kKeepBytes = size_t{64} << 20;
 
   struct Info {
     int32_t handle;
@@ -393,18 +598,21 @@ class RequestTable {
     std::string site;
   };
 
+  // Never destroyed: a request still pending at exit keeps its memory until
+  // the process ends, whatever runs after static destructors.
   static RequestTable& Get() {
-    static RequestTable table;
-    return table;
+    static RequestTable* table = new RequestTable();
+    return *table;
   }
 
-  // Take a slot for a start (op `uid`, made at `site`) on `bytes` at `data`,
-  // and post its request with `post(&request)` (an MPI return code) under the
-  // table's lock, so that no one finds the slot half made. Refused when that
-  // start's previous request is still pending (its wait did not run), or when
-  // kMaxRequests are; the slot is freed again when `post` fails.
+  // Take a slot for a start (op `uid`, made at `site`) of `bytes`, copy them
+  // from `operand` into the slot's memory, and post its requests with
+  // `post(slot)` (an MPI return code) under the table's lock, so that no one
+  // finds the slot half made. Refused when that start's previous
+  // request is still pending (its wait did not run), or when kMaxRequests
+  // are; the slot is freed again when `post` fails.
   template <typename Post>
-  ffi::Error Take(int64_t uid, std::string_view site, const void* data,
+  ffi::Error Take(int64_t uid, std::string_view site, const void* operand,
                   size_t bytes, int64_t posted_ns, int64_t ready_ns, Post post,
                   int* rc, int32_t* handle) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -442,10 +650,23 @@ class RequestTable {
       free = slots_.back().get();
       index = slots_.size() - 1;
     }
+    if (free->capacity < bytes) {
+      // Uninitialized: the copy below fills what MPI reads.
+      free->data.reset(new (std::nothrow) char[bytes]);
+      free->capacity = free->data ? bytes : 0;
+      if (!free->data) {
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                          std::string(kIallreduceName) + ": no memory for the " +
+                              std::to_string(bytes) +
+                              " bytes MPI reduces into (the start made at " +
+                              std::string(site) + ")");
+      }
+    }
+    if (bytes > 0) std::memcpy(free->data.get(), operand, bytes);
     free->request = MPI_REQUEST_NULL;
-    *rc = post(&free->request);
+    free->agreement = MPI_REQUEST_NULL;
+    *rc = post(free);
     if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
-    free->data = data;
     free->bytes = bytes;
     free->uid = uid;
     free->posted_ns = posted_ns;
@@ -479,12 +700,18 @@ class RequestTable {
         "(a request cannot leave the function that started it).");
   }
 
+  // Free the slot of a completed request (MPI is done with its memory).
   void Free(PendingRequest* slot) {
     std::lock_guard<std::mutex> lock(mu_);
     if (slot->active) --active_;
     slot->active = false;
     slot->request = MPI_REQUEST_NULL;
-    slot->data = nullptr;
+    slot->agreement = MPI_REQUEST_NULL;
+    // Small memory stays for the next start; large goes back.
+    if (slot->capacity > kKeepBytes) {
+      slot->data.reset();
+      slot->capacity = 0;
+    }
   }
 
   std::vector<Info> Pending() {
@@ -523,19 +750,26 @@ inline int PostIallreduce(void* data, size_t count, MPI_Datatype dtype,
                         comm, request);
 }
 
-// The start: post MPI_Iallreduce on y (x's values; one buffer when XLA
-// aliased them) and set *handle to its slot. Host memory. latency_ns > 0
-// simulates a network with that latency: the wait holds the result until
-// latency_ns after this post (MPI4JAX_DIST_SIMULATED_LATENCY_US).
+// The start: copy x into the slot's memory, post MPI_Iallreduce there and set
+// *handle to the slot. Host memory. latency_ns > 0 simulates a network with
+// that latency: the wait holds the result until latency_ns after this post
+// (MPI4JAX_DIST_SIMULATED_LATENCY_US). y, aliased with x, passes on to the
+// test and the wait, which write the result into the buffer XLA gives them.
 inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
-                                  int64_t comm_handle, int32_t op_code,
-                                  int64_t uid, std::string_view site,
-                                  int64_t latency_ns, int32_t* handle) {
+                                  int64_t comm_id, int32_t op_code,
+                                  Agreement agreement, int64_t uid,
+                                  std::string_view site, int64_t latency_ns,
+                                  int32_t* handle) {
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
-  if (ffi::Error error = CheckAllreduce(x, y, comm_handle, op_code, &dtype,
-                                        &op, &comm, kIallreduceName);
+  // Not a blocking check: a start that only some ranks make would hang in it,
+  // where it now fails at exit. It is posted beside the reduction instead
+  // (MPICH reduces an MPI_Iallreduce of 1,000 and 2,000 floats without error).
+  bool check = false;
+  if (ffi::Error error = CheckAllreduce(x, y, comm_id, op_code,
+                                        /*chunk_bytes=*/0, agreement, &dtype,
+                                        &op, &comm, kIallreduceName, &check);
       error.failure()) {
     return error;
   }
@@ -547,20 +781,26 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
         "without MPI-4's MPI_Iallreduce_c, and one request cannot be split "
         "into chunks. Use mpi4jax_dist.allreduce, which reduces in chunks.");
   }
-  const size_t bytes = x.size_bytes();
-  if (x.untyped_data() != y.untyped_data() && bytes > 0) {
-    std::memcpy(y.untyped_data(), x.untyped_data(), bytes);
-  }
-  void* data = y.untyped_data();
-  auto post = [&](MPI_Request* request) {
-    return count > 0 ? PostIallreduce(data, count, dtype, op, comm, request)
-                     : MPI_SUCCESS;  // nothing to reduce: a null request
+  auto post = [&](PendingRequest* slot) {
+    if (check) {
+      AgreementValues(count, x.element_type(), op_code, 0,
+                      slot->agreement_mine);
+      const int rc = MPI_Iallreduce(slot->agreement_mine, slot->agreement_most,
+                                    kAgreementValues, MPI_INT64_T, MPI_MAX,
+                                    comm, &slot->agreement);
+      if (rc != MPI_SUCCESS) return rc;
+    }
+    // Nothing to reduce: a null request.
+    return count > 0 ? PostIallreduce(slot->data.get(), count, dtype, op, comm,
+                                      &slot->request)
+                     : MPI_SUCCESS;
   };
   int rc = MPI_SUCCESS;
   const int64_t posted_ns = SteadyNs();
   const int64_t ready_ns = latency_ns > 0 ? posted_ns + latency_ns : 0;
   if (ffi::Error error = RequestTable::Get().Take(
-          uid, site, data, bytes, posted_ns, ready_ns, post, &rc, handle);
+          uid, site, x.untyped_data(), x.size_bytes(), posted_ns, ready_ns,
+          post, &rc, handle);
       error.failure()) {
     return error;
   }
@@ -573,22 +813,9 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   return ffi::Error::Success();
 }
 
-// The error for a request whose buffer XLA handed over elsewhere than where
-// MPI reduces it.
-inline ffi::Error MovedError(const std::string& site, const char* who) {
-  return ffi::Error::Internal(
-      std::string(who) + ": the buffer of the request started at " + site +
-      " is not where MPI reduces it: XLA copied or moved it between the start "
-      "and this op, while MPI was still writing it, so the values are lost. "
-      "Pass the request from mpi4jax_dist.iallreduce to mpi4jax_dist.wait "
-      "only through mpi4jax_dist.overlap and mpi4jax_dist.test, in the same "
-      "function.");
-}
-
-// The wait: complete the request of `handle` (MPI_Wait) and free its slot; the
-// reduced values are in x (and y, when XLA gave two buffers).
-inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
-                                 int32_t handle) {
+// The wait: complete the request of `handle` (MPI_Wait), copy its result into
+// y, and free its slot.
+inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   const char* who = "mpi4jax_dist.wait";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
   PendingRequest* slot = nullptr;
@@ -619,31 +846,47 @@ inline ffi::Error IallreduceWait(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
     stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,
                                     std::memory_order_relaxed);
   }
-  const bool moved = slot->bytes > 0 && slot->data != x.untyped_data();
-  const std::string site = slot->site;
-  RequestTable::Get().Free(slot);
-  if (rc != MPI_SUCCESS) return MpiError("MPI_Wait", rc, who);
-  if (moved) return MovedError(site, who);
-  if (x.untyped_data() != y.untyped_data() && x.size_bytes() > 0) {
-    std::memcpy(y.untyped_data(), x.untyped_data(), x.size_bytes());
+  if (rc == MPI_SUCCESS && slot->agreement != MPI_REQUEST_NULL) {
+    rc = MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE);
+    if (rc == MPI_SUCCESS) {
+      ffi::Error verdict =
+          AgreementVerdict(slot->agreement_mine, slot->agreement_most,
+                           kIallreduceName);
+      if (verdict.failure()) {
+        RequestTable::Get().Free(slot);
+        return verdict;
+      }
+    }
   }
+  if (rc != MPI_SUCCESS) {
+    RequestTable::Get().Free(slot);
+    return MpiError("MPI_Wait", rc, who);
+  }
+  if (y.size_bytes() != slot->bytes) {
+    const std::string site = slot->site;
+    const size_t bytes = slot->bytes;
+    RequestTable::Get().Free(slot);
+    return ffi::Error::Internal(
+        std::string(who) + ": the request started at " + site + " reduced " +
+        std::to_string(bytes) + " bytes, but its wait returns " +
+        std::to_string(y.size_bytes()));
+  }
+  if (slot->bytes > 0) {
+    std::memcpy(y.untyped_data(), slot->data.get(), slot->bytes);
+  }
+  RequestTable::Get().Free(slot);
   return ffi::Error::Success();
 }
 
 // The test: one MPI_Test on the request of `handle`, so that MPI progresses it
 // (the request stays pending for its wait either way).
-inline ffi::Error IallreduceTest(const ffi::AnyBuffer& x,
-                                 const ffi::AnyBuffer& y, int32_t handle) {
+inline ffi::Error IallreduceTest(int32_t handle) {
   const char* who = "mpi4jax_dist.test";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
   PendingRequest* slot = nullptr;
   if (ffi::Error error = RequestTable::Get().Find(handle, who, &slot);
       error.failure()) {
     return error;
-  }
-  if (slot->bytes > 0 && (slot->data != x.untyped_data() ||
-                          x.untyped_data() != y.untyped_data())) {
-    return MovedError(slot->site, who);
   }
   RequestStats& stats = GetRequestStats();
   stats.tests.fetch_add(1, std::memory_order_relaxed);
@@ -683,8 +926,11 @@ inline std::vector<RequestTable::Info> CompletePending(
       PendingRequest* slot = nullptr;
       if (table.Find(info.handle, kIallreduceName, &slot).failure()) continue;
       int done = 0;
-      if (MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS ||
-          done) {
+      MPI_Request both[2] = {slot->request, slot->agreement};
+      const int rc = MPI_Testall(2, both, &done, MPI_STATUSES_IGNORE);
+      slot->request = both[0];
+      slot->agreement = both[1];
+      if (rc != MPI_SUCCESS || done) {
         table.Free(slot);  // complete, or failed: MPI has no more use for it
       } else {
         left.push_back(info);
