@@ -25,13 +25,23 @@ CUDA. It is plain C++ over the CUDA runtime API (no kernels, no nvcc), compiled
 by the host compiler and linked with the static CUDA runtime
 (``libcudart_static.a``): it needs no ``libcudart.so`` at run time, only the
 driver, and imports on machines without either (its calls then fail with CUDA's
-error). The toolkit is ``$CUDA_HOME`` (or ``$CUDA_PATH``) when set, and only
-that; else the one around ``nvcc`` on ``PATH``, else ``/usr/local/cuda``; it must
-hold ``include/cuda_runtime_api.h`` and ``libcudart_static.a`` (or
-``libcudart.so[.N]``, then linked with an rpath) in ``lib64`` or ``lib``.
-``MPI4JAX_DIST_BUILD_CUDA`` decides: unset or ``auto``, build it where a toolkit
+error). A CUDA runtime must hold ``include/cuda_runtime_api.h`` (and
+``crt/host_defines.h``, which the nvidia wheels keep in ``cuda_nvcc`` or
+``nvidia-cuda-crt``) and ``libcudart_static.a`` (or ``libcudart.so[.N]``, then
+linked with an rpath) in ``lib64`` or ``lib``. Where JAX's CUDA plugin is
+installed (``jax_cuda12_plugin``, ``jax_cuda13_plugin``), only a runtime of its
+CUDA major will do: JAX's and ours share the process and the driver, and
+``_ffi.load_cuda`` refuses a module of another major. Looked at in order:
+``$CUDA_HOME`` (or ``$CUDA_PATH``); without a plugin, only that when set; else
+the toolkit around ``nvcc`` on ``PATH``, ``/usr/local/cuda``, and, with a plugin,
+``/usr/local/cuda-<major>*`` and the plugin's ``nvidia-cuda-runtime`` wheel in
+``site-packages/nvidia`` (``cu13/`` for CUDA 13, ``cuda_runtime/`` before).
+``MPI4JAX_DIST_BUILD_CUDA`` decides: unset or ``auto``, build it where a runtime
 is found; ``0``, never (what a machine without CUDA gets anyway); ``1``, fail the
 build when none is found.
+
+Importing this file builds nothing (``python setup.py`` and pip run it as
+``__main__``): tests/test_packaging.py calls its functions with made-up trees.
 
 Beside them, ``mpiabi.c`` is built into ``_mpiabi_mpich``, ``_mpiabi_openmpi`` or
 ``_mpiabi_impi``: not a Python module but a plain C shared library, the MPIABI
@@ -44,6 +54,7 @@ collectives on CPU. It needs neither Python nor jaxlib: it links against MPI alo
 
 import importlib.util
 import os
+import pkgutil
 import re
 import shlex
 import shutil
@@ -156,18 +167,120 @@ def jaxlib_include() -> str:
 BUILD_CUDA = "MPI4JAX_DIST_BUILD_CUDA"
 
 
-def find_cuda() -> tuple[dict | None, str]:
-    """Return the CUDA toolkit to build against, or None, and why (for the log).
+_CUDA_PLUGIN = re.compile(r"jax_cuda(\d+)_plugin")
 
-    The toolkit is a dict: ``include`` (directory) and either ``static`` (the path
-    of ``libcudart_static.a``) or ``shared`` (of ``libcudart.so``, or failing
-    that ``libcudart.so.N``).
+
+def cuda_plugin_majors(paths: list[str] | None = None) -> list[int]:
+    """Return the CUDA majors of the JAX CUDA plugins installed on ``paths``
+    (default ``sys.path``): ``[12]`` for ``jax_cuda12_plugin``. Nothing imported."""
+    found = set()
+    for info in pkgutil.iter_modules(paths):
+        match = _CUDA_PLUGIN.fullmatch(info.name)
+        if match:
+            found.add(int(match.group(1)))
+    return sorted(found)
+
+
+def cuda_version(include: Path) -> int | None:
+    """Return ``CUDART_VERSION`` of ``include/cuda_runtime_api.h`` (13000 for
+    CUDA 13.0), or None."""
+    try:
+        text = (include / "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"#\s*define\s+CUDART_VERSION\s+(\d+)", text)
+    return int(match.group(1)) if match else None
+
+
+def cuda_runtime_at(root: Path, more_includes=()) -> dict | None:
+    """Return the CUDA runtime at ``root``, or None where it lacks headers or a
+    library.
+
+    Returns:
+        ``{"root", "version", "include": [directories], "static" or "shared":
+        path}``: ``libcudart_static.a``, or else ``libcudart.so`` (the shortest
+        name: the nvidia wheels ship only ``libcudart.so.N``).
+
+    Args:
+        more_includes: directories to look in for ``crt/host_defines.h`` when
+            ``root/include`` lacks it (the nvidia wheels keep it in another one).
+    """
+    include = root / "include"
+    version = cuda_version(include)
+    if version is None:
+        return None
+    crt = [
+        d for d in (include, *more_includes) if (d / "crt" / "host_defines.h").is_file()
+    ]
+    if not crt:
+        return None
+    includes = [str(include)] + ([] if crt[0] == include else [str(crt[0])])
+    for libdir in (root / "lib64", root / "lib"):
+        static = libdir / "libcudart_static.a"
+        if static.is_file():
+            return {
+                "root": root,
+                "version": version,
+                "include": includes,
+                "static": static,
+            }
+        shared = sorted(libdir.glob("libcudart.so*"), key=lambda p: len(p.name))
+        if shared:
+            return {
+                "root": root,
+                "version": version,
+                "include": includes,
+                "shared": shared[0],
+            }
+    return None
+
+
+def nvidia_wheel_roots(major: int, paths: list[str] | None = None) -> list[Path]:
+    """Return where the ``nvidia-cuda-runtime`` wheels of CUDA ``major`` put the
+    runtime on ``paths`` (default ``sys.path``): ``nvidia/cu13`` from CUDA 13 on,
+    ``nvidia/cuda_runtime`` (``-cu12``, ``-cu11``) before."""
+    name = f"cu{major}" if major >= 13 else "cuda_runtime"
+    found = []
+    for entry in sys.path if paths is None else paths:
+        root = Path(entry or ".") / "nvidia" / name
+        if root.is_dir() and root not in found:
+            found.append(root)
+    return found
+
+
+def _cuda_text(version: int) -> str:
+    """``13000`` (``CUDART_VERSION``) as ``"13.0"``."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _described(seen: tuple) -> str:
+    """What was found at a root looked at: ``"CUDA 13.0"`` or ``"no runtime"``."""
+    runtime = seen[1]
+    return f"CUDA {_cuda_text(runtime['version'])}" if runtime else "no runtime"
+
+
+def find_cuda(
+    env=None, paths: list[str] | None = None, toolkits: list[Path] | None = None
+) -> tuple[dict | None, str]:
+    """Return the CUDA runtime to build against, or None, and why (for the log).
+
+    The runtime is :func:`cuda_runtime_at`'s dict. See the module docstring for
+    the order; where JAX's CUDA plugin is installed, only a runtime of its major.
+
+    Args:
+        env: the environment (default ``os.environ``).
+        paths: where Python packages are (default ``sys.path``): the plugins and
+            the nvidia wheels.
+        toolkits: the toolkits to try after ``$CUDA_HOME`` (default: the one
+            around ``nvcc`` on ``PATH``, ``/usr/local/cuda``, and with a plugin
+            ``/usr/local/cuda-<major>*``).
 
     Raises:
         SystemExit: ``MPI4JAX_DIST_BUILD_CUDA`` is not a known value, or is 1 and
-            no toolkit is found.
+            no runtime is found.
     """
-    setting = os.environ.get(BUILD_CUDA, "").strip().lower()
+    env = os.environ if env is None else env
+    setting = env.get(BUILD_CUDA, "").strip().lower()
     if setting in ("0", "false", "no", "off"):
         return None, f"{BUILD_CUDA}={setting}"
     if setting not in ("", "auto", "1", "true", "yes", "on"):
@@ -175,28 +288,52 @@ def find_cuda() -> tuple[dict | None, str]:
             f"mpi4jax_dist: {BUILD_CUDA}={setting!r}; expected 1 (build the CUDA "
             f"handler or fail), 0 (never) or auto (where CUDA is found)."
         )
-    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if explicit:
-        roots = [Path(explicit)]
-    else:
-        nvcc = shutil.which("nvcc")
-        roots = [Path(nvcc).resolve().parent.parent] if nvcc else []
-        roots.append(Path("/usr/local/cuda"))
-    for root in roots:
-        include = root / "include"
-        if not (include / "cuda_runtime_api.h").is_file():
+    majors = cuda_plugin_majors(paths)
+    explicit = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    roots = [Path(explicit)] if explicit else []
+    if not explicit or majors:
+        if toolkits is None:
+            nvcc = shutil.which("nvcc", path=env.get("PATH"))
+            toolkits = [Path(nvcc).resolve().parent.parent] if nvcc else []
+            toolkits.append(Path("/usr/local/cuda"))
+            for major in majors:
+                toolkits += sorted(Path("/usr/local").glob(f"cuda-{major}*"))
+        roots += toolkits
+    # The nvidia wheels keep crt/ apart from the runtime before CUDA 13
+    # (nvidia/cuda_nvcc/include, from nvidia-cuda-nvcc-cu12).
+    wheels = []
+    for major in majors:
+        for root in nvidia_wheel_roots(major, paths):
+            crt = sorted(root.parent.glob("*/include"))
+            wheels.append((root, crt))
+    seen = []
+    for root, crt in [(r, ()) for r in roots] + wheels:
+        if root in [s for s, _ in seen]:
             continue
-        for libdir in (root / "lib64", root / "lib"):
-            static = libdir / "libcudart_static.a"
-            if static.is_file():
-                return {"include": str(include), "static": static}, f"CUDA in {root}"
-            # A shared runtime: the toolkit's libcudart.so, or a versioned one
-            # alone (the nvidia-cuda-runtime wheels ship only libcudart.so.N).
-            shared = sorted(libdir.glob("libcudart.so*"), key=lambda p: len(p.name))
-            if shared:
-                found = {"include": str(include), "shared": shared[0]}
-                return found, f"CUDA in {root}"
-    why = "no CUDA runtime headers and library in " + ", ".join(map(str, roots))
+        runtime = cuda_runtime_at(root, crt)
+        seen.append((root, runtime))
+        if runtime is None:
+            continue
+        if majors and runtime["version"] // 1000 not in majors:
+            continue
+        why = f"CUDA {_cuda_text(runtime['version'])} in {root}"
+        if majors:
+            why += f" (JAX's CUDA plugin: CUDA {' and '.join(map(str, majors))})"
+        if explicit and root != Path(explicit):
+            why += f"; not CUDA_HOME/CUDA_PATH={explicit}: " + _described(seen[0])
+        return runtime, why
+    looked = ", ".join(f"{root} ({_described((root, r))})" for root, r in seen)
+    if majors:
+        wanted = " or ".join(map(str, majors))
+        why = (
+            f"JAX's CUDA plugin is for CUDA {wanted}, and no CUDA {wanted} runtime "
+            f"was found (looked at {looked or 'nothing'}). Install JAX with its "
+            f"CUDA wheels (pip install 'jax[cuda{majors[-1]}]': the plugin's "
+            f"nvidia-cuda-runtime and nvcc wheels), or set CUDA_HOME to a CUDA "
+            f"{wanted} toolkit"
+        )
+    else:
+        why = f"no CUDA runtime headers and library in {looked or 'nothing'}"
     if setting in ("1", "true", "yes", "on"):
         raise SystemExit(
             f"mpi4jax_dist: {BUILD_CUDA}={setting} but {why}. Set CUDA_HOME to "
@@ -274,22 +411,18 @@ def extensions(mpicc: str, family: str, compile_args, link_args) -> list[Extensi
         # through the rpath.
         runtime = [str(cuda["shared"])]
         libraries = ["-Wl,-rpath," + str(cuda["shared"].parent)]
+    # CUDA's headers, like XLA's, are not ours to keep warning-free.
+    includes = [flag for d in cuda["include"] for flag in ("-isystem", d)]
     built.append(
         extension(
             "cuda",
             family,
-            # CUDA's headers, like XLA's, are not ours to keep warning-free.
-            ["-isystem", cuda["include"], *compile_args],
+            [*includes, *compile_args],
             [*link_args, *libraries],
             extra_objects=runtime,
         )
     )
     return built
-
-
-MPICC = find_mpicc()
-COMPILE_ARGS, LINK_ARGS = split_flags(mpicc_flags(MPICC))
-FAMILY = mpi_family(COMPILE_ARGS)
 
 
 class BuildExt(build_ext):
@@ -324,7 +457,11 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
-setup(
-    ext_modules=extensions(MPICC, FAMILY, COMPILE_ARGS, LINK_ARGS),
-    cmdclass={"build_ext": BuildExt},
-)
+if __name__ == "__main__":
+    MPICC = find_mpicc()
+    COMPILE_ARGS, LINK_ARGS = split_flags(mpicc_flags(MPICC))
+    FAMILY = mpi_family(COMPILE_ARGS)
+    setup(
+        ext_modules=extensions(MPICC, FAMILY, COMPILE_ARGS, LINK_ARGS),
+        cmdclass={"build_ext": BuildExt},
+    )

@@ -4,31 +4,37 @@
         [--no-large] [--impls ours,ours_aware,...] [--no-tests] [--timeout 600]
         [--json PATH] [--plot PNG]
 
-Run it without ``mpiexec``: like benchmarks/memory.py it starts its own
-``mpiexec -n P`` jobs (``_harness.run_job``), with ``JAX_PLATFORMS=cuda`` and
-``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (ranks may share one GPU). It
+``tools/gpu_check.sh`` installs what it needs on a bare GPU machine, builds, and
+runs it in one command. Run it without ``mpiexec``: like benchmarks/memory.py it
+starts its own ``mpiexec -n P`` jobs (``_harness.run_job``), with
+``JAX_PLATFORMS=cuda`` and ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (ranks may
+share one GPU). It
 
 1. asks a fresh process whether JAX sees a GPU; without one it prints one sentence
    and exits 0 (nothing to run: the CPU figures come from benchmarks/memory.py);
 2. runs ``tests/test_inplace_allreduce_gpu.py`` under ``mpiexec -n P``: results
    against mpi4py in the staged and (where the MPI says it can) CUDA-aware modes,
    donation in place, a device-memory rise under half a message, one pinned
-   chunk of host memory, order with mpi4jax, 2**31 + 16 int8;
+   staging buffer of host memory however large the message, order with mpi4jax,
+   2**31 + 16 int8;
 3. measures one allreduce per (implementation, size), each in its own job, so
    that the device's ``peak_bytes_in_use`` (which cannot be reset) holds only that
-   case: baseline ``bytes_in_use`` with the input on the device, peak after the
-   call; the rise in messages, the host memory the call pinned (ours), the time,
-   the compilations during the call (none) and whether the result is right. A
-   crash (mpi4jax above 2**31, NCCL refusing two ranks on one GPU) is that row's
-   status, not the end of the run.
+   case: device memory before the call (``bytes_in_use``, the input on the
+   device), during it (``peak_bytes_in_use`` after it) and after it
+   (``bytes_in_use``, the result held); the rise in messages, the host memory the
+   call pinned and the pieces it staged (ours), the time, the compilations during
+   the call (none) and whether the result is right. A crash (mpi4jax above
+   2**31, NCCL refusing two ranks on one GPU) is that row's status, not the end
+   of the run.
 
 Sizes: ``--sizes`` in bytes per rank of float32 (default 256 MiB and 1 GiB), and
 2**31 + 16 int8 elements per rank unless ``--no-large``; a case that needs more
 device memory than the GPU has is skipped with the reason. Implementations:
 
 - ``ours``: ``mpi4jax_dist.allreduce``, donated, staged through host memory
-  (``MPI4JAX_DIST_CUDA_AWARE_MPI=0``): expect a rise of 0 messages and one
-  pinned chunk (64 MiB) of host memory;
+  (``MPI4JAX_DIST_CUDA_AWARE_MPI=0``): expect a rise of 0 messages, after =
+  before, and one pinned staging buffer (``MPI4JAX_DIST_STAGING_BYTES``, 64 MiB)
+  of host memory;
 - ``ours_aware``: the same with CUDA-aware MPI (only where the MPI's
   ``MPIX_Query_cuda_support`` says yes): 0 messages, no pinned memory;
 - ``ours_jit``: on an intermediate inside ``jit`` (input held, not donated): one
@@ -97,10 +103,14 @@ TABLE = _harness.Table(
         _harness.Column("dtype", "dtype", "", 7, left=True),
         _harness.Column("impl", "impl", "", 13, left=True),
         _harness.Column("mode", "mode", "", 10, left=True),
+        _harness.Column("before_bytes", "before", "dev MiB", 9, ".1f", 1 / 2**20),
+        _harness.Column("peak_bytes", "peak", "dev MiB", 9, ".1f", 1 / 2**20),
+        _harness.Column("after_bytes", "after", "dev MiB", 9, ".1f", 1 / 2**20),
         _harness.Column("rise_x", "rise", "x msg", 6, ".2f"),
         _harness.Column("rise_bytes", "rise", "MiB", 9, ".1f", 1 / 2**20),
         _harness.Column("upper", "bound", "", 5),
         _harness.Column("pinned_bytes", "pinned", "host MiB", 8, ".1f", 1 / 2**20),
+        _harness.Column("pieces", "pieces", "staged", 6),
         _harness.Column("t_call_s", "t_call", "ms", 9, ".1f", 1e3),
         _harness.Column("compiles", "compiles", "", 8),
         _harness.Column("status", "check", "", 12, left=True),
@@ -212,11 +222,17 @@ def run_case(name: str, n: int, dtype: str) -> None:
         y = reduce(x)
         y.block_until_ready()
         elapsed = time.perf_counter() - start
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    after_stats = device.memory_stats() or {}
+    peak, after = after_stats.get("peak_bytes_in_use"), after_stats.get("bytes_in_use")
     pinned = ext.stats()["pinned_peak_bytes"] if ext is not None else None
+    pieces = ext.stats()["staged_chunks"] if ext is not None else None
     del x
     ok = bool(right(y if to_local is None else to_local(y)))
     mine = {
+        "before": base,
+        "peak": peak,
+        "after": after,
+        "pieces": pieces,
         "rise": None if None in (base, peak) else peak - base,
         "upper": None not in (peak_before, peak) and peak_before >= peak,
         "t": elapsed,
@@ -229,7 +245,16 @@ def run_case(name: str, n: int, dtype: str) -> None:
     if rank == 0:
         rises = [r["rise"] for r in everyone]
         pins = [r["pinned"] for r in everyone]
+
+        def largest(key):
+            values = [r[key] for r in everyone]
+            return None if None in values else max(values)
+
         _harness.report(
+            before_bytes=largest("before"),
+            peak_bytes=largest("peak"),
+            after_bytes=largest("after"),
+            pieces=largest("pieces"),
             rise_bytes=None if None in rises else max(rises),
             rise_per_rank=rises,
             upper=any(r["upper"] for r in everyone),
@@ -465,9 +490,12 @@ def main(argv=None) -> list[dict]:
         None,
         f"# device memory of one allreduce, {args.procs} ranks, one fresh mpiexec "
         f"job per case",
-        "# rise = peak_bytes_in_use after the call - bytes_in_use before it (input "
-        "held), largest rank; bound <= : the peak was already that high before the "
-        "call; pinned = host memory the call pinned",
+        "# device memory of the largest rank: before = bytes_in_use before the "
+        "call (input held), peak = peak_bytes_in_use after it, after = "
+        "bytes_in_use after it (result held); rise = peak - before; bound <= : the "
+        "peak was already that high before the call; pinned = host memory the call "
+        "pinned (ours: one staging buffer); pieces = staged copies to the host and "
+        "back",
         TABLE.header(),
     )
     results = []

@@ -12,9 +12,11 @@ one call reduces, and with it MPI's scratch memory.
 On CUDA GPUs it lowers to ``_ffi/cuda.cc`` (built where ``pip install`` found a
 CUDA toolkit), aliased the same way, so that device memory holds one message.
 With ``MPI4JAX_DIST_CUDA_AWARE_MPI=1`` (or mpi4jax's ``MPI4JAX_USE_CUDA_MPI=1``)
-MPI reduces the device buffer itself; by default each chunk is copied to a pinned
-host buffer of one chunk, reduced there and copied back, which works with any MPI
-(mpi4jax instead copies the whole message to the host, twice).
+MPI reduces the device buffer itself, where the MPI says it can (``force`` where
+it cannot say); by default the message goes through a pinned host buffer of
+``MPI4JAX_DIST_STAGING_BYTES`` (64 MiB) in two halves, one copied while MPI
+reduces the other, which works with any MPI (mpi4jax instead copies the whole
+message to the host, twice).
 
 Ordering: the primitive carries mpi4jax's ordered effect, so XLA threads one
 token through it and every mpi4jax call of the program; XLA:CPU cannot reorder
@@ -217,8 +219,9 @@ def allreduce(x, op=None, *, comm=None):
     On a CUDA GPU the device buffer is reduced where it is: by a CUDA-aware MPI
     (``MPI4JAX_DIST_CUDA_AWARE_MPI=1``, see
     :func:`mpi4jax_dist._config.cuda_aware_mpi`), or by default through a pinned
-    host buffer of one chunk, so that device memory holds one message and host
-    memory one chunk.
+    host buffer (``MPI4JAX_DIST_STAGING_BYTES``, default 64 MiB, see
+    :func:`mpi4jax_dist._config.staging_bytes`), so that device memory holds one
+    message and host memory that buffer.
 
     Any element count works, above 2**31 included. The reduction runs in chunks
     of ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES`` (default 64 MiB; 0 for one call,
@@ -250,9 +253,12 @@ def allreduce(x, op=None, *, comm=None):
         RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``.
         ImportError: mpi4jax is not installed (a ``ModuleNotFoundError`` naming
             the ``mpi4jax`` extra), or the extension was built against another
-            MPI than mpi4py's, or (on a CUDA GPU, when compiled) without CUDA.
+            MPI than mpi4py's, or (on a CUDA GPU, when compiled) without CUDA,
+            or against a CUDA that this node's driver or JAX's CUDA plugin does
+            not match.
         RuntimeError: (on a CUDA GPU, when compiled) CUDA-aware MPI asked for
-            from an MPI that says it cannot read device memory.
+            from an MPI that says it cannot read device memory, or cannot say
+            (unless ``MPI4JAX_DIST_CUDA_AWARE_MPI=force``).
     """
     import jax.numpy as jnp
 
@@ -269,27 +275,43 @@ def allreduce(x, op=None, *, comm=None):
 
 def _cuda_aware(module) -> bool:
     """Return whether the CUDA handler hands MPI device memory (see
-    :func:`mpi4jax_dist._config.cuda_aware_mpi`), refusing an MPI library that
-    says it cannot read it.
+    :func:`mpi4jax_dist._config.cuda_aware_mpi`): only when asked, and only to an
+    MPI that says it reads device memory, or that cannot say and is trusted by
+    name (``force``).
 
     Raises:
-        RuntimeError: CUDA-aware MPI asked for, and the MPI says it is not.
+        RuntimeError: CUDA-aware MPI asked for, and the MPI says it cannot read
+            device memory, or cannot say and the setting is not ``force``.
     """
-    if not _config.cuda_aware_mpi():
+    setting = _config.cuda_aware_mpi()
+    if setting == "off":
         return False
-    if module.mpi_cuda_support() is False:
-        from mpi4py import MPI
+    support = module.mpi_cuda_support()
+    if support is True or (support is None and setting == "force"):
+        return True
+    from mpi4py import MPI
 
-        library = " ".join(MPI.Get_library_version().split()[:4])
+    library = " ".join(MPI.Get_library_version().split()[:4])
+    asked = _config.cuda_aware_source()
+    if support is False:
         raise RuntimeError(
             f"mpi4jax_dist.allreduce was told that MPI reads device memory "
-            f"({_config.CUDA_AWARE_MPI} or {_config.MPI4JAX_CUDA_AWARE_MPI}), but "
-            f"this MPI ({library}) says it cannot (MPIX_Query_cuda_support() is "
-            f"0); it would crash on a device pointer. Unset both, or set "
-            f"{_config.CUDA_AWARE_MPI}=0, to stage through host memory, or use "
-            f"an MPI built with CUDA support."
+            f"({asked}), but this MPI ({library}) says it cannot "
+            f"(MPIX_Query_cuda_support() is 0); it would crash on a device "
+            f"pointer. Unset {_config.CUDA_AWARE_MPI} and "
+            f"{_config.MPI4JAX_CUDA_AWARE_MPI}, or set {_config.CUDA_AWARE_MPI}=0, "
+            f"to stage through host memory, or use an MPI built with CUDA support."
         )
-    return True
+    raise RuntimeError(
+        f"mpi4jax_dist.allreduce was told that MPI reads device memory ({asked}), "
+        f"but this MPI ({library}) cannot say whether it does (no "
+        f"MPIX_Query_cuda_support: Open MPI without its CUDA extension, Intel MPI, "
+        f"MPICH before 4.1), and an MPI without CUDA support crashes or reads "
+        f"garbage on a device pointer. Set {_config.CUDA_AWARE_MPI}=force if you "
+        f"know this MPI was built with CUDA support, or "
+        f"{_config.CUDA_AWARE_MPI}=0 to stage through host memory (works with "
+        f"every MPI)."
+    )
 
 
 @functools.cache

@@ -333,14 +333,63 @@ def allreduce_chunk_bytes(env: Mapping[str, str] | None = None) -> int:
     value = env.get(ALLREDUCE_CHUNK_BYTES, "").strip()
     if not value:
         return DEFAULT_ALLREDUCE_CHUNK_BYTES
-    match = re.fullmatch(r"(\d+)\s*(?:([kmg])(?:i?b)?|b)?", value.lower())
-    if match is None:
+    size = _parse_bytes(value)
+    if size is None:
         raise ValueError(
             f"{ALLREDUCE_CHUNK_BYTES}={value!r} is not a size in bytes; expected a "
             f"non-negative integer with an optional unit (67108864, 64M, 64MiB), "
             f"or 0 for one MPI call per message."
         )
+    return size
+
+
+def _parse_bytes(value: str) -> int | None:
+    """Return ``"64M"``, ``"64MiB"``, ``"67108864"`` as bytes, or None."""
+    match = re.fullmatch(r"(\d+)\s*(?:([kmg])(?:i?b)?|b)?", value.strip().lower())
+    if match is None:
+        return None
     return int(match.group(1)) * _BYTE_UNITS[match.group(2) or ""]
+
+
+STAGING_BYTES = "MPI4JAX_DIST_STAGING_BYTES"
+# 64 MiB, as the chunk: two halves of 32 MiB, each copied in about a millisecond
+# over PCIe 4 or 5 (25 to 50 GB/s) while MPI reduces the other, so that a copy's
+# fixed cost (microseconds) is lost in it; and little enough to pin once per
+# process and keep.
+DEFAULT_STAGING_BYTES = 64 << 20
+# Each half must hold one element of the largest type (complex128, 16 bytes).
+MIN_STAGING_BYTES = 32
+
+
+def staging_bytes(env: Mapping[str, str] | None = None) -> int:
+    """Return the pinned host memory the CUDA allreduce stages through, in bytes.
+
+    Without CUDA-aware MPI, ``mpi4jax_dist.allreduce`` on a GPU copies the message
+    to the host and back through one pinned buffer of
+    ``MPI4JAX_DIST_STAGING_BYTES`` (default 64 MiB), whatever the message's size
+    and ``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES``: its two halves take turns, one
+    copied while MPI reduces the other. The buffer is allocated on the first
+    staged call and kept until exit (freeing pinned memory synchronizes the
+    whole device); a second one only while two calls run at once. Units as for
+    the chunk size (``64M``, ``1GiB``). Read once per process, when the CUDA
+    handler is loaded (the first allreduce compiled for a GPU).
+
+    Raises:
+        ValueError: the value is not a size of at least 32 bytes.
+    """
+    env = environ() if env is None else env
+    value = env.get(STAGING_BYTES, "").strip()
+    if not value:
+        return DEFAULT_STAGING_BYTES
+    size = _parse_bytes(value)
+    if size is None or size < MIN_STAGING_BYTES:
+        raise ValueError(
+            f"{STAGING_BYTES}={value!r} is not a size in bytes of at least "
+            f"{MIN_STAGING_BYTES} (two elements of the largest type); expected an "
+            f"integer with an optional unit, such as 67108864, 64M or 64MiB, or "
+            f"unset it for 64 MiB."
+        )
+    return size
 
 
 CUDA_AWARE_MPI = "MPI4JAX_DIST_CUDA_AWARE_MPI"
@@ -349,22 +398,51 @@ CUDA_AWARE_MPI = "MPI4JAX_DIST_CUDA_AWARE_MPI"
 MPI4JAX_CUDA_AWARE_MPI = "MPI4JAX_USE_CUDA_MPI"
 
 
-def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> bool:
-    """Return True when the user says the MPI library reads device memory.
+def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> str:
+    """Return ``"off"``, ``"on"`` or ``"force"``: whether the CUDA allreduce hands
+    MPI device memory.
 
-    On GPUs, ``mpi4jax_dist.allreduce`` then hands MPI the device buffer itself
-    (CUDA-aware MPI); otherwise (the default) it stages the buffer through a
-    pinned host buffer of one chunk (``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES``) at a
-    time, which works with every MPI. ``MPI4JAX_DIST_CUDA_AWARE_MPI`` decides;
-    when it is unset, mpi4jax's ``MPI4JAX_USE_CUDA_MPI`` does; else False. Read
-    when a call is compiled; set it alike on every rank. An MPI that says it
-    cannot read device memory is refused when the call is compiled (a clear
-    error instead of a crash inside MPI).
+    On GPUs, ``mpi4jax_dist.allreduce`` hands MPI the device buffer itself
+    (CUDA-aware MPI) when this is ``"on"`` and the MPI library says it reads
+    device memory (``MPIX_Query_cuda_support``), or when it is ``"force"``
+    where the MPI cannot say (Open MPI without its CUDA extension, Intel MPI,
+    MPICH before 4.1: an MPI without CUDA support crashes on a device pointer,
+    so trust is asked for by name). An MPI that says it cannot read device
+    memory is refused either way, when the call is compiled. Otherwise (the
+    default) it stages the buffer through pinned host memory
+    (``MPI4JAX_DIST_STAGING_BYTES``), which works with every MPI.
+
+    ``MPI4JAX_DIST_CUDA_AWARE_MPI``: ``force``, or a boolean (``1``: on, ``0``:
+    off). When it is unset, mpi4jax's ``MPI4JAX_USE_CUDA_MPI`` (a boolean) decides;
+    else off. Read when a call is compiled; set it alike on every rank.
     """
     env = environ() if env is None else env
-    if env.get(CUDA_AWARE_MPI, "").strip():
-        return get_bool(CUDA_AWARE_MPI, False, env)
-    return get_bool(MPI4JAX_CUDA_AWARE_MPI, False, env)
+    ours = env.get(CUDA_AWARE_MPI, "").strip().lower()
+    if ours == "force":
+        return "force"
+    if ours and ours not in _TRUE + _FALSE:
+        warnings.warn(
+            f"{CUDA_AWARE_MPI}={env[CUDA_AWARE_MPI]!r} is none of force, 1 (on) or "
+            f"0 (off); staging through host memory ({CUDA_AWARE_MPI}=0).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return "off"
+    if ours:
+        on = ours in _TRUE
+    else:
+        on = get_bool(MPI4JAX_CUDA_AWARE_MPI, False, env)
+    return "on" if on else "off"
+
+
+def cuda_aware_source(env: Mapping[str, str] | None = None) -> str:
+    """Return the setting that :func:`cuda_aware_mpi` followed, for messages:
+    ``"MPI4JAX_DIST_CUDA_AWARE_MPI='1'"``, or mpi4jax's variable when ours is
+    unset."""
+    env = environ() if env is None else env
+    name = CUDA_AWARE_MPI if env.get(CUDA_AWARE_MPI, "").strip() else None
+    name = name or MPI4JAX_CUDA_AWARE_MPI
+    return f"{name}={env.get(name, '')!r}"
 
 
 DEBUG_CHECKS = "MPI4JAX_DIST_DEBUG_CHECKS"

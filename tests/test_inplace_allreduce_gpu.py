@@ -10,16 +10,22 @@ unless ``JAX_PLATFORMS`` says otherwise, so on a GPU machine run
         tests/test_inplace_allreduce_gpu.py
 
 or ``python benchmarks/gpu_allreduce.py``, which runs this file and the GPU
-memory table. There, results are checked against mpi4py's Allreduce on host
-copies; device memory against ``memory_stats()``; what the handler did (staged
-or CUDA-aware, how many chunks, pinned host bytes) is counted by the extension.
+memory table (``tools/gpu_check.sh`` builds everything and runs that in one
+command). There, results are checked against mpi4py's Allreduce on host copies;
+device memory against ``memory_stats()``; what the handler did (staged or
+CUDA-aware, how many pieces, pinned host bytes) is counted by the extension.
+tests/test_cuda_fake.py runs the staging itself on the CPU, over a fake CUDA
+runtime.
 """
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import util
 from util import all_ranks
 
 import mpi4jax_dist
@@ -32,6 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 CHUNK = _config.ALLREDUCE_CHUNK_BYTES
 AWARE = _config.CUDA_AWARE_MPI
 MPI4JAX_AWARE = _config.MPI4JAX_CUDA_AWARE_MPI
+STAGING = _config.STAGING_BYTES
 MiB = 1 << 20
 
 
@@ -124,14 +131,19 @@ def test_cuda_lowering(monkeypatch):
     for part in ("cuda_aware = 0 : i32", "chunk_bytes = 1048576", "operand_index = 0"):
         if part not in default:
             problems.append(f"by default: no {part!r} in {default}")
-    # Told CUDA-aware, by our variable or by mpi4jax's, from an MPI that cannot
-    # say (None) or says yes: the handler hands MPI the device buffer.
-    monkeypatch.setattr(ext, "mpi_cuda_support", lambda: None)
-    for variable in (AWARE, MPI4JAX_AWARE):
-        monkeypatch.setenv(variable, "1")
+    # Told CUDA-aware, by our variable or by mpi4jax's, from an MPI that says
+    # yes; or forced where it cannot say: the handler hands MPI the device buffer.
+    for support, variable, value in (
+        (True, AWARE, "1"),
+        (True, MPI4JAX_AWARE, "1"),
+        (None, AWARE, "force"),
+        (True, AWARE, "force"),
+    ):
+        monkeypatch.setattr(ext, "mpi_cuda_support", lambda s=support: s)
+        monkeypatch.setenv(variable, value)
         aware = call(cuda_module_text(jax.jit(lambda a: reduce(a) * 1), spec))
         if "cuda_aware = 1 : i32" not in aware:
-            problems.append(f"{variable}=1: {aware}")
+            problems.append(f"{variable}={value}, MPI says {support}: {aware}")
         monkeypatch.delenv(variable)
     # Ours wins over mpi4jax's.
     monkeypatch.setenv(MPI4JAX_AWARE, "1")
@@ -142,6 +154,15 @@ def test_cuda_lowering(monkeypatch):
     all_ranks(not problems, problems)
 
 
+def lowering_error(f, spec) -> str:
+    """The RuntimeError's message from exporting ``f`` for CUDA, or a note."""
+    try:
+        cuda_module_text(f, spec)
+    except RuntimeError as e:
+        return str(e)
+    return "no RuntimeError"
+
+
 @pytest.mark.mpi(min_size=2)
 def test_cuda_aware_refused_where_mpi_says_no(monkeypatch):
     import jax
@@ -149,14 +170,43 @@ def test_cuda_aware_refused_where_mpi_says_no(monkeypatch):
 
     ext = cuda_extension()
     monkeypatch.setattr(ext, "mpi_cuda_support", lambda: False)
-    monkeypatch.setenv(AWARE, "1")
     spec = jax.ShapeDtypeStruct((10,), jnp.float32)
-    try:
-        cuda_module_text(jax.jit(lambda a: mpi4jax_dist.allreduce(a) * 3), spec)
-        message = "no RuntimeError"
-    except RuntimeError as e:
-        message = str(e)
-    all_ranks(AWARE in message and "MPIX_Query_cuda_support" in message, message)
+    messages = []
+    # Forcing does not override an MPI that says no.
+    for value in ("1", "force"):
+        monkeypatch.setenv(AWARE, value)
+        f = jax.jit(lambda a, v=value: mpi4jax_dist.allreduce(a) * len(v))
+        messages.append(lowering_error(f, spec))
+    all_ranks(
+        all(AWARE in m and "MPIX_Query_cuda_support" in m for m in messages),
+        messages,
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_aware_refused_where_mpi_cannot_say(monkeypatch):
+    """An MPI without MPIX_Query_cuda_support (Open MPI without its CUDA
+    extension, Intel MPI) is not handed device memory on a plain 'yes': the
+    error names the MPI and the setting that forces it."""
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    ext = cuda_extension()
+    monkeypatch.setattr(ext, "mpi_cuda_support", lambda: None)
+    spec = jax.ShapeDtypeStruct((10,), jnp.float32)
+    library = MPI.Get_library_version().split()[0]
+    messages = []
+    for variable in (AWARE, MPI4JAX_AWARE):
+        monkeypatch.setenv(variable, "1")
+        f = jax.jit(lambda a, v=variable: mpi4jax_dist.allreduce(a) * len(v))
+        messages.append(lowering_error(f, spec))
+        monkeypatch.delenv(variable)
+    ok = all(
+        f"{AWARE}=force" in m and variable in m and library in m
+        for m, variable in zip(messages, (AWARE, MPI4JAX_AWARE), strict=True)
+    )
+    all_ranks(ok, messages)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -191,13 +241,146 @@ def test_cuda_extension_matches_mpi4py():
 
 def test_cuda_aware_setting_parsed():
     parse = _config.cuda_aware_mpi
-    assert parse({}) is False
-    assert parse({AWARE: "1"}) is True
-    assert parse({MPI4JAX_AWARE: "true"}) is True
-    assert parse({AWARE: "0", MPI4JAX_AWARE: "1"}) is False
-    assert parse({AWARE: "", MPI4JAX_AWARE: "1"}) is True
-    with pytest.warns(RuntimeWarning, match=AWARE):
-        assert parse({AWARE: "maybe"}) is False
+    assert parse({}) == "off"
+    assert parse({AWARE: "1"}) == "on"
+    assert parse({AWARE: "Force"}) == "force"
+    assert parse({MPI4JAX_AWARE: "true"}) == "on"
+    assert parse({AWARE: "0", MPI4JAX_AWARE: "1"}) == "off"
+    assert parse({AWARE: "", MPI4JAX_AWARE: "1"}) == "on"
+    # mpi4jax's variable is a boolean: only ours forces.
+    with pytest.warns(RuntimeWarning, match=MPI4JAX_AWARE):
+        assert parse({MPI4JAX_AWARE: "force"}) == "off"
+    with pytest.warns(RuntimeWarning, match=f"{AWARE}.*force"):
+        assert parse({AWARE: "maybe"}) == "off"
+    assert _config.cuda_aware_source({AWARE: "1"}) == f"{AWARE}='1'"
+    assert _config.cuda_aware_source({MPI4JAX_AWARE: "1"}) == f"{MPI4JAX_AWARE}='1'"
+
+
+def test_staging_setting_parsed():
+    parse = _config.staging_bytes
+    assert parse({}) == 64 * MiB
+    assert parse({STAGING: ""}) == 64 * MiB
+    assert parse({STAGING: "1M"}) == MiB
+    assert parse({STAGING: "256MiB"}) == 256 * MiB
+    assert parse({STAGING: "32"}) == 32
+    for bad in ("0", "16", "lots", "-64M", "1.5G"):
+        with pytest.raises(ValueError, match=f"{STAGING}=.*at least 32"):
+            parse({STAGING: bad})
+
+
+# ---------------------------------------------------------------------------------
+# Whether the CUDA extension can run here: anywhere, with made-up versions
+
+
+def test_cuda_mismatch_by_versions():
+    check = _ffi.cuda_mismatch
+    # Runs: no driver (nothing runs on a GPU, the lowering still compiles), a
+    # driver of the same major (minor compatibility: no kernels) or newer, and
+    # a plugin of the same major.
+    assert check(13000, 0, [], "x.so") is None
+    assert check(13000, 13000, [13], "x.so") is None
+    assert check(12060, 12020, [12], "x.so") is None
+    assert check(12080, 13000, [], "x.so") is None
+    assert check(13000, 13020, [12, 13], "x.so") is None
+    # A driver too old for the runtime: both versions, and the fix.
+    message = check(13000, 12080, [], "x.so")
+    assert message and "13.0" in message and "12.8" in message, message
+    assert "x.so" in message and "--force-reinstall" in message, message
+    assert "cudaErrorInsufficientDriver" in message, message
+    # JAX's plugin for another major: both named, whatever the driver.
+    for driver in (0, 13000):
+        message = check(13000, driver, [12], "x.so")
+        assert message and "13.0" in message and "jax_cuda12_plugin" in message
+        assert "--force-reinstall" in message, message
+
+
+def test_cuda_plugin_majors_found_on_the_path(tmp_path, monkeypatch):
+    for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_cuda_plugin_x"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('no')\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    assert _ffi.cuda_plugin_majors() == [12, 13]
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "nothing")])
+    assert _ffi.cuda_plugin_majors() == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_extension_refused_beside_another_plugin(monkeypatch):
+    """load_cuda refuses an extension of another CUDA major than JAX's plugin,
+    before it registers anything, naming both."""
+    ext = cuda_extension()
+    other = ext.CUDART_VERSION // 1000 - 1
+    monkeypatch.setattr(_ffi, "cuda_plugin_majors", lambda: [other])
+    try:
+        _ffi.load_cuda.__wrapped__()
+        message = "no ImportError"
+    except ImportError as e:
+        message = str(e)
+    ok = f"jax_cuda{other}_plugin" in message and Path(ext.__file__).name in message
+    all_ranks(ok, message)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staging_size_set_from_the_variable(monkeypatch):
+    ext = cuda_extension()
+    problems = []
+    monkeypatch.setenv(STAGING, "lots")
+    try:
+        _ffi.load_cuda.__wrapped__()
+        problems.append(f"{STAGING}=lots: no ValueError")
+    except ValueError as e:
+        if STAGING not in str(e):
+            problems.append(str(e))
+    # The module's own check, and a size taken while no buffer exists (none
+    # does without a GPU; on one, release_pinned frees the idle ones).
+    ext.release_pinned()
+    before = ext.staging_bytes()
+    try:
+        ext.set_staging_bytes(16)
+        problems.append("set_staging_bytes(16): no ValueError")
+    except ValueError:
+        pass
+    ext.set_staging_bytes(MiB)
+    if ext.staging_bytes() != MiB:
+        problems.append(f"staging_bytes() = {ext.staging_bytes()}")
+    ext.set_staging_bytes(before)
+    all_ranks(not problems, problems)
+
+
+# The CUDA module's MPI query before MPI_Init and after MPI_Finalize, in a fresh
+# process: MPICH's own query ends the process there.
+SUPPORT_WITHOUT_MPI = """
+import importlib, sys
+import mpi4py
+mpi4py.rc.initialize = False
+from mpi4py import MPI
+module = importlib.import_module(sys.argv[1])
+print("before", module.mpi_cuda_support(), flush=True)
+MPI.Init()
+MPI.Finalize()
+print("after", module.mpi_cuda_support(), flush=True)
+"""
+
+
+@util.serial_only
+def test_mpi_cuda_support_none_outside_mpi():
+    version = _ffi._mpi4py_library_version()
+    family = _ffi.family(version) if version else None
+    builds = _ffi.built("cuda")
+    if family not in builds:
+        pytest.skip(
+            f"no CUDA module built for mpi4py's MPI ({family}; built: "
+            f"{sorted(builds) or 'none'}): mpi4jax_dist was installed without CUDA"
+        )
+    module = f"mpi4jax_dist._ffi._cuda_{family}"
+    proc = util.run_command(
+        [sys.executable, "-c", SUPPORT_WITHOUT_MPI, module],
+        env=util.clean_env(),
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert proc.stdout.split() == ["before", "None", "after", "None"], out
 
 
 # ---------------------------------------------------------------------------------
@@ -355,41 +538,71 @@ def test_gpu_donated_in_place_one_message(staged):
                 f"mpi4jax rose {theirs_rise / nbytes:.2f} messages (< 1): the "
                 f"measurement cannot see an out-of-place buffer"
             )
-    # Host memory: one pinned chunk (64 MiB by default), not the message.
-    chunk = _config.allreduce_chunk_bytes()
-    if not 0 < stats["pinned_peak_bytes"] <= chunk:
-        problems.append(f"pinned {stats['pinned_peak_bytes']} B > one chunk: {stats}")
-    if stats["staged_chunks"] != nbytes // chunk:
-        problems.append(f"not {nbytes // chunk} chunks: {stats}")
+    # Host memory: one staging buffer (64 MiB by default), not the message.
+    staging = ext.staging_bytes()
+    if not 0 < stats["pinned_peak_bytes"] <= staging:
+        problems.append(f"pinned {stats['pinned_peak_bytes']} B > {staging}: {stats}")
+    want = pieces(nbytes, 4, staging, _config.allreduce_chunk_bytes())
+    if stats["staged_chunks"] != want:
+        problems.append(f"not {want} pieces: {stats}")
     all_ranks(not problems, problems)
 
 
+def pieces(nbytes: int, itemsize: int, staging: int, chunk: int) -> int:
+    """How many pieces the staged handler sends a message in: each at most half
+    the staging buffer (a multiple of 16 bytes) and at most one chunk."""
+    per_piece = staging // 2 // 16 * 16 // itemsize
+    if chunk:
+        per_piece = min(per_piece, max(1, chunk // itemsize))
+    return -(-(nbytes // itemsize) // per_piece)
+
+
 @pytest.mark.mpi(min_size=2)
-def test_gpu_pinned_buffer_bounded_and_reused(monkeypatch, staged):
+@pytest.mark.parametrize("chunk", ["1M", "256K", "0"])
+def test_gpu_pinned_buffer_bounded_and_reused(monkeypatch, staged, chunk):
+    """Three calls of 16 MiB through one 1 MiB staging buffer, allocated once:
+    in pieces of half the buffer, or of a smaller chunk; and with chunking off
+    (0), still half the buffer, never the message."""
     import jax
     import jax.numpy as jnp
 
     gpu()
     comm = world()
     ext = _ffi.load_cuda()
-    monkeypatch.setenv(CHUNK, "1M")
-    n = 4 * MiB  # 16 MiB of float32: 16 chunks of 1 MiB
+    monkeypatch.setenv(CHUNK, chunk)
+    n = 4 * MiB  # 16 MiB of float32
+    p = comm.size
     reduce = jax.jit(lambda a: mpi4jax_dist.allreduce(a), donate_argnums=0)
-    ext.release_pinned()
-    ext.reset_stats()
     problems = []
-    for _ in range(3):
-        y = reduce(jnp.full((n,), comm.rank + 1, jnp.float32))
-        if not bool(jnp.all(y == sum(range(1, comm.size + 1)))):
-            problems.append("wrong sum")
-    stats = ext.stats()
-    # Allocated once at 1 MiB and reused by every chunk of all three calls.
+    size = ext.staging_bytes()
+    ext.release_pinned()
+    ext.set_staging_bytes(MiB)
+    try:
+        ext.reset_stats()
+        for i in range(3):
+            # Different on every element and call: a piece copied back to the
+            # wrong place, or a half overwritten too early, shows.
+            x = jnp.arange(n, dtype=jnp.int32) % 4099 + comm.rank + i
+            y = np.asarray(reduce(x.astype(jnp.float32)))
+            want = np.arange(n) % 4099 * p + p * (p - 1) // 2 + p * i
+            if not np.array_equal(y, want.astype(np.float32)):
+                bad = np.flatnonzero(y != want)
+                problems.append(f"call {i}: {bad.size} wrong, first at {bad[:4]}")
+        stats = ext.stats()
+        freed = ext.release_pinned()
+    finally:
+        ext.release_pinned()
+        ext.set_staging_bytes(size)
+    want_pieces = pieces(4 * n, 4, MiB, _config.allreduce_chunk_bytes())
+    # Allocated once and reused by every piece of all three calls.
     if stats["pinned_peak_bytes"] != MiB or stats["pinned_bytes"] != MiB:
-        problems.append(f"pinned bytes not one chunk: {stats}")
-    if stats["staged_chunks"] != 3 * 16 or stats["max_call_count"] != MiB // 4:
-        problems.append(f"not 16 chunks of 1 MiB per call: {stats}")
-    if ext.release_pinned() != MiB or ext.stats()["pinned_bytes"] != 0:
-        problems.append("release_pinned did not free the one buffer")
+        problems.append(f"pinned bytes not one 1 MiB buffer: {stats}")
+    if stats["staged_chunks"] != 3 * want_pieces:
+        problems.append(f"not {want_pieces} pieces per call: {stats}")
+    if stats["max_call_count"] > MiB // 2 // 4:
+        problems.append(f"an MPI call above half the buffer: {stats}")
+    if freed != MiB:
+        problems.append(f"release_pinned freed {freed} bytes, not the one buffer")
     all_ranks(not problems, problems)
 
 
@@ -416,7 +629,8 @@ def test_gpu_order_with_mpi4jax(staged):
     all_ranks(np.array_equal(got, expected.astype(np.float32)), got)
 
 
-# 2**31 + 16 int8 per rank: 2 GiB on the device, one 64 MiB pinned chunk on the host.
+# 2**31 + 16 int8 per rank: 2 GiB on the device, one 64 MiB staging buffer on the
+# host.
 LARGE = 2**31 + 16
 
 
@@ -465,6 +679,7 @@ def test_gpu_count_above_2_31(staged):
     problems = []
     if not (np.array_equal(head, want) and np.array_equal(tail, -want) and middle):
         problems.append(f"wrong: {head} {tail} {middle}")
-    if stats["staged_chunks"] != -(-LARGE // (64 << 20)):
-        problems.append(f"not in 64 MiB chunks: {stats}")
+    want = pieces(LARGE, 1, ext.staging_bytes(), _config.allreduce_chunk_bytes())
+    if stats["staged_chunks"] != want:
+        problems.append(f"not in {want} pieces: {stats}")
     all_ranks(not problems, problems)

@@ -277,3 +277,103 @@ def test_diagnostics_check_without_mpi4jax(venv, tmp_path):
         "skipped: the comparison with mpi4jax.allreduce needs mpi4jax: "
         f"{EXTRA} (mpi4jax compiles against your MPI: put its mpicc first on PATH)"
     )
+
+
+# ---------------------------------------------------------------------------------
+# setup.py's choice of CUDA runtime, on made-up trees (nothing is built)
+
+
+def fake_cuda(root: Path, version: int, lib="static", crt=True, libdir="lib64"):
+    """A CUDA runtime at ``root``: its header saying ``version``, ``crt/`` (or
+    not), and ``libcudart_static.a`` or ``libcudart.so.N`` (or no library)."""
+    include = root / "include"
+    (include / "crt").mkdir(parents=True)
+    (include / "cuda_runtime_api.h").write_text(
+        f"#ifndef X\n#define CUDART_VERSION {version}\n#endif\n"
+    )
+    if crt:
+        (include / "crt" / "host_defines.h").write_text("\n")
+    (root / libdir).mkdir()
+    if lib == "static":
+        (root / libdir / "libcudart_static.a").write_text("")
+    elif lib == "shared":
+        (root / libdir / f"libcudart.so.{version // 1000}").write_text("")
+    return root
+
+
+def fake_plugin(site: Path, major: int):
+    package = site / f"jax_cuda{major}_plugin"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+
+
+def test_setup_builds_cuda_against_a_toolkit_without_plugin(tmp_path):
+    setup = util.load_setup()
+    site = tmp_path / "site"
+    site.mkdir()
+    tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
+    tk12 = fake_cuda(tmp_path / "cuda-12.8", 12080, lib="shared", libdir="lib")
+    found, why = setup.find_cuda({}, [str(site)], [tmp_path / "none", tk13])
+    assert found["root"] == tk13 and found["version"] == 13000, why
+    assert found["static"] == tk13 / "lib64" / "libcudart_static.a"
+    assert found["include"] == [str(tk13 / "include")]
+    # CUDA_HOME, and only that, whatever its major.
+    found, why = setup.find_cuda({"CUDA_HOME": str(tk12)}, [str(site)], [tk13])
+    assert found["root"] == tk12 and found["shared"].name == "libcudart.so.12", why
+    found, why = setup.find_cuda({"CUDA_PATH": str(tmp_path)}, [str(site)], [tk13])
+    assert found is None and str(tmp_path) in why
+    assert setup.find_cuda({setup.BUILD_CUDA: "0"}, [str(site)], [tk13])[0] is None
+    with pytest.raises(SystemExit, match=setup.BUILD_CUDA):
+        setup.find_cuda({setup.BUILD_CUDA: "maybe"}, [str(site)], [tk13])
+
+
+def test_setup_builds_cuda_of_the_plugins_major(tmp_path):
+    """The toolkit is CUDA 13, JAX's plugin CUDA 12: the plugin's nvidia wheels
+    (runtime here, crt/ in the nvcc wheel) win over the toolkit, and over a
+    CUDA_HOME of the toolkit's major."""
+    setup = util.load_setup()
+    site = tmp_path / "site"
+    tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
+    fake_plugin(site, 12)
+    wheel = fake_cuda(site / "nvidia" / "cuda_runtime", 12090, "shared", False, "lib")
+    nvcc = site / "nvidia" / "cuda_nvcc" / "include" / "crt"
+    nvcc.mkdir(parents=True)
+    (nvcc / "host_defines.h").write_text("\n")
+    assert setup.cuda_plugin_majors([str(site)]) == [12]
+    for env in ({}, {"CUDA_HOME": str(tk13)}):
+        found, why = setup.find_cuda(env, [str(site)], [tk13])
+        assert found is not None and found["root"] == wheel, why
+        assert found["version"] == 12090 and found["shared"].name == "libcudart.so.12"
+        assert found["include"] == [str(wheel / "include"), str(nvcc.parent)]
+        assert "CUDA 12.9" in why and "JAX's CUDA plugin: CUDA 12" in why
+    assert "not CUDA_HOME" in why and "CUDA 13.0" in why
+    # A toolkit of the plugin's major, given, comes before the wheel.
+    tk12 = fake_cuda(tmp_path / "cuda-12.8", 12080)
+    found, why = setup.find_cuda({}, [str(site)], [tk13, tk12])
+    assert found["root"] == tk12 and "static" in found, why
+
+
+def test_setup_builds_cuda_13_from_the_plugins_wheel(tmp_path):
+    setup = util.load_setup()
+    site = tmp_path / "site"
+    fake_plugin(site, 13)
+    wheel = fake_cuda(site / "nvidia" / "cu13", 13050, lib="static", libdir="lib")
+    found, why = setup.find_cuda({}, [str(site)], [])
+    assert found["root"] == wheel and found["static"].parent == wheel / "lib", why
+    assert found["include"] == [str(wheel / "include")]
+
+
+def test_setup_without_a_runtime_of_the_plugins_major(tmp_path):
+    """No CUDA 12 runtime beside JAX's CUDA 12 plugin (the wheel lacks crt/):
+    nothing is built, and the log says why and what to install; asked to build
+    it (MPI4JAX_DIST_BUILD_CUDA=1), the build fails saying so."""
+    setup = util.load_setup()
+    site = tmp_path / "site"
+    tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
+    fake_plugin(site, 12)
+    fake_cuda(site / "nvidia" / "cuda_runtime", 12090, "shared", False, "lib")
+    found, why = setup.find_cuda({}, [str(site)], [tk13])
+    assert found is None
+    assert "CUDA 12" in why and "jax[cuda12]" in why and "CUDA 13.0" in why, why
+    with pytest.raises(SystemExit, match="jax\\[cuda12\\]"):
+        setup.find_cuda({setup.BUILD_CUDA: "1"}, [str(site)], [tk13])

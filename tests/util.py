@@ -258,6 +258,19 @@ def load_benchmark(name: str):
     return module
 
 
+def load_setup():
+    """Import the repository's ``setup.py`` as a module (its functions; importing
+    it builds nothing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mpi4jax_dist_setup", ROOT / "setup.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
     """Per-rank inputs for an allreduce with ``op`` (an MPI op's name) whose result
     is exact and fits ``dtype`` at 4 ranks; drawn from ``seed + rank``."""

@@ -23,7 +23,10 @@ import functools
 import importlib
 import importlib.machinery
 import os
+import pkgutil
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 # The names XLA knows the handlers by, on every platform.
@@ -198,39 +201,126 @@ def load():
 
 @functools.cache
 def load_cuda():
-    """Import the CUDA extension matching mpi4py's MPI and register its handlers
-    for the CUDA platform; free its pinned staging buffers at exit.
+    """Import the CUDA extension matching mpi4py's MPI, check that it can run here,
+    set its staging buffer's size, and register its handlers for the CUDA
+    platform; free its pinned staging buffers at exit.
 
     Returns:
         The extension module: what :func:`load`'s has, and ``mpi_cuda_support``,
+        ``driver_version``, ``set_staging_bytes``, ``staging_bytes``,
         ``release_pinned`` and ``CUDART_VERSION``; its ``stats`` also count
-        CUDA-aware and staged calls, staged chunks and pinned host bytes.
+        CUDA-aware and staged calls, staged pieces and pinned host bytes.
 
     Raises:
         ImportError: mpi4jax_dist was installed without its CUDA handler (no CUDA
-            toolkit where it was built), or for another MPI than mpi4py's.
+            toolkit where it was built), or for another MPI than mpi4py's, or
+            against a CUDA that this node's driver cannot run or that JAX's CUDA
+            plugin does not use (:func:`cuda_mismatch`).
+        ValueError: ``MPI4JAX_DIST_STAGING_BYTES`` is not a size.
     """
     import atexit
+
+    from .. import _config
 
     builds = built("cuda")
     if not builds:
         raise ImportError(
             f"mpi4jax_dist has no CUDA handler: no _cuda_* module in {_HERE}, so "
             f"no CUDA toolkit was found when it was installed (setup.py looks at "
-            f"$CUDA_HOME, nvcc on PATH, /usr/local/cuda). Reinstall where CUDA's "
-            f"headers are, for example CUDA_HOME=/usr/local/cuda "
-            f"MPI4JAX_DIST_BUILD_CUDA=1 pip install --no-build-isolation "
-            f"--force-reinstall --no-deps <path to mpi4jax_dist>, or run on the "
-            f"CPU (JAX_PLATFORMS=cpu)."
+            f"$CUDA_HOME, nvcc on PATH, /usr/local/cuda, and the nvidia-cuda-runtime "
+            f"wheel of JAX's CUDA plugin). Reinstall where CUDA's headers are, for "
+            f"example CUDA_HOME=/usr/local/cuda MPI4JAX_DIST_BUILD_CUDA=1 pip "
+            f"install --no-build-isolation --force-reinstall --no-deps <path to "
+            f"mpi4jax_dist>, or run on the CPU (JAX_PLATFORMS=cpu)."
         )
-    module = _load("cuda", "CUDA", builds)
+
+    def prepare(module, path):
+        problem = cuda_mismatch(
+            module.CUDART_VERSION, module.driver_version(), cuda_plugin_majors(), path
+        )
+        if problem:
+            raise ImportError(problem)
+        module.set_staging_bytes(_config.staging_bytes())
+
+    module = _load("cuda", "CUDA", builds, prepare)
     atexit.register(module.release_pinned)
     return module
 
 
-def _load(kind: str, platform: str, builds: dict[str, Path]):
+# JAX's CUDA plugins, one per CUDA major: jax_cuda12_plugin, jax_cuda13_plugin.
+_CUDA_PLUGIN = re.compile(r"jax_cuda(\d+)_plugin")
+
+
+def cuda_plugin_majors() -> list[int]:
+    """Return the CUDA majors of the JAX CUDA plugins installed (``[12]`` for
+    ``jax_cuda12_plugin``), found on ``sys.path`` without importing them."""
+    found = set()
+    for info in pkgutil.iter_modules():
+        match = _CUDA_PLUGIN.fullmatch(info.name)
+        if match:
+            found.add(int(match.group(1)))
+    return sorted(found)
+
+
+def _cuda_text(version: int) -> str:
+    """``13000`` (CUDART_VERSION, cudaDriverGetVersion) as ``"13.0"``."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def cuda_mismatch(
+    runtime: int, driver: int, plugins: Sequence[int], path
+) -> str | None:
+    """Return why the CUDA extension at ``path`` cannot run here, or None.
+
+    The extension carries its own CUDA runtime (linked statically, or the
+    ``libcudart.so`` of its major). It runs on a driver of that major or newer
+    (CUDA's minor version compatibility: the handler has no kernels), beside the
+    runtime that JAX's CUDA plugin loads only if both are of one major.
+
+    Args:
+        runtime: ``CUDART_VERSION`` the extension was compiled against (13000
+            for CUDA 13.0).
+        driver: ``cudaDriverGetVersion()`` here: the newest CUDA the driver runs
+            (12080 for 12.8), or 0 where no driver is installed (nothing can run
+            on a GPU then, and the lowering can still be compiled and checked).
+        plugins: the CUDA majors of the JAX CUDA plugins installed
+            (:func:`cuda_plugin_majors`); empty where there is none.
+        path: the extension's file, for the message.
+    """
+    major = runtime // 1000
+    rebuild = (
+        "Rebuild mpi4jax_dist in this environment, and setup.py builds against "
+        "the CUDA major of JAX's CUDA plugin (from the plugin's "
+        "nvidia-cuda-runtime wheel, or a toolkit of that major in CUDA_HOME): "
+        "pip install --no-build-isolation --force-reinstall --no-deps <path to "
+        "mpi4jax_dist>"
+    )
+    if plugins and major not in plugins:
+        names = ", ".join(f"jax_cuda{m}_plugin" for m in plugins)
+        wanted = " or ".join(str(m) for m in plugins)
+        return (
+            f"mpi4jax_dist's CUDA extension {path} was built against CUDA "
+            f"{_cuda_text(runtime)}, but JAX's CUDA plugin here is for CUDA "
+            f"{wanted} ({names}): two CUDA runtimes of different majors would "
+            f"share JAX's buffers and streams, on a driver chosen for JAX's. "
+            f"{rebuild}."
+        )
+    if driver and driver // 1000 < major:
+        return (
+            f"mpi4jax_dist's CUDA extension {path} was built against CUDA "
+            f"{_cuda_text(runtime)}, but this node's NVIDIA driver runs CUDA "
+            f"{_cuda_text(driver)} at most (cudaDriverGetVersion), so every call "
+            f"would fail with cudaErrorInsufficientDriver. {rebuild}, with a JAX "
+            f"CUDA plugin (or CUDA_HOME) for CUDA {driver // 1000}; or update the "
+            f"driver to one for CUDA {major}."
+        )
+    return None
+
+
+def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
     """Import ``_{kind}_{family}`` for mpi4py's MPI, check that it calls mpi4py's
-    library, and register its handlers with JAX for ``platform``."""
+    library, call ``prepare(module, path)`` (which may raise), and then register
+    its handlers with JAX for ``platform``."""
     import jax
     from mpi4py import MPI
 
@@ -254,6 +344,8 @@ def _load(kind: str, platform: str, builds: dict[str, Path]):
     )
     if problem:
         raise ImportError(problem)
+    if prepare is not None:
+        prepare(module, builds[wanted])
     jax.ffi.register_ffi_target(
         ALLREDUCE_TARGET, module.allreduce_handler(), platform=platform
     )

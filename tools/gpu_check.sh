@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The CUDA allreduce on a real GPU, in one command: build, the GPU tests, one table.
+#
+# The CUDA path (mpi4jax_dist/_ffi/cuda.cc) has not yet run on a GPU; this is the
+# check to run the first time one is at hand. Two steps:
+#
+#   bash tools/gpu_check.sh --fetch     # here, once: the wheels into .whl/ (PyPI)
+#   bash tools/gpu_check.sh             # there, as one call of the device tool:
+#       run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=570)
+#
+# Where it runs: one NVIDIA GPU (made for the H200 machine: 16 cores, no network,
+# commands as root, python3 = Python 3.12 with jax and jax-cuda13-plugin, mpi4py,
+# numpy, pytest, pytest-timeout, cython and nanobind (mpi4jax's build needs
+# both), setuptools, a C++ compiler, and CUDA 13 with nvcc in /usr/local/cuda).
+# What it needs beyond that, carried in .whl/ (about 14 MB): the mpich wheel
+# (mpicc, mpiexec, libmpi: the image has no MPI), pytest-mpi, and mpi4jax's sdist
+# (built there against that MPI and CUDA). PYTHON= names another interpreter.
+#
+# What it does, each step timed, stopping at the first that fails:
+#   1. the machine: GPU and driver, python, jax and its CUDA plugin, nvcc;
+#   2. installs the wheels into python3's environment, builds mpi4jax (with its
+#      CUDA part) and this package in place (pip install -e, with
+#      MPI4JAX_DIST_BUILD_CUDA=1: no CUDA module is a failure); then loads the
+#      CUDA module once (_ffi.load_cuda: the driver and plugin checks) and prints
+#      its CUDA runtime, the driver's, and what MPI says of device memory;
+#   3. python3 benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB --impls
+#      ours,ours_jit,mpi4jax: 2 ranks sharing the GPU, staged through host memory
+#      (MPI4JAX_DIST_CUDA_AWARE_MPI=0 where a case does not set it), first
+#      tests/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every dtype and op
+#      against mpi4py, 1 MiB staging in pieces with chunking on and off, donation
+#      in place, order with mpi4jax, 2**31 + 16 int8), then one fresh job per
+#      (implementation, size), 256 MiB float32 and 2**31 + 16 int8, one table.
+# Everything printed also goes to $OUT/gpu_check.log, and the table's rows to
+# $OUT/gpu_allreduce.json, where the device tool gives an $OUT.
+# About 3 to 5 minutes once the machine is up.
+#
+# Expected output, at the end:
+#   # GPU checks: mpiexec -n 2 pytest .../tests/test_inplace_allreduce_gpu.py
+#   #   N passed, M skipped ...        (a skip: the CUDA-aware test, where the MPI
+#                                      does not say it reads device memory)
+#   # device memory of one allreduce, 2 ranks, one fresh mpiexec job per case
+#   # columns: bytes (per rank), dtype, impl, mode, before / peak / after (device
+#   #   MiB: bytes_in_use before the call, peak_bytes_in_use, bytes_in_use after),
+#   #   rise (x msg, and MiB: peak - before), bound, pinned (host MiB), pieces,
+#   #   t_call (ms), compiles, check
+#   one row per (size, impl). Pass, for every row of ours (the script's verdict):
+#   - check "ok" (the sums right on both ranks);
+#   - ours (staged, donated): rise 0.00 x msg (below 0.5), after = before (the
+#     result is the input's buffer), pinned 64.0 host MiB (one staging buffer,
+#     whatever the message), pieces 8 at 256 MiB and 65 at 2**31 + 16 int8
+#     (32 MiB halves), compiles 0;
+#   - ours_jit (an intermediate in jit): rise about 1.00 (the result's buffer);
+#   - mpi4jax: reported, not judged (a rise of 1 or more; above 2**31 it is
+#     expected to crash or be wrong: that is the point).
+#   and last "gpu_check: PASS" (exit 0), or "gpu_check: FAIL at <step>" (exit 1).
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+python=${PYTHON:-python3}
+wheels=$here/.whl
+# The versions .venv runs (tools/setup.sh): MPICH's wheel, the pytest-mpi that
+# setup.cfg's test extra brings, and the mpi4jax release CI runs.
+MPICH=mpich==5.0.2
+PYTEST_MPI=pytest-mpi==0.6
+MPI4JAX=mpi4jax==0.9.1.post2
+
+if [ "${1:-}" = --fetch ]; then
+    mkdir -p "$wheels"
+    # The device's python3 is 3.12 on x86-64; the mpich wheel is for any Python.
+    "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$wheels" "$MPICH" "$PYTEST_MPI" || exit 1
+    # An sdist: pip prepares its metadata, which needs mpi4py and an mpicc here
+    # (.venv has both), without build isolation (no jaxlib downloaded for it).
+    venv=${VENV:-$here/.venv}
+    PATH="$venv/bin:$PATH" "$venv/bin/python" -m pip download --no-deps \
+        --no-binary=:all: --no-build-isolation -d "$wheels" "$MPI4JAX" || exit 1
+    ls -l "$wheels"
+    exit 0
+fi
+
+export PYTHONUNBUFFERED=1 MPI4JAX_NO_WARN_JAX_VERSION=1
+
+step_name=
+step() {
+    step_name=$1
+    echo "== gpu_check: $step_name ($(date -u +%H:%M:%S), ${SECONDS} s in)"
+}
+fail() {
+    echo "gpu_check: FAIL at $step_name${1:+: $1}"
+    exit 1
+}
+
+# The steps, run in a pipeline into tee so that the log is complete when the
+# script ends (fail's exit ends the pipeline's subshell). Not indented: the
+# Python here-documents in it must start at column 0.
+check() {
+step "the machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
+    || fail "no nvidia-smi"
+"$python" - <<'EOF' || fail "python3 without jax"
+import importlib.metadata as md, sys
+print("python", sys.version.split()[0], sys.prefix)
+for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "mpi4py",
+             "numpy", "pytest", "pytest-timeout", "cython", "nanobind", "setuptools",
+             "nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} -")
+EOF
+nvcc --version | tail -1 || echo "no nvcc on PATH"
+ls /usr/local | grep -i cuda || true
+[ -d "$wheels" ] \
+    || fail "no .whl/: run bash tools/gpu_check.sh --fetch here, and carry .whl"
+
+step "installing MPICH and pytest-mpi, building mpi4jax and mpi4jax_dist"
+prefix=$("$python" -c 'import sys; print(sys.prefix)')
+"$python" -m pip install -q --no-index --no-deps --disable-pip-version-check \
+    "$wheels"/mpich-*.whl "$wheels"/pytest_mpi-*.whl || fail "pip install of the wheels"
+export PATH="$prefix/bin:$PATH"
+command -v mpicc mpiexec || fail "no mpicc/mpiexec after installing the mpich wheel"
+"$python" -c 'from mpi4py import MPI; print(MPI.Get_library_version().split("\n")[0])' \
+    || fail "mpi4py does not load the MPICH just installed"
+cuda_root=/usr/local/cuda
+MPI4JAX_BUILD_MPICC=$(command -v mpicc) CUDA_ROOT=$cuda_root timeout 300 \
+    "$python" -m pip install -q --no-index --no-deps --no-build-isolation \
+    --disable-pip-version-check "$wheels"/mpi4jax-*.tar.gz || fail "building mpi4jax"
+MPI4JAX_DIST_BUILD_CUDA=1 timeout 300 "$python" -m pip install -q --no-index \
+    --no-deps --no-build-isolation --disable-pip-version-check -e . \
+    || fail "building mpi4jax_dist with its CUDA module"
+ls mpi4jax_dist/_ffi/*.so
+
+step "the CUDA module, and JAX's GPU"
+JAX_PLATFORMS=cuda timeout 120 "$python" - <<'EOF' || fail
+import jax
+from mpi4py import MPI
+from mpi4jax_dist import _ffi
+
+# The driver and plugin checks: an ImportError naming both versions.
+module = _ffi.load_cuda()
+print("CUDA module", module.__name__, "runtime", module.CUDART_VERSION,
+      "driver", module.driver_version(), "plugins", _ffi.cuda_plugin_majors(),
+      "staging", module.staging_bytes(), "MPI reads device memory:",
+      module.mpi_cuda_support())
+print("devices", jax.devices())
+assert any(d.platform == "gpu" for d in jax.devices()), "JAX sees no GPU"
+EOF
+
+step "the GPU tests and the table (2 ranks sharing the GPU, staged)"
+json=()
+[ -n "${OUT:-}" ] && json=(--json "$OUT/gpu_allreduce.json")
+MPI4JAX_DIST_CUDA_AWARE_MPI=${MPI4JAX_DIST_CUDA_AWARE_MPI:-0} timeout 480 \
+    "$python" benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB \
+    --impls ours,ours_jit,mpi4jax --timeout 120 "${json[@]}" \
+    || fail "benchmarks/gpu_allreduce.py (exit $?)"
+echo "gpu_check: PASS (${SECONDS} s)"
+}
+
+log=/dev/null
+[ -n "${OUT:-}" ] && log=$OUT/gpu_check.log
+check 2>&1 | tee -a "$log"
+exit "${PIPESTATUS[0]}"
