@@ -82,10 +82,12 @@ What is caught, and how:
   already, or from another run). Such a run fails with XLA's error; MPI's
   reduction goes on in the extension's memory.
 * **Ranks that disagree on the count, dtype or op**: the first start on each
-  communicator (every start with ``MPI4JAX_DIST_DEBUG_CHECKS=1``) posts, beside its
-  reduction, an ``MPI_Iallreduce`` of 8 integers that its wait judges: the wait
-  fails on every rank, naming what differs (MPICH reduces 1,000 floats on one rank
-  with 2,000 on the other without an error). Not a blocking check, as
+  communicator (every start with ``MPI4JAX_DIST_DEBUG_CHECKS=1``) posts an
+  ``MPI_Iallreduce`` of 8 integers, and its reduction only once that has agreed (in
+  the first :func:`test` that finds it complete, or in the wait); the wait fails on
+  every rank, naming what differs. (MPICH reduces 1,000 floats on one rank with
+  2,000 on the other without an error; Open MPI 5.0 crashed in ``MPI_Test``.) The
+  price: that first start hides little of its reduction. Not a blocking check, as
   :func:`mpi4jax_dist.allreduce` makes: a start that only some ranks make would
   hang in it.
 * **Eagerly** (no tracing): a request dropped without its wait is completed when
@@ -179,8 +181,9 @@ class Request:
     """A non-blocking allreduce in flight: what :func:`iallreduce`, :func:`overlap`
     and :func:`test` return, and what :func:`wait` completes.
 
-    Holds the buffer MPI reduces into and the handle of the request, which are not
-    to be read before the wait. Use each request once: :func:`overlap` and
+    Holds the array's buffer, which the wait fills with the result (MPI reduces a
+    copy the extension owns), and the handle of the request; neither is to be read
+    before the wait. Use each request once: :func:`overlap` and
     :func:`test` return its successor. It is no pytree: start, overlap, test and
     wait it in one function (one ``jit``, one loop body).
 
@@ -355,7 +358,8 @@ def _load_extension():
 
 def iallreduce(x, op=None, *, comm=None) -> Request:
     """Start reducing ``x`` over the ranks of ``comm`` without waiting: post
-    ``MPI_Iallreduce`` in place and return a :class:`Request` at once.
+    ``MPI_Iallreduce`` on a copy of ``x`` the extension owns and return a
+    :class:`Request` at once.
 
     Complete it with :func:`wait` in the same function, on every path; put the work
     to overlap between the two with :func:`overlap` (and :func:`test` for MPI

@@ -515,11 +515,18 @@ inline int64_t SteadyNs() {
 // One request in flight.
 struct PendingRequest {
   MPI_Request request = MPI_REQUEST_NULL;
-  // The ranks' agreement, when this start checks it (see AgreementValues):
-  // posted before the reduction, judged by the wait. MPI_REQUEST_NULL else.
+  // The ranks' agreement, when this start checks it (see AgreementValues and
+  // AdvanceDeferred): MPI_REQUEST_NULL else. `deferred` while the reduction
+  // waits for it, with what to post then; `disagreed` once it said no.
   MPI_Request agreement = MPI_REQUEST_NULL;
   int64_t agreement_mine[kAgreementValues] = {};
   int64_t agreement_most[kAgreementValues] = {};
+  bool deferred = false;
+  bool disagreed = false;
+  size_t count = 0;
+  MPI_Datatype dtype = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
   // The memory MPI reduces into, owned here (see above), and the message's
   // size; capacity is what `data` holds, kept between requests when small.
   std::unique_ptr<char[]> data;
@@ -665,6 +672,7 @@ class RequestTable {
     if (bytes > 0) std::memcpy(free->data.get(), operand, bytes);
     free->request = MPI_REQUEST_NULL;
     free->agreement = MPI_REQUEST_NULL;
+    free->deferred = free->disagreed = false;
     *rc = post(free);
     if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
     free->bytes = bytes;
@@ -764,8 +772,8 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
   // Not a blocking check: a start that only some ranks make would hang in it,
-  // where it now fails at exit. It is posted beside the reduction instead
-  // (MPICH reduces an MPI_Iallreduce of 1,000 and 2,000 floats without error).
+  // where it now fails at exit. The check is posted, and the reduction after
+  // it (AdvanceDeferred).
   bool check = false;
   if (ffi::Error error = CheckAllreduce(x, y, comm_id, op_code,
                                         /*chunk_bytes=*/0, agreement, &dtype,
@@ -785,10 +793,14 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
     if (check) {
       AgreementValues(count, x.element_type(), op_code, 0,
                       slot->agreement_mine);
-      const int rc = MPI_Iallreduce(slot->agreement_mine, slot->agreement_most,
-                                    kAgreementValues, MPI_INT64_T, MPI_MAX,
-                                    comm, &slot->agreement);
-      if (rc != MPI_SUCCESS) return rc;
+      slot->deferred = true;
+      slot->count = count;
+      slot->dtype = dtype;
+      slot->op = op;
+      slot->comm = comm;
+      return MPI_Iallreduce(slot->agreement_mine, slot->agreement_most,
+                            kAgreementValues, MPI_INT64_T, MPI_MAX, comm,
+                            &slot->agreement);
     }
     // Nothing to reduce: a null request.
     return count > 0 ? PostIallreduce(slot->data.get(), count, dtype, op, comm,
@@ -813,6 +825,45 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   return ffi::Error::Success();
 }
 
+// A start that checks the ranks' agreement posts the check alone; its
+// reduction is posted once the check has completed and agreed, in the first
+// test that finds it complete, or in the wait. Posted together, a reduction of
+// 1,000 floats on one rank and 2,000 on the other crashed Open MPI 5.0's
+// libnbc inside MPI_Test (MPI_ERR_TRUNCATE, then a double free), before the
+// wait could judge the check; MPICH reduced it silently. The price: the first
+// start on a communicator (every one with MPI4JAX_DIST_DEBUG_CHECKS) hides
+// little of its reduction. `block` waits for the check; else one MPI_Test.
+// Disagreement is left in slot->disagreed, for the wait to report.
+inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
+                                  const char* who) {
+  if (!slot->deferred) return ffi::Error::Success();
+  int done = 1;
+  const int rc = block ? MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE)
+                       : MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+  if (rc != MPI_SUCCESS) {
+    return MpiError(block ? "MPI_Wait (agreement check)"
+                          : "MPI_Test (agreement check)",
+                    rc, who);
+  }
+  if (!done) return ffi::Error::Success();
+  slot->deferred = false;
+  if (AgreementVerdict(slot->agreement_mine, slot->agreement_most, who)
+          .failure()) {
+    slot->disagreed = true;
+    return ffi::Error::Success();
+  }
+  if (slot->count == 0) return ffi::Error::Success();
+  const int posted = PostIallreduce(slot->data.get(), slot->count, slot->dtype,
+                                    slot->op, slot->comm, &slot->request);
+  if (posted != MPI_SUCCESS) {
+    return MpiError(slot->count > static_cast<size_t>(INT_MAX)
+                        ? "MPI_Iallreduce_c"
+                        : "MPI_Iallreduce",
+                    posted, who);
+  }
+  return ffi::Error::Success();
+}
+
 // The wait: complete the request of `handle` (MPI_Wait), copy its result into
 // y, and free its slot.
 inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
@@ -828,6 +879,15 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   const int64_t entered_ns = SteadyNs();
   stats.wait_slack_ns.fetch_add(entered_ns - slot->posted_ns,
                                 std::memory_order_relaxed);
+  if (ffi::Error error = AdvanceDeferred(slot, /*block=*/true, who);
+      error.failure() || slot->disagreed) {
+    if (error.success()) {
+      error = AgreementVerdict(slot->agreement_mine, slot->agreement_most,
+                               kIallreduceName);
+    }
+    RequestTable::Get().Free(slot);
+    return error;
+  }
   int done = 0;
   int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
   const int64_t tested_ns = SteadyNs();
@@ -845,18 +905,6 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   if (!complete) {
     stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,
                                     std::memory_order_relaxed);
-  }
-  if (rc == MPI_SUCCESS && slot->agreement != MPI_REQUEST_NULL) {
-    rc = MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE);
-    if (rc == MPI_SUCCESS) {
-      ffi::Error verdict =
-          AgreementVerdict(slot->agreement_mine, slot->agreement_most,
-                           kIallreduceName);
-      if (verdict.failure()) {
-        RequestTable::Get().Free(slot);
-        return verdict;
-      }
-    }
   }
   if (rc != MPI_SUCCESS) {
     RequestTable::Get().Free(slot);
@@ -890,10 +938,15 @@ inline ffi::Error IallreduceTest(int32_t handle) {
   }
   RequestStats& stats = GetRequestStats();
   stats.tests.fetch_add(1, std::memory_order_relaxed);
+  if (ffi::Error error = AdvanceDeferred(slot, /*block=*/false, who);
+      error.failure()) {
+    return error;
+  }
   int done = 0;
   const int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
   if (rc != MPI_SUCCESS) return MpiError("MPI_Test", rc, who);
-  if (done && SteadyNs() >= slot->ready_ns) {
+  if (done && !slot->deferred && !slot->disagreed &&
+      SteadyNs() >= slot->ready_ns) {
     stats.tests_done.fetch_add(1, std::memory_order_relaxed);
   }
   return ffi::Error::Success();
