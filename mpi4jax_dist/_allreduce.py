@@ -181,9 +181,10 @@ class _Comm:
         # The Fortran handle: one integer, the same for MPICH's int handles and
         # Open MPI's pointers; MPI_Comm_f2c turns it back in the extension.
         self.handle = int(comm.py2f())
-        self.key = _ffi.load().register_comm(self.handle)
+        cpu = _ffi.load()
+        self.key = cpu.register_comm(self.handle)
         # The id in each platform's extension (its own registry), by module name.
-        self._ids = {}
+        self._ids = {cpu.__name__: self.key}
 
     def id_in(self, module) -> int:
         """The communicator's id in ``module`` (the CPU or CUDA extension),

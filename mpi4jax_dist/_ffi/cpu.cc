@@ -39,10 +39,9 @@ ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
   MPI_Datatype dtype = MPI_DATATYPE_NULL;
   MPI_Op op = MPI_OP_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
-  const Agreement agreement =
-      check ? Agreement::kEveryCall : Agreement::kFirstCall;
-  if (ffi::Error error = CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
-                                        agreement, &dtype, &op, &comm);
+  if (ffi::Error error =
+          CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
+                         AgreementFor(check), &dtype, &op, &comm);
       error.failure()) {
     return error;
   }
@@ -65,10 +64,8 @@ ffi::Error IallreduceStartCpuImpl(ffi::AnyBuffer x, ffi::Token,
                                   int64_t comm_id, int32_t op_code,
                                   int32_t check, int64_t uid,
                                   std::string_view site, int64_t latency_ns) {
-  return IallreduceStart(
-      x, *y, comm_id, op_code,
-      check ? Agreement::kEveryCall : Agreement::kFirstCall, uid, site,
-      latency_ns, handle->typed_data());
+  return IallreduceStart(x, *y, comm_id, op_code, AgreementFor(check), uid,
+                         site, latency_ns, handle->typed_data());
 }
 
 ffi::Error IallreduceTestCpuImpl(ffi::AnyBuffer x,

@@ -395,7 +395,7 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
   MPI_Comm comm = MPI_COMM_NULL;
   if (ffi::Error error =
           CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
-                         check ? Agreement::kEveryCall : Agreement::kFirstCall,
+                         AgreementFor(check),
                          &dtype, &op, &comm);
       error.failure()) {
     return error;

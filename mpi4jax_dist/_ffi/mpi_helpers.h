@@ -434,6 +434,11 @@ inline ffi::Error CheckAgreement(MPI_Comm comm, size_t count,
 // communicator, or on every call (MPI4JAX_DIST_DEBUG_CHECKS).
 enum class Agreement { kFirstCall, kEveryCall };
 
+// The handlers' `check` attribute (MPI4JAX_DIST_DEBUG_CHECKS) as an Agreement.
+inline Agreement AgreementFor(int32_t check) {
+  return check ? Agreement::kEveryCall : Agreement::kFirstCall;
+}
+
 // What every platform's allreduce checks before it touches MPI: operand and
 // result of one type and size, a type and an op MPI knows, MPI up, the
 // communicator live, and the ranks' agreement when `agreement` says so
