@@ -43,6 +43,7 @@ than guessed: the caller decides what to report (``mpi4jax_dist.cg`` reports -1)
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -365,3 +366,184 @@ def loop_reductions(
     if condition.marked:
         doubts += ("a marked conditional sits in the loop condition",)
     return LoopReductions(body.outside, body.marked, condition.outside, doubts)
+
+
+# ---------------------------------------------------------------------------------
+# The same question of a traced program (a jaxpr): what a function will reduce
+
+
+# The primitives that combine values of several processes, by name. mpi4jax's and
+# this package's carry their communicator (``comm``) and a ``transpose`` flag (a
+# transposed allreduce is the identity); JAX's name mesh axes (``axes``).
+MPI_REDUCTION_PRIMITIVES = frozenset(
+    {
+        "allreduce_mpi",
+        "reduce_mpi",
+        "scan_mpi",
+        "mpi4jax_dist_allreduce",
+        "mpi4jax_dist_iallreduce_start",
+    }
+)
+AXIS_REDUCTION_PRIMITIVES = frozenset(
+    f"{name}{suffix}"
+    for name in ("psum", "psum_invariant", "pmax", "pmin", "reduce_scatter")
+    + ("unreduced_psum", "unreduced_reduce_scatter")
+    for suffix in ("", "_start")
+)
+
+
+def _is_jaxpr(value) -> bool:
+    return hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns")
+
+
+def _eqns(jaxpr):
+    return jaxpr.eqns if hasattr(jaxpr, "eqns") else jaxpr.jaxpr.eqns
+
+
+def _comm_size(comm) -> int:
+    """The size of a primitive's ``comm`` parameter: an mpi4py communicator, or
+    wrapped in mpi4jax's ``HashableMPIType`` (``wrapped``) or this package's
+    ``_Comm`` (``comm``); None is mpi4jax's default, a clone of COMM_WORLD."""
+    comm = getattr(comm, "wrapped", getattr(comm, "comm", comm))
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return comm.Get_size()
+
+
+def jaxpr_reductions(
+    jaxpr, axis_sizes=None, *, only_communicating: bool = True
+) -> tuple[int, tuple]:
+    """Return ``(count, doubts)``: the reductions one run of ``jaxpr`` makes, and
+    why the count may be wrong (empty: exact).
+
+    For code traced inside a caller's ``jit`` (:func:`mpi4jax_dist.cg.cg`), where
+    compiling it apart to read the optimized HLO would double the caller's compile
+    time. A reduction is a primitive of :data:`MPI_REDUCTION_PRIMITIVES` (not
+    transposed) or of :data:`AXIS_REDUCTION_PRIMITIVES` over named mesh axes; with
+    ``only_communicating`` only one over a communicator of more than one process,
+    or over axes of more than one device (sizes from ``axis_sizes`` and from the
+    ``shard_map`` it sits in; an axis of unknown size counts). The walk enters
+    every sub-program a primitive runs once (``jit``, custom derivatives,
+    ``shard_map``), the solve of a ``custom_linear_solve``, a ``scan``'s body times
+    its length, and a ``cond`` whose branches reduce alike. A ``while`` or a
+    ``cond`` whose branches differ that reduces puts the count in doubt. XLA never
+    drops an MPI reduction (they have side effects); it may combine JAX's
+    all-reduces, which this count does not see.
+    """
+    count = _JaxprWalk(only_communicating, None).run(jaxpr, axis_sizes)
+    return count.outside, count.doubts
+
+
+def jaxpr_loop_reductions(
+    jaxpr, loop: str, branch: str | None = None, *, only_communicating: bool = False
+) -> LoopReductions:
+    """Count the reductions of one loop of a traced program, as
+    :func:`loop_reductions` does in compiled HLO: the ``while`` traced under
+    ``jax.named_scope(loop)`` (outside other loops), and in its body a ``cond``
+    traced under ``jax.named_scope(branch)`` counted apart per run of its reducing
+    branch. What is counted is :func:`jaxpr_reductions`'s.
+
+    Raises:
+        LookupError: no such loop, or more than one.
+    """
+    walk = _JaxprWalk(only_communicating, branch)
+    loops = walk.loops(jaxpr, loop)
+    if len(loops) != 1:
+        raise LookupError(
+            f"expected one top-level while loop marked {loop!r} in the traced "
+            f"program, found {len(loops)}."
+        )
+    (eqn,) = loops
+    body = walk.run(eqn.params["body_jaxpr"], None)
+    condition = walk.run(eqn.params["cond_jaxpr"], None)
+    doubts = body.doubts + condition.doubts
+    if condition.marked:
+        doubts += ("a marked conditional sits in the loop condition",)
+    return LoopReductions(body.outside, body.marked, condition.outside, doubts)
+
+
+@dataclass
+class _JaxprCount:
+    outside: int = 0
+    marked: int = 0
+    doubts: tuple = ()
+
+    def add(self, other, times=1):
+        self.outside += other.outside * times
+        self.marked += other.marked * times
+        self.doubts += other.doubts
+
+
+class _JaxprWalk:
+    """The walk of :func:`jaxpr_reductions` and :func:`jaxpr_loop_reductions`."""
+
+    def __init__(self, only_communicating, branch):
+        self.only_communicating, self.branch = only_communicating, branch
+
+    def loops(self, jaxpr, scope):
+        """The ``while`` equations traced under ``scope``, outside other loops."""
+        found = []
+        for eqn in _eqns(jaxpr):
+            if eqn.primitive.name == "while":
+                if scope in str(eqn.source_info.name_stack).split("/"):
+                    found.append(eqn)
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if _is_jaxpr(sub):
+                        found += self.loops(sub, scope)
+        return found
+
+    def _communicates(self, size):
+        return size > 1 or not self.only_communicating
+
+    def run(self, jaxpr, axis_sizes) -> _JaxprCount:
+        axis_sizes = dict(axis_sizes or {})
+        count = _JaxprCount()
+        for eqn in _eqns(jaxpr):
+            name, params = eqn.primitive.name, eqn.params
+            if name in MPI_REDUCTION_PRIMITIVES:
+                if not params.get("transpose", False):
+                    count.outside += self._communicates(_comm_size(params.get("comm")))
+            elif name in AXIS_REDUCTION_PRIMITIVES:
+                axes = params.get("axes", params.get("axis_name", ()))
+                axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+                named = [a for a in axes if not isinstance(a, int)]
+                size = math.prod(axis_sizes.get(a, 2) for a in named)
+                count.outside += bool(named) and self._communicates(size)
+            elif name == "while":
+                for key in ("cond_jaxpr", "body_jaxpr"):
+                    inner = self.run(params[key], axis_sizes)
+                    if inner.outside or inner.marked:
+                        count.doubts += ("a while loop inside reduces",)
+                    count.doubts += inner.doubts
+            elif name == "cond":
+                inner = [self.run(b, axis_sizes) for b in params["branches"]]
+                sizes = sorted(c.outside + c.marked for c in inner)
+                marked = self.branch is not None and self.branch in str(
+                    eqn.source_info.name_stack
+                ).split("/")
+                if marked and len([c for c in sizes if c]) > 1:
+                    count.doubts += ("more than one branch of a marked cond reduces",)
+                elif not marked and len(set(sizes)) > 1:
+                    count.doubts += ("a conditional's branches reduce differently",)
+                if marked:
+                    count.marked += sizes[-1]
+                else:
+                    count.outside += sizes[-1]
+                count.doubts += sum((c.doubts for c in inner), ())
+            elif name == "scan":
+                count.add(self.run(params["jaxpr"], axis_sizes), params["length"])
+            elif name == "linear_solve":
+                count.add(self.run(params["jaxprs"].solve, axis_sizes))
+            else:
+                inner_sizes = axis_sizes
+                mesh = params.get("mesh")
+                if mesh is not None and hasattr(mesh, "shape"):
+                    inner_sizes = {**axis_sizes, **dict(mesh.shape)}
+                for value in params.values():
+                    if _is_jaxpr(value):
+                        count.add(self.run(value, inner_sizes))
+        return count

@@ -106,12 +106,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -175,9 +179,16 @@ class _Ops(NamedTuple):
     # overlap(stacked, fn, *args) -> (summed, fn(*args)): the reduction in flight
     # while fn runs (non-blocking); None: reduce, then run fn.
     overlap: Callable | None = None
+    precond_fn: Callable | None = None  # M as a function (the drop-in's M=)
+
+    @property
+    def preconditioned(self) -> bool:
+        return self.inv_diag is not None or self.precond_fn is not None
 
     def precond(self, v):
         """Return ``M^-1 v``: ``v`` itself without a preconditioner."""
+        if self.precond_fn is not None:
+            return self.precond_fn(v)
         return v if self.inv_diag is None else self.inv_diag * v
 
     def apply(self, v, counts):
@@ -198,7 +209,9 @@ class _Ops(NamedTuple):
 
 
 def _dot(a, b):
-    return jnp.vdot(a, b)
+    # Real for complex vectors too (Hermitian A), as jax.scipy's cg takes it.
+    d = jnp.vdot(a, b)
+    return d.real if jnp.iscomplexobj(d) else d
 
 
 def _inverse(diag):
@@ -212,14 +225,14 @@ _ALIASES = {"u": "r", "q": "s", "m": "w"}
 
 def _pack(ops, st):
     """Return the loop carry of the state ``st``: without the aliases when M = I."""
-    if ops.inv_diag is not None:
+    if ops.preconditioned:
         return st
     return {k: v for k, v in st.items() if k not in _ALIASES}
 
 
 def _unpack(ops, st):
     """Return the state of the loop carry ``st``: with the aliases when M = I."""
-    if ops.inv_diag is not None:
+    if ops.preconditioned:
         return st
     return {**st, **{k: st[v] for k, v in _ALIASES.items() if v in st}}
 
@@ -449,8 +462,13 @@ REDUCTIONS_PER_ITERATION = {
 SCALARS_PER_ITERATION = {n: v.scalars for n, v in VARIANT_RECORDS.items()}
 
 
-def _cg(ops, variant, replace_every, b, x0, tol, maxiter, counted, check_ops=None):
+def _cg(
+    ops, variant, replace_every, b, x0, tol, maxiter, counted, check_ops=None, atol=0.0
+):
     """Solve ``A x = b`` on local blocks; the one CG driver of every variant.
+
+    The loop stops once the recurrence's ``||r||`` reaches ``max(tol ||b||, atol)``,
+    after ``maxiter`` iterations, or at a breakdown to inf/NaN.
 
     ``counted`` is ``(body, branch, condition)``: the reductions per execution of the
     compiled loop's body, of its replacement branch and of its condition, read from
@@ -468,7 +486,9 @@ def _cg(ops, variant, replace_every, b, x0, tol, maxiter, counted, check_ops=Non
         r = b - ax
     state, bb, _ = record.init(ops, x, r, _dot(b, b), counts)
     state = _pack(ops, state)
-    threshold = jnp.asarray(tol, bb.dtype) ** 2 * bb
+    threshold = jnp.maximum(
+        jnp.asarray(tol, bb.dtype) ** 2 * bb, jnp.asarray(atol, bb.dtype) ** 2
+    )
 
     def cond(carry):
         k, st, _ = carry
@@ -514,8 +534,8 @@ def _check_choice(name, value, choices):
         )
 
 
-def _check_options(backend, variant, replace_every):
-    _check_choice("backend", backend, BACKENDS)
+def _check_options(backend, variant, replace_every, backends=BACKENDS):
+    _check_choice("backend", backend, backends)
     _check_choice("variant", variant, VARIANTS)
     if not isinstance(replace_every, (int, np.integer)) or replace_every < 0:
         raise ValueError(
@@ -529,9 +549,11 @@ def _check_options(backend, variant, replace_every):
         )
 
 
-def _check_tol_maxiter(tol, maxiter):
+def _check_tol_maxiter(tol, maxiter, atol=0.0):
     if isinstance(tol, (int, float)) and not tol >= 0:
         raise ValueError(f"tol={tol!r}: expected a relative residual >= 0.")
+    if isinstance(atol, (int, float)) and not atol >= 0:
+        raise ValueError(f"atol={atol!r}: expected an absolute residual >= 0.")
     if isinstance(maxiter, (int, np.integer)) and maxiter < 0:
         raise ValueError(f"maxiter={maxiter!r}: expected an int >= 0.")
 
@@ -667,6 +689,10 @@ def _compile(fn, backend, comm, mesh, in_layouts, out_layouts):
 _COUNT_FIELDS = ("body", "branch", "condition")
 
 
+def _is_traced(leaf):
+    return isinstance(leaf, jax.core.Tracer)
+
+
 def _leaf_signature(leaf):
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)  # weakly typed: one executable for every value
@@ -686,7 +712,10 @@ class _Program:
     is computed in the same program. The call goes through ``jit``, which finds
     the executable that compilation made in its cache: nothing compiles twice
     (``Compiled.__call__`` itself refuses mpi4jax's ordered effects). Called inside
-    the caller's own ``jit``, the counts are those of the solve compiled alone.
+    the caller's own ``jit`` there is no program of the solve's own to read, and
+    compiling one apart would double the caller's compile time: the loop is then
+    counted in the traced program (:func:`mpi4jax_dist._hlo.jaxpr_loop_reductions`:
+    the same reductions, before XLA could combine any psums).
     """
 
     def __init__(self, jitted):
@@ -702,9 +731,17 @@ class _Program:
         key = self._signature(args)
         if key not in self._counts:
             zeros = (0,) * len(_COUNT_FIELDS)
-            text = self._jitted.lower(*args, *zeros).compile().as_text()
             try:
-                found = _hlo.loop_reductions(text, _LOOP_SCOPE, _REPLACE_SCOPE)
+                if any(map(_is_traced, jax.tree.leaves(args))):
+                    # Inside the caller's jit: compiling the solve apart would
+                    # double the caller's compile; count in the traced program.
+                    traced = jax.make_jaxpr(self._jitted)(*args, *zeros)
+                    found = _hlo.jaxpr_loop_reductions(
+                        traced, _LOOP_SCOPE, _REPLACE_SCOPE
+                    )
+                else:
+                    text = self._jitted.lower(*args, *zeros).compile().as_text()
+                    found = _hlo.loop_reductions(text, _LOOP_SCOPE, _REPLACE_SCOPE)
             except LookupError as exc:
                 logger.warning(
                     "mpi4jax_dist.cg: info.reductions is -1: the CG loop was not "
@@ -913,6 +950,293 @@ def solve(
 
 
 # ---------------------------------------------------------------------------------
+# The drop-in for jax.scipy.sparse.linalg.cg
+
+#: Where :func:`cg`'s vectors live, and so how it sums its dot products.
+DROP_IN_BACKENDS = ("local", "mpi4jax", "psum")
+
+
+def _operator(name, op):
+    """Return the linear operator ``op`` as a function, as jax.scipy's cg takes it:
+    a function, a square 2-D array, or an object with ``@`` and a square shape."""
+    if callable(op):
+        return op
+    shape = getattr(op, "shape", None)
+    if shape is None or not hasattr(op, "__matmul__"):
+        raise TypeError(
+            f"{name}={op!r} is not a linear operator: pass a function "
+            f"v -> {name} v, or a square 2-D array."
+        )
+    if len(shape) != 2 or shape[0] != shape[1]:
+        raise ValueError(
+            f"{name} has shape {tuple(shape)}: a linear operator given as an array "
+            f"must be a square matrix, or pass a function v -> {name} v."
+        )
+    if isinstance(op, (np.ndarray, jax.Array)):
+        return functools.partial(jnp.dot, op, precision=lax.Precision.HIGHEST)
+    return functools.partial(operator.matmul, op)
+
+
+def _drop_in_backend(backend, comm, mesh):
+    """Return the backend: as given, or ``"mpi4jax"`` with ``comm``, ``"psum"`` with
+    ``mesh``, else ``"local"``; refuse a ``comm`` or ``mesh`` it would not use."""
+    if backend is None:
+        if comm is not None and mesh is not None:
+            raise ValueError(
+                "comm= (vectors split over MPI ranks, backend 'mpi4jax') and mesh= "
+                "(global arrays sharded over a mesh, backend 'psum') exclude each "
+                "other: pass one."
+            )
+        backend = (
+            "mpi4jax" if comm is not None else "psum" if mesh is not None else None
+        )
+        backend = backend or "local"
+    _check_choice("backend", backend, DROP_IN_BACKENDS)
+    for name, value, owner in (("comm", comm, "mpi4jax"), ("mesh", mesh, "psum")):
+        if value is not None and backend != owner:
+            raise ValueError(
+                f"{name}= is for backend={owner!r}, not {backend!r}: with "
+                f"backend='local' the vectors are whole on every rank and the "
+                f"dot products are local; drop {name}= or pass backend={owner!r}."
+            )
+    return backend
+
+
+def _check_x0(x0, b):
+    if x0 is None:
+        return
+    if jax.tree.structure(x0) != jax.tree.structure(b):
+        raise ValueError(
+            f"x0 and b must have the same tree structure: x0 is "
+            f"{jax.tree.structure(x0)}, b is {jax.tree.structure(b)}."
+        )
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(x0)]
+    if shapes != [np.shape(leaf) for leaf in jax.tree.leaves(b)]:
+        raise ValueError(
+            f"x0's arrays have shapes {shapes} but b's "
+            f"{[np.shape(leaf) for leaf in jax.tree.leaves(b)]}; they must match."
+        )
+
+
+class _DropIn(NamedTuple):
+    """What :func:`cg`'s solve needs besides the operator and the right-hand side."""
+
+    variant: str
+    replace_every: int
+    tol: float
+    atol: float
+    maxiter: int
+    M: Callable | None
+    x0: object  # a pytree like b, or None
+    reduce: Callable | None  # sums over ranks; None: the dot products are local
+    overlap: Callable | None
+    axis_sizes: dict | None  # the mesh's axes, for counting psums in A and M
+
+
+def _traced_reductions(fn, like, axis_sizes):
+    """Return ``(count, doubts)`` of ``fn(like)``'s traced program."""
+    spec = jax.ShapeDtypeStruct(np.shape(like), jnp.result_type(like))
+    return _hlo.jaxpr_reductions(jax.make_jaxpr(fn)(spec), axis_sizes)
+
+
+def _drop_in_counted(setup, mv, precond, flat_b):
+    """Return ``(body, branch, condition)``: the reductions that communicate per
+    iteration, per residual replacement and per loop test, read from the traced
+    programs of ``A`` and ``M`` and of the dot products' reduction.
+
+    No separate compile (inside the caller's ``jit`` that would double the
+    caller's compile time): an MPI reduction is never dropped by XLA, and a
+    reduction over one process (``COMM_SELF``, a mesh axis of one device) is not
+    counted. An iteration applies ``A`` and ``M`` once each and reduces its dot
+    products ``reductions_by_design`` times; a residual replacement applies ``A``
+    four times and ``M`` twice, and reduces no dot product.
+    """
+    a, doubts = _traced_reductions(mv, flat_b, setup.axis_sizes)
+    m, more = (0, ())
+    if precond is not None:
+        m, more = _traced_reductions(precond, flat_b, setup.axis_sizes)
+    dots = 0
+    if setup.reduce is not None:
+        dots, _ = _traced_reductions(setup.reduce, jnp.zeros(3, flat_b.dtype), None)
+        dots *= VARIANT_RECORDS[setup.variant].reductions_by_design
+    if doubts or more:
+        logger.warning(
+            "mpi4jax_dist.cg: info.reductions is -1: how many reductions A or M "
+            "makes depends on the data: %s",
+            "; ".join(doubts + more),
+        )
+        return (-1, 0, 0)
+    return (a + m + dots, 4 * a + 2 * m, 0)
+
+
+def _drop_in_solve(setup, matvec, b):
+    """``custom_linear_solve``'s solve: CG on ``b`` flattened into one vector."""
+    flat_b, unravel = jax.flatten_util.ravel_pytree(b)
+
+    def flat(fn):
+        return lambda v: jax.flatten_util.ravel_pytree(fn(unravel(v)))[0]
+
+    mv = flat(matvec)
+    precond = None if setup.M is None else flat(setup.M)
+    x0 = None
+    if setup.x0 is not None:
+        x0 = jax.flatten_util.ravel_pytree(setup.x0)[0]
+    ops = _Ops(mv, None, setup.reduce, setup.overlap, precond_fn=precond)
+    counted = _drop_in_counted(setup, mv, precond, flat_b)
+    x, info = _cg(
+        ops,
+        setup.variant,
+        setup.replace_every,
+        flat_b,
+        x0,
+        setup.tol,
+        setup.maxiter,
+        counted,
+        atol=setup.atol,
+    )
+    return unravel(x), info
+
+
+def _linear_solve(A, b, setup, symmetric):
+    solve = functools.partial(_drop_in_solve, setup)
+    return lax.custom_linear_solve(
+        A, b, solve=solve, transpose_solve=solve, symmetric=symmetric, has_aux=True
+    )
+
+
+def cg(
+    A,
+    b,
+    x0=None,
+    *,
+    tol: float = 1e-5,
+    atol: float = 0.0,
+    maxiter: int | None = None,
+    M=None,
+    variant: str = "classic",
+    backend: str | None = None,
+    comm=None,
+    mesh=None,
+    replace_every: int = DEFAULT_REPLACE_EVERY,
+):
+    """Solve ``A x = b`` by CG: ``jax.scipy.sparse.linalg.cg``'s call, and ``info``.
+
+    A drop-in: ``mpi4jax_dist.cg(A, b, x0=x0, tol=1e-5, atol=0.0, maxiter=200)``
+    (the module is callable) takes what ``jax.scipy.sparse.linalg.cg`` takes and
+    means the same: ``A`` and ``M`` functions (or square matrices), ``b`` and ``x0``
+    pytrees, stop once ``||b - A x|| <= max(tol ||b||, atol)`` by the recurrence or
+    after ``maxiter`` iterations (default ``10 x`` the length of ``b``), jittable,
+    and differentiable the same way (``lax.custom_linear_solve``: the derivative
+    is another solve). Where JAX returns ``None`` it returns a :class:`CGInfo`.
+
+    Its vectors are the caller's, as in JAX's. By default (``backend="local"``)
+    they are whole on every rank, replicated or on one process, and the dot
+    products are local: the solver adds no reduction of its own, and an ``A``
+    that sums over ranks (``mpi4jax.allreduce`` of ``J_r^T (J_r v)`` in a
+    stochastic-reconfiguration solve) makes the one reduction per iteration.
+    ``comm=`` says the vectors are this rank's blocks of vectors split over the
+    ranks of ``comm``; the dot products are then summed over it with mpi4jax
+    (``backend="mpi4jax"``). ``mesh=`` says ``b`` and ``x0`` are global arrays
+    sharded along axis 0 over that 1-D mesh, and ``A`` and ``M`` run inside
+    ``shard_map`` on the blocks (``backend="psum"``).
+
+    ``info.reductions`` counts the reductions that communicate (over more than one
+    process) in the iterations made: those of ``A`` and ``M``, read from their
+    traced programs, and the dot products' with ``comm``/``mesh``; it costs no
+    compile of its own (:func:`_drop_in_counted`).
+
+    Args:
+        A: ``v -> A v`` on a pytree like ``b``, Hermitian positive definite, or a
+            square matrix.
+        b: the right-hand side: an array or a pytree of arrays.
+        x0: initial guess like ``b`` (default zero).
+        tol: relative tolerance on the residual's norm.
+        atol: absolute tolerance on the residual's norm.
+        maxiter: most iterations (default ``10 *`` the length of ``b``: per rank
+            times the ranks of ``comm`` with ``backend="mpi4jax"``).
+        M: preconditioner, ``v -> M v`` approximating ``A^-1`` (or a matrix).
+        variant: ``"classic"`` (JAX's recurrences; iterates equal to JAX's cg),
+            ``"single"``, ``"pipelined"`` or ``"pipelined_nb"`` (module docstring;
+            with local dot products they differ in how the vector updates fuse,
+            not in reductions).
+        backend: ``"local"``, ``"mpi4jax"`` or ``"psum"``; default from ``comm``
+            and ``mesh``.
+        comm: mpi4py communicator over which the vectors are split (default
+            ``COMM_WORLD`` when ``backend="mpi4jax"``).
+        mesh: 1-D mesh over which ``b`` is sharded (default
+            :func:`mpi4jax_dist.global_mesh` when ``backend="psum"``).
+        replace_every: residual replacement period of the pipelined variants.
+
+    Returns:
+        ``(x, info)``: ``x`` like ``b``, and a :class:`CGInfo`.
+
+    Raises:
+        ValueError: unknown ``variant``/``backend``, ``comm`` or ``mesh`` with a
+            backend that does not use it, ``x0`` unlike ``b``, a non-square matrix,
+            negative ``tol``/``atol``/``maxiter``/``replace_every``, or (psum) rows
+            that do not split over the mesh.
+        TypeError: ``A`` or ``M`` is neither a function nor a matrix.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax (names the extra).
+    """
+    backend = _drop_in_backend(backend, comm, mesh)
+    _check_options(backend, variant, replace_every, DROP_IN_BACKENDS)
+    _check_tol_maxiter(tol, maxiter, atol)
+    A = _operator("A", A)
+    M = None if M is None else _operator("M", M)
+    leaves = jax.tree.leaves(b)
+    if not leaves:
+        raise ValueError(f"b={b!r} holds no array: expected an array or a pytree.")
+    _check_x0(x0, b)
+    symmetric = not any(jnp.iscomplexobj(leaf) for leaf in leaves)
+    record = VARIANT_RECORDS[variant]
+    replace_every = replace_every if record.replaces else 0
+    if backend == "mpi4jax" and comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    if maxiter is None:
+        ranks = _comm_size(comm) if backend == "mpi4jax" else 1
+        maxiter = 10 * ranks * sum(int(np.size(leaf)) for leaf in leaves)
+    setup = _DropIn(variant, replace_every, tol, atol, maxiter, M, x0, None, None, None)
+    if backend == "mpi4jax" and comm.Get_size() > 1:
+        overlap = _mpi4jax_overlap(comm) if record.nonblocking else None
+        setup = setup._replace(reduce=_mpi4jax_sum(comm), overlap=overlap)
+    if backend != "psum":
+        return _linear_solve(A, b, setup, symmetric)
+
+    mesh, axis = _mesh_axis(mesh)
+    for leaf in leaves:
+        _check_rows("b", leaf, mesh)
+    rows = PartitionSpec(axis)
+    reduce = (lambda x: lax.psum(x, axis)) if mesh.devices.size > 1 else None
+
+    def sharded(b, x0):
+        inner = setup._replace(x0=x0, reduce=reduce, axis_sizes=dict(mesh.shape))
+        return _linear_solve(A, b, inner, symmetric)
+
+    sharded = _jax_compat.shard_map(
+        sharded,
+        mesh=mesh,
+        in_specs=(rows, rows),
+        out_specs=(rows, PartitionSpec()),
+        check=False,  # the loop carries psum results: see _jax_compat.shard_map
+    )
+    return jax.jit(sharded)(b, x0)
+
+
+class _CallableModule(types.ModuleType):
+    """``mpi4jax_dist.cg`` is this module and, called, the drop-in :func:`cg`:
+    ``mpi4jax_dist.cg(A, b, ...)`` where ``jax.scipy.sparse.linalg.cg(A, b, ...)``
+    stood."""
+
+    def __call__(self, *args, **kwargs):
+        return cg(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+
+# ---------------------------------------------------------------------------------
 # Shape B: (J^T J / Ns + eps I) x = f, J split by samples, x replicated
 
 
@@ -983,12 +1307,18 @@ class NormalSolver:
     def __call__(self, J, f, eps, x0=None, *, tol=1e-5, maxiter=200, num_samples=None):
         """Solve ``(J^T J / Ns + eps I) x = f``; see :func:`solve_normal`."""
         _check_tol_maxiter(tol, maxiter)
-        if np.ndim(J) != 2 or np.shape(f) != (np.shape(J)[1],):
+        n = np.shape(J)[1] if np.ndim(J) == 2 else None
+        if n is None or np.shape(f) not in ((n,), (n, 1)):
             raise ValueError(
                 f"J has shape {np.shape(J)} and f {np.shape(f)}: expected J of shape "
-                f"(samples, params) and f of shape (params,)."
+                f"(samples, params) and f of shape (params,) or (params, 1)."
             )
         _check_like("x0", x0, f, "f")
+        eps = _check_eps(eps, n)
+        shape = np.shape(f)
+        if len(shape) == 2:  # a column, as some codes keep f: solved as a vector
+            f = jnp.reshape(f, (n,))
+            x0 = None if x0 is None else jnp.reshape(x0, (n,))
         if self.backend == "psum":
             _check_rows("J", J, self.mesh)
         if num_samples is None:
@@ -1010,7 +1340,25 @@ class NormalSolver:
                     "reductions are not narrowed (is jax_enable_x64 off?)",
                     dtype.name,
                 )
-        return self._solve(J, f, x0, eps, num_samples, tol, maxiter)
+        x, info = self._solve(J, f, x0, eps, num_samples, tol, maxiter)
+        return jnp.reshape(x, shape), info
+
+
+def _check_eps(eps, n):
+    """Return the diagonal shift ``eps`` as a scalar or an ``(n,)`` vector."""
+    shape = np.shape(eps)
+    if shape not in ((), (n,), (n, 1)):
+        raise ValueError(
+            f"eps has shape {shape}: expected a scalar, or one shift per parameter "
+            f"of shape ({n},)."
+        )
+    if not isinstance(eps, jax.core.Tracer) and not np.all(np.asarray(eps) > 0):
+        raise ValueError(
+            f"eps must be > 0 (every entry of a vector eps): J^T J / Ns alone is "
+            f"singular when there are fewer samples than parameters; got "
+            f"min(eps) = {np.min(np.asarray(eps))}."
+        )
+    return jnp.reshape(eps, (n,)) if shape else eps
 
 
 def make_normal_solver(
@@ -1120,8 +1468,10 @@ def solve_normal(
     Args:
         J: the Jacobian, samples x params: this rank's samples (mpi4jax backend) or
             a global array sharded by rows over the mesh (psum backend).
-        f: the right-hand side, ``(params,)``, the same on every rank.
-        eps: the diagonal shift (> 0 keeps the system definite).
+        f: the right-hand side, ``(params,)`` or ``(params, 1)``, the same on every
+            rank; ``x`` comes back in its shape.
+        eps: the diagonal shift, > 0: a scalar, or a vector of shape ``(params,)``
+            (one shift per parameter, ``(J^T J / Ns + diag(eps)) x = f``).
         backend: ``"mpi4jax"`` or ``"psum"``.
         variant: ``"classic"``, ``"single"``, ``"pipelined"`` or
             ``"pipelined_nb"``.
