@@ -90,6 +90,10 @@ def _bootstrapped(**settings) -> _topology.Topology:
     _failfast.install(topo.rank, topo.size)
     _silence_false_proxy_alarm(topo)
     _choose_gloo_address(topo)
+    if _config.cache_every_process():
+        # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
+        # were before jax.distributed made all but rank 0 stop writing.
+        _jax_compat.cache_on_every_process()
     return topo
 
 

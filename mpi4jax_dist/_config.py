@@ -22,6 +22,7 @@ CPU_COLLECTIVES = "MPI4JAX_DIST_CPU_COLLECTIVES"
 TRAMPOLINE_LIB = "MPITRAMPOLINE_LIB"
 JAX_CPU_COLLECTIVES = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 FAIL_FAST = "MPI4JAX_DIST_FAIL_FAST"
+CACHE_EVERY_PROCESS = "MPI4JAX_DIST_CACHE_EVERY_PROCESS"
 # JAX's own variable for its preemption service (which catches SIGTERM): set to a
 # true value, it tells us the user wants JAX's preemption handling.
 JAX_PREEMPTION = "JAX_ENABLE_PREEMPTION_SERVICE"
@@ -114,6 +115,14 @@ def fail_fast(env: Mapping[str, str] | None = None) -> bool:
     """Return True unless ``MPI4JAX_DIST_FAIL_FAST=0`` turns off what makes a
     failing rank end the job (see ``_failfast``)."""
     return get_bool(FAIL_FAST, True, env)
+
+
+def cache_every_process(env: Mapping[str, str] | None = None) -> bool:
+    """Return True unless ``MPI4JAX_DIST_CACHE_EVERY_PROCESS=0`` keeps JAX's rule
+    for the persistent compilation cache: only process 0 writes entries, also for
+    the programs no other process compiles (see
+    ``_jax_compat.cache_on_every_process``)."""
+    return get_bool(CACHE_EVERY_PROCESS, True, env)
 
 
 def jax_preemption_requested(env: Mapping[str, str] | None = None) -> bool:

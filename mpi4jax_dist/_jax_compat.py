@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 
 import jax
 from jax._src import clusters as _clusters
@@ -318,3 +319,98 @@ def make_mesh(devices, axis_name: str, axis_type: str = "auto"):
     if axis_type not in kinds:
         raise ValueError(f"axis_type={axis_type!r}: expected 'auto' or 'explicit'.")
     return Mesh(np.asarray(devices), (axis_name,), axis_types=(kinds[axis_type],))
+
+
+# Whether the program being compiled on this thread runs on this process's devices
+# alone (set by cache_on_every_process's wrapper of compile_or_get_cached).
+_compiling = threading.local()
+
+
+def cache_on_every_process() -> bool:
+    """Let every process write the persistent compilation cache entries of the
+    programs that run on its devices alone; return whether this JAX allows it.
+
+    JAX's ``compiler._cache_write`` writes only where
+    ``distributed.global_state.process_id == 0`` (jax 0.6.0 to today), made for SPMD
+    programs that every process compiles alike: process 0's entry serves all. A
+    program of one process's devices (an mpi4jax code's per-rank ``jit``) is another
+    key on every process, as the key holds the device assignment (stripped on GPU
+    only), so after ``jax.distributed.initialize`` the other processes' programs
+    are never written and never found. Wrapped here: ``compile_or_get_cached``
+    notes whether the devices are all of one process, and ``_cache_write`` then
+    writes on any process, with JAX's other conditions (no host callbacks, the
+    minimum compile time; the minimum entry size is checked by the write itself).
+    Programs over several processes keep JAX's rule. Idempotent.
+    """
+    from jax._src import compiler
+
+    if hasattr(compiler._cache_write, "jax_original"):
+        return True
+    own_compile = compiler.compile_or_get_cached
+    own_write = compiler._cache_write
+    compile_params = inspect.signature(own_compile).parameters
+    write_params = list(inspect.signature(own_write).parameters)
+    expected = [
+        "cache_key",
+        "compile_time_secs",
+        "module_name",
+        "backend",
+        "executable",
+        "host_callbacks",
+    ]
+    if "devices" not in compile_params or write_params != expected:
+        return False  # another JAX: its own rule stays
+    bind = inspect.signature(own_compile).bind
+
+    def compile_or_get_cached(*args, **kwargs):
+        devices = bind(*args, **kwargs).arguments["devices"]
+        flat = getattr(devices, "flat", devices)
+        previous = getattr(_compiling, "one_process", False)
+        _compiling.one_process = len({d.process_index for d in flat}) == 1
+        try:
+            return own_compile(*args, **kwargs)
+        finally:
+            _compiling.one_process = previous
+
+    def cache_write(*args, **kwargs):
+        if _distributed.global_state.process_id == 0 or not getattr(
+            _compiling, "one_process", False
+        ):
+            return own_write(*args, **kwargs)
+        return _write_cache_entry(*args, **kwargs)
+
+    compile_or_get_cached.jax_original = own_compile
+    cache_write.jax_original = own_write
+    compiler.compile_or_get_cached = compile_or_get_cached
+    compiler._cache_write = cache_write
+    return True
+
+
+def _write_cache_entry(
+    cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+) -> None:
+    """JAX's ``_cache_write`` less its ``process_id != 0`` check."""
+    import warnings
+
+    from jax._src import compilation_cache, compiler
+    from jax._src import config as _jax_config
+
+    if host_callbacks:
+        return  # baked into the executable: JAX never caches them
+    if compile_time_secs < _jax_config.persistent_cache_min_compile_time_secs.value:
+        return
+    try:
+        compilation_cache.put_executable_and_time(
+            cache_key, module_name, executable, backend, int(compile_time_secs)
+        )
+    except Exception as err:
+        check = getattr(compiler, "_should_raise_persistent_cache_error", None)
+        # Older JAX (0.6.0) has no such function: the option alone decides.
+        if check(err) if check else _jax_config.raise_persistent_cache_errors.value:
+            raise
+        warnings.warn(
+            f"Error writing persistent compilation cache entry for "
+            f"'{module_name}': {type(err).__name__}: {err}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
