@@ -1,6 +1,8 @@
 """The benchmarks run and report (tiny sizes; the figures are theirs to print)."""
 
 import json
+import subprocess
+import sys
 
 import util
 
@@ -94,3 +96,110 @@ def test_iallreduce_copies_benchmark_prints_one_row_per_size():
     rows = [r for r in rows if r[0].isdigit()]
     assert [r[0] for r in rows] == ["4", "65536"], proc.stdout
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and value == value and abs(value) < 1e300
+
+
+def test_sr_benchmark_reports_every_route(tmp_path):
+    """sr.py at a tiny size on 2 ranks: every route timed, its allreduces counted,
+    its answer checked; the latency rows, crossovers and conditioning table."""
+    out = tmp_path / "sr.json"
+    util.run_mpi(
+        util.ROOT / "benchmarks" / "sr.py",
+        2,
+        *("--params", "64", "--walkers", "32", "--repeat", "1"),
+        *("--latencies", "0,50", "--variants", "classic,pipelined"),
+        *("--cond-params", "64", "--cond-walkers", "16", "--json", str(out)),
+        timeout=240,
+    )
+    saved = json.loads(out.read_text())
+    assert "versions" in saved["meta"] and saved["meta"]["world_size"] == 2
+    rows = saved["results"]
+    routes = {r["route"]: r for r in rows if r["section"] == "routes"}
+    assert set(routes) == {
+        "jax.scipy",
+        "dropin/classic",
+        "dropin/pipelined",
+        "solve_normal",
+        "cholesky",
+    }, routes
+    for row in routes.values():
+        assert _finite(row["t_solve_s"]) and row["t_solve_s"] > 0, row
+        assert row["allreduces"] > 0 and row["bytes_per_solve"] > 0, row
+        assert _finite(row["rel_residual"]) and _finite(row["diff_vs_a"]), row
+    assert routes["cholesky"]["allreduces"] == 1
+    assert routes["cholesky"]["bytes_per_allreduce"] == 8 * 64 * 64
+    # The drop-in (classic) iterates as jax.scipy's cg; one allreduce per iteration.
+    a, b = routes["jax.scipy"], routes["dropin/classic"]
+    assert a["iterations"] == b["iterations"] > 0
+    assert b["allreduces_loop"] == b["iterations"] == a["allreduces_loop"]
+    measured = [r for r in rows if r["section"] == "latency_measured"]
+    assert {r["route"] for r in measured} == {
+        "jax.scipy+iallreduce",
+        "dropin/classic+iallreduce",
+        "solve_normal",
+    }
+    assert all(r["t_50us"] > 0 and r["model_over_measured"] > 0 for r in measured)
+    crossings = [r for r in rows if r["section"] == "crossover"]
+    assert crossings and all(
+        r["crossover_us"] == "never" or r["crossover_us"] >= 0 for r in crossings
+    )
+    cond = {
+        (r["route"], r["replace_every"]): r
+        for r in rows
+        if r["section"] == "conditioning"
+    }
+    assert ("dropin/pipelined", 0) in cond and ("dropin/pipelined", 50) in cond
+    assert all(_finite(r["fx_vs_classic"]) for r in cond.values())
+
+
+def test_sr_memory_runs_a_fresh_job_per_case(tmp_path):
+    """sr.py --memory: (a) and (c) in place and out of place, each in its own
+    job; the in-place sum holds S once (allocator pages make a 32 KiB S noisy:
+    only that the figures are there is checked)."""
+    out = tmp_path / "sr_memory.json"
+    results = util.load_benchmark("sr").main(
+        [
+            "--memory",
+            *("--params", "64", "--walkers", "32", "--memory-params", "64"),
+            *("--routes", "jax.scipy,cholesky", "--timeout", "120"),
+            *("--json", str(out)),
+        ]
+    )
+    assert [(r["route"], r["status"]) for r in results] == [
+        ("jax.scipy", "ok"),
+        ("cholesky", "ok"),
+        ("cholesky/oop", "ok"),
+    ], results
+    assert all(r["rise_bytes"] is not None and r["t_call_s"] > 0 for r in results)
+    assert all(r["rise_s"] is not None for r in results[1:])
+    assert len(json.loads(out.read_text())["results"]) == 3
+
+
+def test_sr_step_example_matches_jax_scipy():
+    """examples/sr_step.py on 2 ranks: the drop-in's update is jax.scipy's."""
+    proc = util.run_mpi(util.ROOT / "examples" / "sr_step.py", 2, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert sorted(line.split("/")[0] for line in lines) == ["rank 0", "rank 1"]
+    for line in lines:
+        assert "converged True" in line, proc.stdout
+        assert float(line.rsplit("= ", 1)[1]) < 1e-8, proc.stdout
+
+
+def test_first_compile_benchmark_times_every_case():
+    """benchmarks/first_compile.py at a tiny size: one fresh 2-rank job per case."""
+    proc = subprocess.run(
+        [sys.executable, str(util.ROOT / "benchmarks" / "first_compile.py")]
+        + ["--params", "32", "--samples", "8", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    rows = {r[0]: r for r in rows if r and r[0] in ("jax_cg", "dropin", "solve_normal")}
+    assert set(rows) == {"jax_cg", "dropin", "solve_normal"}, proc.stdout
+    assert all(float(r[3]) > 0 for r in rows.values()), proc.stdout
+    assert rows["jax_cg"][4] == "1.00", proc.stdout

@@ -1,0 +1,1474 @@
+"""The stochastic-reconfiguration (SR) solve as VMC codes write it: three routes.
+
+    mpiexec -n 2 python benchmarks/sr.py [--params 1824,9245,50000]
+        [--walkers 256,1024] [--max-j-mib 64] [--eps 1e-3] [--eps-vector]
+        [--cond 1.7e7] [--spectrum exp|power] [--decay 1] [--tol 1e-5]
+        [--maxiter 200]
+        [--routes jax.scipy,dropin,solve_normal,cholesky] [--variants ...]
+        [--repeat 3] [--latencies 0,10,30,100,300,1000]
+        [--latency-params 1824,9245] [--bandwidth-gbs 25] [--max-s-gib 4]
+        [--no-conditioning] [--cond-params 2000] [--cond-walkers 500]
+        [--json PATH]
+
+    # peak memory, one fresh mpiexec job per case (run it without mpiexec):
+    python benchmarks/sr.py --memory [--procs 2] [--params 1824,9245,50000]
+        [--memory-params 9245,16384,23170] [--factor-max 16384] [--json PATH]
+
+The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern): the
+``N_p`` parameters are replicated on every rank, the walkers are split over the
+ranks, rank ``r`` holds its rows ``J_r`` (``walkers x N_p``) of the Jacobian, and
+the update solves ``(J^T J / N + eps) x = f`` with ``f = J^T e / N`` (``N`` all
+walkers, ``e`` the per-walker local energies, centred), float64, ``tol=1e-5``,
+``atol=0``, ``maxiter=200``, ``x0`` zero. ``J_r`` is synthetic with a realistic
+spectrum: Gaussian rows times column scales that make the eigenvalues of ``S``
+(rank at most ``min(N, N_p)``) fall exponentially from ``lambda_max`` to about
+``eps`` over the rank (``--spectrum exp``; ``power``: ``(1 + j)^-decay``, which
+CG solves in about 70 iterations here), rescaled so that ``(lambda_max(S) + eps) /
+eps`` is ``--cond`` (1.7e7 by default, the user's deuteron): as in their runs CG
+stops at ``maxiter`` without converging. ``eps`` is a scalar, or with
+``--eps-vector`` a per-parameter vector ``eps (0.5 + u_j)``.
+
+Routes, every one inside ``jax.jit``, one row each per ``(N_p, walkers)``:
+
+``jax.scipy`` (a)
+    their code: ``jax.scipy.sparse.linalg.cg(A, f, x0=x0, tol, atol=0,
+    maxiter)`` with ``A(v) = mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v``.
+``dropin/<variant>`` (b)
+    the same ``A`` and call, one line changed: ``mpi4jax_dist.cg(A, f, ...,
+    variant=...)`` for every variant (vectors replicated: one reduction per
+    iteration, ``A``'s). Skipped, and said so, where ``mpi4jax_dist.cg`` is not
+    callable (before the drop-in).
+``solve_normal`` (b)
+    ``mpi4jax_dist.cg.solve_normal(J_r, f, eps, variant="classic")``, which forms
+    the matvec itself as ``(J v) J`` (faster than ``J.T @ (J @ v)`` on CPU).
+``cholesky`` (c)
+    ``S_r = (J_r / N)^T J_r`` on each rank, summed with ``mpi4jax_dist.allreduce``
+    donated (reduced in place: S held once), ``eps`` added on the diagonal, then
+    ``jax.scipy.linalg.cho_factor``/``cho_solve`` (S donated), three jitted stages
+    whose times are also shown apart (form, allreduce, factor+solve). Skipped
+    where S would exceed ``--max-s-gib`` per rank (N_p = 50,000 in float64 is 20
+    GB), with the reason printed.
+
+Where J_r would exceed ``--max-j-mib`` a walker count is skipped (the smallest is
+always run): at 50,000 x 1,024 one solve of ``(a)`` takes 25 s on this 2-core
+machine.
+
+Timing (``_harness.time_rounds``): every route of one ``(N_p, walkers)`` runs once
+untimed (compilation, warm-up), then ``--repeat`` rounds time each in turn, each
+after a barrier and ended by ``block_until_ready``; per round the slowest rank
+counts; t_solve is the median, t/iter that over the iterations. Iterations: the
+drop-in's and solve_normal's ``info.iterations``; for ``(a)`` a
+``jax.debug.callback`` in ``A`` (its calls less one, the initial residual), in an
+untimed run after the timed ones.
+
+Allreduces per solve, counted from what ran: ``loop`` = those inside the CG loop
+(``(a)``: the reductions in the compiled while loop body, ``_hlo.loop_reductions``,
+times the iterations; the drop-in and solve_normal: ``info.reductions``); ``all``
+= every call of ``A`` (one allreduce each) counted by the debug callback, set-up
+and final check included (``solve_normal``: ``info.matvecs`` + 2, its set-up and
+check matvecs, read from its code, not counted); ``(c)``: 1 by construction (one
+``mpi4jax_dist.allreduce`` of S), in ``ceil(S / MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES)``
+MPI calls (column ``mpi``). Bytes: per allreduce ``8 N_p`` (``8 N_p^2`` for
+``(c)``), per solve that times ``all``.
+
+Accuracy, recomputed in NumPy for every route alike: the true relative residual
+``||f - A x|| / ||f||`` and ``||x - x_a|| / ||x_a||``, the distance from
+``(a)``'s answer.
+
+Latency study. The time a route would take where one allreduce costs ``L`` more
+(1,000-2,000 GPUs pay 10-1,000 us), two ways:
+
+- measured (``--latency-params``, the smallest walker count):
+  ``MPI4JAX_DIST_SIMULATED_LATENCY_US=L`` set before tracing, for ``solve_normal``
+  (its reductions go through ``mpi4jax_dist.iallreduce`` + ``wait``, held until
+  ``L`` us after the post) and for ``(a)`` and the drop-in (classic) with ``A``'s
+  ``mpi4jax.allreduce`` replaced by ``mpi4jax_dist.wait(mpi4jax_dist.iallreduce(
+  ...))``, which the simulation holds alike (rows ``+iallreduce``). The simulation
+  holds a reduction until ``L`` after its post: it costs ``max(L, t_reduce)``,
+  not ``t_reduce + L``;
+- modelled: ``t_solve(L) = t_solve + n L`` from the measured ``t_solve`` (no
+  latency) with ``n`` the allreduces per solve (``all``; for ``(c)`` its MPI
+  calls). The measured rows check the model (``model/meas``: the model from the
+  row's own 0 us time, over the measured time, at the largest ``L``).
+
+Crossover: the ``L`` above which ``(c)`` is faster than ``(a)``, the drop-in
+(classic) and solve_normal, from the model: ``L* = (t_c - t_cg) / (n_cg - n_c)``
+with ``n_c`` the MPI calls of S's allreduce (``L* 1 call``: ``n_c = 1``, as with
+``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES=0``; ``w/ BW``: ``t_c - t_cg`` plus ``2 (b_c
+- n_cg b_cg) / BW``, ``2 b / BW`` a ring allreduce's traffic per rank at
+``--bandwidth-gbs``); 0 where ``(c)`` is faster already, ``never`` where S goes
+in more MPI calls than CG makes allreduces. Where ``(c)`` was skipped
+for its size, its time is extrapolated from the largest ``N_p`` it ran at (same
+walkers): form ``~ N_p^2``, allreduce ``~ N_p^2``, factor ``~ N_p^3``; such rows
+say ``extrapolated``. The compute times are this machine's (CPU, one core per
+rank); on a GPU every term shrinks, the latency does not.
+
+Conditioning study (off with ``--no-conditioning``): ``--cond-params`` parameters,
+``--cond-walkers`` per rank (fewer walkers than parameters: S singular, ``eps``
+sets the conditioning), condition number ``--cond`` (computed exactly on rank
+0), stopped at ``maxiter``: for jax.scipy's cg, every drop-in variant
+(``replace_every`` 50 and 0 for the pipelined ones) and solve_normal (classic,
+pipelined with 50 and 0): iterations, converged, the true residual and the
+recurrence's, ``f^T x`` (the energy change the update predicts, to first order),
+each against the drop-in classic's (relative difference), and against the dense
+solution's.
+
+Memory (``--memory``, not under mpiexec): every case in a fresh ``mpiexec`` job
+(``_harness.run_job``, glibc's mmap threshold fixed as in ``memory.py``): the
+set-up (J, f; a CG route compiled and run once; (c)'s form and factor compiled
+ahead of time, its allreduce compiled by a call on zeros) settles, the peak RSS
+is reset, then one solve; rise = peak RSS - RSS before, the largest rank.
+Cases: ``(a)``, the drop-in (classic) and solve_normal at ``--params`` (smallest
+walkers), and
+``(c)`` with the in-place ``mpi4jax_dist.allreduce`` (``cholesky``) and with
+``mpi4jax.allreduce`` (``cholesky/oop``, out of place: S, its sum, and MPI's
+scratch), also at ``--memory-params`` (S of 0.64, 2 and 4 GiB). For ``(c)`` the
+rise after form + allreduce (``rise_S``, in S) and the peak over factor+solve
+(``rise_all``; only up to ``--factor-max`` parameters: a Cholesky of 23,170 takes
+minutes a core here). A case whose predicted peak over all ranks would exceed 85%
+of MemAvailable is skipped, with the reason printed. Measured here (2 ranks,
+MPICH, jax 0.10.2, CPU): rise_S 1.0 in place (plus half a 64 MiB chunk of MPI
+scratch: 1.5 at 25 MiB, 1.02 at 4 GiB) against 2.5 out of place (S's sum beside
+S, and MPI's scratch, half a message on 2 ranks); rise_all 3.0 for both:
+``cho_factor`` + ``cho_solve`` needs two S-sized temporaries even with S donated
+(XLA copies S into LAPACK's column-major layout and masks the factor's upper
+triangle into another buffer; ``memory_analysis()`` temp = 2 S; also with
+``lax.linalg.cholesky(symmetrize_input=False)`` or on ``S.T``), so the
+factorization, not the allreduce, sets (c)'s peak.
+
+Run with ``OMP_NUM_THREADS=1`` where the ranks fill the cores (as benchmarks/cg.py
+says); the header records it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
+
+DEFAULT_PARAMS = "1824,9245,50000"
+DEFAULT_WALKERS = "256,1024"
+DEFAULT_LATENCIES = "0,10,30,100,300,1000"
+DEFAULT_MEMORY_PARAMS = "9245,16384,23170"
+ROUTE_A = "jax.scipy"
+DROPIN = "dropin"
+NORMAL = "solve_normal"
+CHOL = "cholesky"
+CHOL_OOP = "cholesky/oop"
+LATENCY_VARIABLE = "MPI4JAX_DIST_SIMULATED_LATENCY_US"
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS")
+
+ROUTES = _harness.Registry("SR route")
+ROUTES.register(ROUTE_A, "(a) jax.scipy.sparse.linalg.cg, mpi4jax.allreduce in A")
+ROUTES.register(DROPIN, "(b) mpi4jax_dist.cg with the same A, every --variants")
+ROUTES.register(NORMAL, "(b) mpi4jax_dist.cg.solve_normal, (J v) J")
+ROUTES.register(CHOL, "(c) S summed in place, Cholesky")
+
+
+def cg_module():
+    """The module ``mpi4jax_dist.cg`` (solve_normal, VARIANTS)."""
+    return importlib.import_module("mpi4jax_dist.cg")
+
+
+def dropin():
+    """``mpi4jax_dist.cg`` where it is the drop-in (callable), else None."""
+    import mpi4jax_dist
+
+    solver = getattr(mpi4jax_dist, "cg", None)
+    return solver if callable(solver) else None
+
+
+# ---------------------------------------------------------------------------------
+# The problem
+
+
+def column_scales(params, samples, args):
+    """The scales of J's columns, which set S's spectrum (S's rank is at most
+    ``min(samples, params)``): ``exp``: eigenvalues falling by ``--cond`` over
+    the rank, from lambda_max to about eps (VMC's SR matrices span many decades;
+    CG then stops at maxiter, as in the user's runs); ``power``: eigenvalues
+    ``~ (1 + j)^-decay`` (benchmarks/cg.py's problem B for decay 1)."""
+    j = np.arange(params)
+    if args.spectrum == "power":
+        return (1.0 + j) ** (-args.decay / 2)
+    rank = max(min(samples, params) - 1, 1)
+    return 10.0 ** (-0.5 * math.log10(args.cond) * np.minimum(j, rank) / rank)
+
+
+class Problem:
+    """This rank's ``walkers x params`` rows of J, ``f`` and ``eps``, in NumPy."""
+
+    def __init__(self, params, walkers, comm, args, seed=0):
+        from mpi4py import MPI
+
+        self.params, self.walkers, self.comm = params, walkers, comm
+        self.N = walkers * comm.size
+        rng = np.random.default_rng([seed, params, walkers, comm.rank])
+        J = rng.standard_normal((walkers, params))
+        J *= column_scales(params, self.N, args)
+        e = rng.standard_normal(walkers)
+        shared = np.random.default_rng([seed, params])
+        if args.eps_vector:
+            self.eps = args.eps * (0.5 + shared.uniform(size=params))
+        else:
+            self.eps = float(args.eps)
+        # Rescale J: lambda_max(J^T J / N) = (cond - 1) * min(eps), by power
+        # iteration (the gap is wide: the column scales fall as a power law).
+        v = shared.standard_normal(params)
+        lam = 1.0
+        for _ in range(40):
+            w = J.T @ (J @ v)
+            comm.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+            lam = np.linalg.norm(w) / self.N
+            v = w / np.linalg.norm(w)
+        target = (args.cond - 1) * float(np.min(self.eps))
+        J *= math.sqrt(target / lam)
+        self.J = J
+        self.lambda_max = target
+        self.f = J.T @ (e - e.mean()) / self.N
+        comm.Allreduce(MPI.IN_PLACE, self.f, op=MPI.SUM)
+        self.f_norm = float(np.linalg.norm(self.f))
+
+    @property
+    def j_bytes(self) -> int:
+        return self.J.nbytes
+
+    @property
+    def s_bytes(self) -> int:
+        return 8 * self.params**2
+
+    def apply(self, x):
+        """``(J^T J / N + eps) x`` in NumPy, summed by mpi4py."""
+        from mpi4py import MPI
+
+        y = self.J.T @ (self.J @ x)
+        self.comm.Allreduce(MPI.IN_PLACE, y, op=MPI.SUM)
+        return y / self.N + self.eps * x
+
+    def residual(self, x) -> float:
+        x = np.asarray(x, dtype=np.float64)
+        return float(np.linalg.norm(self.f - self.apply(x)) / self.f_norm)
+
+    def device(self):
+        """``(J, f, x0, eps)`` as JAX arrays."""
+        import jax.numpy as jnp
+
+        return (
+            jnp.asarray(self.J),
+            jnp.asarray(self.f),
+            jnp.zeros(self.params),
+            jnp.asarray(self.eps),
+        )
+
+
+# ---------------------------------------------------------------------------------
+# The routes, as jitted functions of (J, f, x0, eps)
+
+
+def make_A(J, eps, N, comm, counter=None, nonblocking=False):
+    """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
+
+    ``counter``: a ``jax.debug.callback`` per call. ``nonblocking``: the sum by
+    ``mpi4jax_dist.wait(mpi4jax_dist.iallreduce(...))``, which a simulated
+    latency holds (the latency study's ``+iallreduce`` rows).
+    """
+    import jax
+    import mpi4jax
+    from mpi4py import MPI
+
+    import mpi4jax_dist
+
+    def A(v):
+        if counter is not None:
+            jax.debug.callback(counter)
+        part = J.T @ (J @ v)
+        if nonblocking:
+            total = mpi4jax_dist.wait(mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm))
+        else:
+            total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
+        return total / N + eps * v
+
+    return A
+
+
+def route_a(N, comm, tol, maxiter, counter=None, nonblocking=False):
+    """(a): ``jax.scipy.sparse.linalg.cg`` as the user calls it, in one jit."""
+    import jax
+
+    def solve(J, f, x0, eps):
+        A = make_A(J, eps, N, comm, counter, nonblocking)
+        x, _ = jax.scipy.sparse.linalg.cg(
+            A, f, x0=x0, tol=tol, atol=0.0, maxiter=maxiter
+        )
+        return x
+
+    return jax.jit(solve)
+
+
+def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None, **kw):
+    """(b): the one changed line, ``mpi4jax_dist.cg(A, f, ...)``, in one jit."""
+    import jax
+
+    cg = dropin()
+
+    def solve(J, f, x0, eps):
+        A = make_A(J, eps, N, comm, counter, kw.get("nonblocking", False))
+        return cg(
+            A,
+            f,
+            x0=x0,
+            tol=tol,
+            atol=0.0,
+            maxiter=maxiter,
+            variant=variant,
+            replace_every=replace_every,
+        )
+
+    return jax.jit(solve)
+
+
+def route_normal(comm, tol, maxiter, variant="classic", replace_every=50):
+    """(b): ``mpi4jax_dist.cg.solve_normal`` with a fresh solver (traced anew: a
+    simulated latency is read when traced)."""
+    solver = cg_module().make_normal_solver(
+        variant=variant, comm=comm, replace_every=replace_every
+    )
+    return lambda J, f, x0, eps: solver(J, f, eps, x0, tol=tol, maxiter=maxiter)
+
+
+class Cholesky:
+    """(c): three jitted stages; ``reduce`` in place (``mpi4jax_dist.allreduce``,
+    donated) or out of place (``mpi4jax.allreduce``, the user's old route)."""
+
+    def __init__(self, N, comm, in_place=True):
+        import jax
+        import jax.numpy as jnp
+        import mpi4jax
+        from mpi4py import MPI
+
+        import mpi4jax_dist
+
+        self.in_place = in_place
+        # (J / N)^T J: one S-sized result, no scaled copy of S.
+        self.form = jax.jit(lambda J: (J / N).T @ J)
+        if in_place:
+            self.reduce = jax.jit(
+                lambda S: mpi4jax_dist.allreduce(S, MPI.SUM, comm=comm),
+                donate_argnums=0,
+            )
+        else:
+            self.reduce = jax.jit(lambda S: mpi4jax.allreduce(S, op=MPI.SUM, comm=comm))
+
+        def factor_solve(S, f, eps):
+            # The factor is returned (and dropped by the caller) so that the
+            # donated S has an output to alias: the shift and the factorization
+            # then run in S's buffer, not in a copy.
+            i = jnp.arange(S.shape[0])
+            S = S.at[i, i].add(eps)
+            factor = jax.scipy.linalg.cho_factor(S)
+            return jax.scipy.linalg.cho_solve(factor, f), factor[0]
+
+        self.factor = jax.jit(factor_solve, donate_argnums=0)
+        self.stage_times = {"form": [], "allreduce": [], "factor": []}
+
+    def compile(self, J, f, eps):
+        """Compile the stages: form and factor ahead of time; the allreduce by one
+        call on zeros (a program with an MPI effect takes a token that the
+        ahead-of-time executable does not get passed)."""
+        import jax
+        import jax.numpy as jnp
+
+        P = J.shape[1]
+        spec = jax.ShapeDtypeStruct((P, P), J.dtype)
+        self.form = self.form.lower(J).compile()
+        self.factor = self.factor.lower(spec, f, eps).compile()
+        jax.block_until_ready(self.reduce(jnp.zeros((P, P), J.dtype)))
+
+    def __call__(self, J, f, x0, eps, stages=None):
+        """Solve; ``stages(name)`` is called after each stage, done."""
+        import jax
+
+        marks = [time.perf_counter()]
+        S = jax.block_until_ready(self.form(J))
+        marks.append(time.perf_counter())
+        if stages:
+            stages("form")
+        S = jax.block_until_ready(self.reduce(S))
+        marks.append(time.perf_counter())
+        if stages:
+            stages("allreduce")
+        x, factor = jax.block_until_ready(self.factor(S, f, eps))
+        del S, factor
+        marks.append(time.perf_counter())
+        if stages:
+            stages("factor")
+        for name, start, stop in zip(
+            self.stage_times, marks[:-1], marks[1:], strict=True
+        ):
+            self.stage_times[name].append(stop - start)
+        return x
+
+
+def chunks(s_bytes: int) -> int:
+    """MPI calls ``mpi4jax_dist.allreduce`` makes for ``s_bytes``."""
+    from mpi4jax_dist import _config
+
+    chunk = _config.allreduce_chunk_bytes()
+    return 1 if chunk <= 0 else max(1, math.ceil(s_bytes / chunk))
+
+
+def loop_allreduces(jitted, args) -> int | None:
+    """The reductions per iteration of the one while loop ``jitted`` compiles to
+    (None when not exactly one, or the count is in doubt)."""
+    from mpi4jax_dist import _hlo
+
+    text = jitted.lower(*args).compile().as_text()
+    try:
+        found = _hlo.loop_reductions(text)
+    except LookupError:
+        return None
+    return found.body if found.exact else None
+
+
+def count_calls(make, args, comm) -> int:
+    """Run ``make(counter)(*args)`` once untimed; return rank 0's counter calls."""
+    import jax
+
+    calls = [0]
+
+    def counter():
+        calls[0] += 1
+
+    jax.block_until_ready(make(counter)(*args))
+    jax.effects_barrier()
+    return comm.bcast(calls[0], root=0)
+
+
+# ---------------------------------------------------------------------------------
+# Tables
+
+ROUTE_TABLE = _harness.Table(
+    [
+        _harness.Column("params", "N_p", "", 6),
+        _harness.Column("walkers", "walkers", "/rank", 7),
+        _harness.Column("route", "route", "", 22, left=True),
+        _harness.Column("iterations", "iters", "", 5),
+        _harness.Column("converged", "conv", "", 4, lambda v: "y" if v else "n"),
+        _harness.Column("t_solve_s", "t_solve", "ms", 9, ".1f", 1e3),
+        _harness.Column("t_iter_s", "t/iter", "us", 8, ".0f", 1e6),
+        _harness.Column("allreduces_loop", "allred", "loop", 6),
+        _harness.Column("allreduces", "allred", "all", 6),
+        _harness.Column("mpi_calls", "mpi", "calls", 5),
+        _harness.Column("bytes_per_allreduce", "B/allred", "", 9, _harness.human_bytes),
+        _harness.Column("bytes_per_solve", "B/solve", "", 9, _harness.human_bytes),
+        _harness.Column("rel_residual", "rel.res", "true", 8, ".2e"),
+        _harness.Column("diff_vs_a", "|x-x_a|", "/|x_a|", 8, ".1e"),
+        _harness.Column("note", "note", "", 1, left=True),
+    ]
+)
+
+
+def latency_table(latencies):
+    return _harness.Table(
+        [
+            _harness.Column("params", "N_p", "", 6),
+            _harness.Column("walkers", "walkers", "/rank", 7),
+            _harness.Column("route", "route", "", 26, left=True),
+            _harness.Column("how", "how", "", 8, left=True),
+            _harness.Column("n", "allred", "/solve", 6),
+            *(
+                _harness.Column(f"t_{lat:g}us", f"{lat:g}us", "ms", 8, ".1f", 1e3)
+                for lat in latencies
+            ),
+            _harness.Column("model_over_measured", "model/", "meas", 6, ".2f"),
+        ]
+    )
+
+
+CROSS_TABLE = _harness.Table(
+    [
+        _harness.Column("params", "N_p", "", 6),
+        _harness.Column("walkers", "walkers", "/rank", 7),
+        _harness.Column("cg_route", "CG route", "", 16, left=True),
+        _harness.Column("t_cg_s", "t_cg", "ms", 8, ".1f", 1e3),
+        _harness.Column("n_cg", "n_cg", "", 5),
+        _harness.Column("t_chol_s", "t_chol", "ms", 9, ".1f", 1e3),
+        _harness.Column("n_chol", "n_chol", "mpi", 6),
+        _harness.Column("crossover_us", "L*", "us", 9, ".1f"),
+        _harness.Column("crossover_one_call_us", "L* 1 call", "us", 9, ".1f"),
+        _harness.Column("crossover_bw_us", "L* w/ BW", "us", 9, ".1f"),
+        _harness.Column("chol_how", "t_chol", "", 12, left=True),
+    ]
+)
+
+COND_TABLE = _harness.Table(
+    [
+        _harness.Column("route", "route", "", 22, left=True),
+        _harness.Column("replace_every", "repl", "", 4),
+        _harness.Column("iterations", "iters", "", 5),
+        _harness.Column("converged", "conv", "", 4, lambda v: "y" if v else "n"),
+        _harness.Column("rel_residual", "rel.res", "true", 8, ".2e"),
+        _harness.Column("recurrence_residual", "rel.res", "recur", 8, ".2e"),
+        _harness.Column("res_vs_classic", "res/res", "classic", 7, ".3f"),
+        _harness.Column("fx", "f^T x", "", 11, ".5e"),
+        _harness.Column("fx_vs_classic", "d(f^Tx)", "classic", 8, ".1e"),
+        _harness.Column("x_vs_classic", "|dx|/|x|", "classic", 8, ".1e"),
+        _harness.Column("fx_vs_exact", "d(f^Tx)", "exact", 8, ".1e"),
+        _harness.Column("x_vs_exact", "|dx|/|x|", "exact", 8, ".1e"),
+    ]
+)
+
+MEMORY_TABLE = _harness.Table(
+    [
+        _harness.Column("params", "N_p", "", 6),
+        _harness.Column("walkers", "walkers", "/rank", 7),
+        _harness.Column("route", "route", "", 18, left=True),
+        _harness.Column("s_bytes", "S", "", 9, _harness.human_bytes),
+        _harness.Column("j_bytes", "J_r", "", 9, _harness.human_bytes),
+        _harness.Column("rise_bytes", "rise", "MiB", 8, ".1f", 1 / 2**20),
+        _harness.Column("rise_s", "rise_S", "x S", 6, ".2f"),
+        _harness.Column("rise_all_s", "rise_all", "x S", 8, ".2f"),
+        _harness.Column("rise_j", "rise", "x J_r", 6, ".2f"),
+        _harness.Column("t_call_s", "t_call", "s", 7, ".2f"),
+        _harness.Column("status", "check", "", 10, left=True),
+    ]
+)
+
+
+# ---------------------------------------------------------------------------------
+# The routes study
+
+
+class Bench:
+    def __init__(self, args, comm):
+        self.args, self.comm = args, comm
+        self.results: list[dict] = []
+
+    def say(self, *lines):
+        _harness.say(self.comm, *lines)
+
+    def slowest(self, value: float) -> float:
+        from mpi4py import MPI
+
+        return self.comm.allreduce(value, op=MPI.MAX)
+
+    def sizes(self):
+        """The ``(params, walkers)`` to run, and the skipped ones with why."""
+        args, run, skipped = self.args, [], []
+        for params in args.params:
+            for index, walkers in enumerate(sorted(args.walkers)):
+                j_mib = 8 * params * walkers / 2**20
+                if index and j_mib > args.max_j_mib:
+                    skipped.append(
+                        f"# skipped N_p {params} x {walkers} walkers/rank: J_r "
+                        f"{j_mib:.0f} MiB > --max-j-mib {args.max_j_mib:g}"
+                    )
+                else:
+                    run.append((params, walkers))
+        return run, skipped
+
+    def routes(self):
+        args, comm = self.args, self.comm
+        run, skipped = self.sizes()
+        self.say(
+            f"# routes: (J^T J/N + eps) x = f, float64, tol {args.tol:g}, atol 0, "
+            f"maxiter {args.maxiter}, x0 zero, eps {args.eps:g}"
+            f"{' x (0.5 + u_j) (vector)' if args.eps_vector else ' (scalar)'}, "
+            f"cond {args.cond:.3g}, {comm.size} ranks; median of {args.repeat} "
+            f"rounds, slowest rank",
+            *skipped,
+        )
+        if DROPIN in args.routes and dropin() is None:
+            self.say(
+                "# dropin: skipped, mpi4jax_dist.cg is not callable in this "
+                "checkout (no drop-in yet)"
+            )
+        self.say(ROUTE_TABLE.header())
+        for params, walkers in run:
+            self.one_size(params, walkers)
+
+    def one_size(self, params, walkers):
+        import jax
+
+        args, comm = self.args, self.comm
+        prob = Problem(params, walkers, comm, args)
+        dev = prob.device()
+        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        base = {"section": "routes", "params": params, "walkers": walkers}
+        cases, finish = [], []
+        vec_bytes = 8 * params
+
+        if ROUTE_A in args.routes:
+            solve = route_a(N, comm, tol, maxiter)
+            per_loop = loop_allreduces(solve, dev)
+
+            def done_a(output, per_loop=per_loop, dev_=dev):
+                calls = count_calls(
+                    lambda c: route_a(N, comm, tol, maxiter, counter=c), dev_, comm
+                )
+                k = calls - 1
+                return {
+                    "route": ROUTE_A,
+                    "iterations": k,
+                    "converged": None,
+                    "allreduces_loop": None if per_loop is None else per_loop * k,
+                    "allreduces": calls,
+                    "x": output,
+                }
+
+            cases.append(functools.partial(solve, *dev))
+            finish.append(done_a)
+
+        if DROPIN in args.routes and dropin() is not None:
+            for variant in args.variants:
+                solve = route_dropin(N, comm, tol, maxiter, variant, args.replace_every)
+
+                def done_b(output, variant=variant, dev_=dev):
+                    x, info = output
+                    calls = count_calls(
+                        lambda c: route_dropin(
+                            N, comm, tol, maxiter, variant, args.replace_every, c
+                        ),
+                        dev_,
+                        comm,
+                    )
+                    return {
+                        "route": f"{DROPIN}/{variant}",
+                        "variant": variant,
+                        **info_fields(info),
+                        "allreduces": calls,
+                        "x": x,
+                    }
+
+                cases.append(functools.partial(solve, *dev))
+                finish.append(done_b)
+
+        if NORMAL in args.routes:
+            solve = route_normal(comm, tol, maxiter)
+
+            def done_n(output):
+                x, info = output
+                fields = info_fields(info)
+                return {
+                    "route": NORMAL,
+                    **fields,
+                    "allreduces": fields["matvecs"] + 2,
+                    "note": "all = matvecs + 2",
+                    "x": x,
+                }
+
+            cases.append(functools.partial(solve, *dev))
+            finish.append(done_n)
+
+        chol = None
+        if CHOL in args.routes:
+            s_gib = prob.s_bytes / 2**30
+            if s_gib > args.max_s_gib:
+                self.say(
+                    f"# skipped cholesky at N_p {params}: S is {s_gib:.1f} GiB per "
+                    f"rank (> --max-s-gib {args.max_s_gib:g}; and held with its "
+                    f"factor)"
+                )
+            else:
+                chol = Cholesky(N, comm)
+                chol.compile(dev[0], dev[1], dev[3])
+
+                def done_c(output):
+                    return {
+                        "route": CHOL,
+                        "iterations": None,
+                        "allreduces_loop": None,
+                        "allreduces": 1,
+                        "mpi_calls": chunks(prob.s_bytes),
+                        "bytes_per_allreduce": prob.s_bytes,
+                        "note": "1 allreduce of S (by construction)",
+                        "x": output,
+                    }
+
+                cases.append(functools.partial(chol, *dev))
+                finish.append(done_c)
+
+        outputs = [None] * len(cases)
+
+        def keep(index, case):
+            def run():
+                outputs[index] = case()
+                return outputs[index]
+
+            return run
+
+        times = _harness.time_rounds(
+            [keep(i, c) for i, c in enumerate(cases)], comm, args.repeat
+        )
+        rows = [done(out) for done, out in zip(finish, outputs, strict=True)]
+        x_a = None
+        for row, samples in zip(rows, times, strict=True):
+            x = np.asarray(row.pop("x"), dtype=np.float64)
+            if row["route"] == ROUTE_A:
+                x_a = x
+            row.update(base)
+            row.update(_harness.summary(samples, "t_solve"))
+            row["t_solve_s"] = row["t_solve_median_s"]
+            if row.get("iterations"):
+                row["t_iter_s"] = row["t_solve_s"] / row["iterations"]
+            row.setdefault("mpi_calls", row["allreduces"])
+            row.setdefault("bytes_per_allreduce", vec_bytes)
+            row["bytes_per_solve"] = row["bytes_per_allreduce"] * row["allreduces"]
+            row["rel_residual"] = prob.residual(x)
+            row["fx"] = float(prob.f @ x)
+            row["_x"] = x
+        for row in rows:
+            x = row.pop("_x")
+            if x_a is not None:
+                row["diff_vs_a"] = float(
+                    np.linalg.norm(x - x_a) / max(np.linalg.norm(x_a), 1e-300)
+                )
+            if row["route"] == CHOL:
+                stages = {
+                    name: self.slowest(statistics.median(t[1:] or t))
+                    for name, t in chol.stage_times.items()
+                }
+                row["stage_s"] = stages
+                row["note"] += (
+                    f": form {1e3 * stages['form']:.0f}, allreduce "
+                    f"{1e3 * stages['allreduce']:.0f}, factor "
+                    f"{1e3 * stages['factor']:.0f} ms"
+                )
+            self.results.append(row)
+            self.say(ROUTE_TABLE.row(row))
+        del dev, chol
+        jax.clear_caches()
+
+    # Latency ---------------------------------------------------------------------
+
+    def latency(self):
+        """Measured simulated-latency rows, the model for every routes row, and
+        the crossovers."""
+        args = self.args
+        lats = args.latencies
+        table = latency_table(lats)
+        self.say(
+            "",
+            f"# latency: t_solve where one allreduce costs L more. measured: "
+            f"{LATENCY_VARIABLE}=L (a reduction held until L after its post: "
+            f"max(L, t_reduce)), {min(args.walkers)} walkers/rank; model: t_solve "
+            f"(routes table) + allred/solve x L (cholesky: its MPI calls); "
+            f"model/meas: the model from the measured row's own 0 us time, at the "
+            f"largest L",
+            table.header(),
+        )
+        for row in [r for r in self.results if r["section"] == "routes"]:
+            n = row["mpi_calls"] if row["route"] == CHOL else row["allreduces"]
+            model = {
+                "section": "latency_model",
+                "params": row["params"],
+                "walkers": row["walkers"],
+                "route": row["route"],
+                "how": "model",
+                "n": n,
+            }
+            for lat in lats:
+                model[f"t_{lat:g}us"] = row["t_solve_s"] + n * lat * 1e-6
+            self.results.append(model)
+            self.say(table.row(model))
+        if lats and args.latency_params:
+            walkers = min(args.walkers)
+            for params in args.latency_params:
+                for row in self.measure_latency(params, walkers, lats):
+                    self.results.append(row)
+                    self.say(table.row(row))
+        self.crossovers()
+
+    def measure_latency(self, params, walkers, lats):
+        """Rows of solve times under each simulated latency, measured."""
+        import jax
+
+        args, comm = self.args, self.comm
+        prob = Problem(params, walkers, comm, args)
+        dev = prob.device()
+        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        makers = {}
+        if ROUTE_A in args.routes:
+            makers[ROUTE_A + "+iallreduce"] = functools.partial(
+                route_a, N, comm, tol, maxiter, nonblocking=True
+            )
+        if DROPIN in args.routes and dropin() is not None:
+            makers[f"{DROPIN}/classic+iallreduce"] = functools.partial(
+                route_dropin,
+                N,
+                comm,
+                tol,
+                maxiter,
+                "classic",
+                args.replace_every,
+                nonblocking=True,
+            )
+        if NORMAL in args.routes:
+            makers[NORMAL] = functools.partial(route_normal, comm, tol, maxiter)
+        rows = {
+            name: {
+                "section": "latency_measured",
+                "params": params,
+                "walkers": walkers,
+                "route": name,
+                "how": "measured",
+            }
+            for name in makers
+        }
+        before = os.environ.get(LATENCY_VARIABLE)
+        try:
+            for lat in lats:
+                # Read when traced: a fresh function per latency.
+                os.environ[LATENCY_VARIABLE] = format(lat, "g")
+                solves = {name: make() for name, make in makers.items()}
+                cases = [functools.partial(s, *dev) for s in solves.values()]
+                times = _harness.time_rounds(cases, comm, args.repeat)
+                for name, samples in zip(solves, times, strict=True):
+                    rows[name][f"t_{lat:g}us"] = statistics.median(samples)
+                    if "n" in rows[name]:
+                        continue
+                    if name == NORMAL or name.startswith(DROPIN):
+                        _, info = solves[name](*dev)
+                        rows[name]["iterations"] = int(info.iterations)
+                    if name == NORMAL:
+                        rows[name]["n"] = int(info.matvecs) + 2
+                    else:
+                        make = makers[name]
+                        calls = count_calls(
+                            lambda c, make=make: make(counter=c), dev, comm
+                        )
+                        rows[name]["n"] = calls
+                        rows[name].setdefault("iterations", calls - 1)
+                jax.clear_caches()
+        finally:
+            if before is None:
+                os.environ.pop(LATENCY_VARIABLE, None)
+            else:
+                os.environ[LATENCY_VARIABLE] = before
+        top = f"t_{lats[-1]:g}us"
+        for row in rows.values():
+            if "t_0us" in row:
+                row["model_over_measured"] = (
+                    row["t_0us"] + row["n"] * lats[-1] * 1e-6
+                ) / row[top]
+        return list(rows.values())
+
+    def crossovers(self):
+        """L* where (c) becomes faster than (a) and the drop-in, per size."""
+        args = self.args
+        bw = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None
+        rows = [r for r in self.results if r["section"] == "routes"]
+        chol = {(r["params"], r["walkers"]): r for r in rows if r["route"] == CHOL}
+        self.say(
+            "",
+            "# crossover: (c) cholesky faster than CG once one allreduce costs more "
+            "than L* (model: t + n L"
+            + (
+                f"; w/ BW: + 2 bytes / {args.bandwidth_gbs:g} GB/s per allreduce"
+                if bw
+                else ""
+            )
+            + "); t from the routes table",
+            CROSS_TABLE.header(),
+        )
+        for (params, walkers), group in _group(rows):
+            c = chol.get((params, walkers))
+            how = "measured"
+            if c is None:
+                c = self.extrapolate(params, walkers, chol)
+                how = "extrapolated"
+            if c is None:
+                continue
+            for cg_row in group:
+                if cg_row["route"] not in (ROUTE_A, f"{DROPIN}/classic", NORMAL):
+                    continue
+                n_cg, n_c = cg_row["allreduces"], c["mpi_calls"]
+                t_cg, t_c = cg_row["t_solve_s"], c["t_solve_s"]
+                cross = crossing(t_c - t_cg, n_cg - n_c)
+                cross_one = crossing(t_c - t_cg, n_cg - 1)
+                cross_bw = None
+                if bw:
+                    extra = 2 * (c["bytes_per_allreduce"] - n_cg * 8 * params) / bw
+                    cross_bw = crossing(t_c - t_cg + extra, n_cg - n_c)
+                out = {
+                    "section": "crossover",
+                    "params": params,
+                    "walkers": walkers,
+                    "cg_route": cg_row["route"],
+                    "t_cg_s": t_cg,
+                    "n_cg": n_cg,
+                    "t_chol_s": t_c,
+                    "n_chol": n_c,
+                    "crossover_us": cross,
+                    "crossover_one_call_us": cross_one,
+                    "crossover_bw_us": cross_bw,
+                    "chol_how": how,
+                }
+                if how == "extrapolated":
+                    out["chol_from"] = c["from"]
+                self.results.append(out)
+                self.say(CROSS_TABLE.row(out))
+
+    def extrapolate(self, params, walkers, chol):
+        """(c)'s time at ``params`` from the largest measured N_p at ``walkers``."""
+        known = [r for (p, w), r in chol.items() if w == walkers and "stage_s" in r]
+        if not known:
+            return None
+        ref = max(known, key=lambda r: r["params"])
+        q = params / ref["params"]
+        st = ref["stage_s"]
+        t = st["form"] * q**2 + st["allreduce"] * q**2 + st["factor"] * q**3
+        s_bytes = 8 * params**2
+        return {
+            "t_solve_s": t,
+            "mpi_calls": chunks(s_bytes),
+            "bytes_per_allreduce": s_bytes,
+            "from": ref["params"],
+        }
+
+    # Conditioning ----------------------------------------------------------------
+
+    def conditioning(self):
+        import jax
+        import scipy.linalg
+
+        args, comm = self.args, self.comm
+        params, walkers = args.cond_params, args.cond_walkers
+        prob = Problem(params, walkers, comm, args, seed=7)
+        dev = prob.device()
+        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        # The dense solution and the condition number, on rank 0.
+        Js = comm.gather(prob.J, root=0)
+        exact = cond = None
+        if comm.rank == 0:
+            J = np.concatenate(Js)
+            S = J.T @ J / N + np.diag(np.broadcast_to(prob.eps, (params,)))
+            w = scipy.linalg.eigvalsh(S)
+            cond = float(w[-1] / w[0])
+            exact = scipy.linalg.solve(S, prob.f, assume_a="pos")
+            del J, S
+        exact, cond = comm.bcast((exact, cond), root=0)
+        self.say(
+            "",
+            f"# conditioning: N_p {params}, {walkers} walkers/rank ({N} in all: S "
+            f"singular, eps sets the scale), eps {args.eps:g}, cond(S + eps) = "
+            f"{cond:.3g}, tol {tol:g}, maxiter {maxiter}; 'classic' = the drop-in's "
+            f"classic (jax.scipy's where there is no drop-in)",
+            COND_TABLE.header(),
+        )
+        cases = [(ROUTE_A, None, route_a(N, comm, tol, maxiter))]
+        record = cg_module().VARIANT_RECORDS
+        if DROPIN in args.routes and dropin() is not None:
+            for variant in args.variants:
+                for every in (50, 0) if record[variant].replaces else (0,):
+                    cases.append(
+                        (
+                            f"{DROPIN}/{variant}",
+                            every if record[variant].replaces else None,
+                            route_dropin(N, comm, tol, maxiter, variant, every),
+                        )
+                    )
+        cases.append((f"{NORMAL}/classic", None, route_normal(comm, tol, maxiter)))
+        for every in (50, 0):
+            cases.append(
+                (
+                    f"{NORMAL}/pipelined",
+                    every,
+                    route_normal(comm, tol, maxiter, "pipelined", every),
+                )
+            )
+        rows = []
+        for name, every, solve in cases:
+            out = solve(*dev)
+            row = {"section": "conditioning", "route": name, "replace_every": every}
+            if isinstance(out, tuple):
+                x, info = out
+                row.update(info_fields(info))
+            else:
+                x = out
+                calls = count_calls(
+                    lambda c: route_a(N, comm, tol, maxiter, counter=c), dev, comm
+                )
+                row["iterations"] = calls - 1
+            x = np.asarray(x, dtype=np.float64)
+            row.update(
+                params=params,
+                walkers=walkers,
+                cond=cond,
+                rel_residual=prob.residual(x),
+                fx=float(prob.f @ x),
+                fx_exact=float(prob.f @ exact),
+                fx_vs_exact=_rel(float(prob.f @ x), float(prob.f @ exact)),
+                x_vs_exact=_dist(x, exact),
+                _x=x,
+            )
+            rows.append(row)
+        ref_name = (
+            f"{DROPIN}/classic"
+            if any(r["route"] == f"{DROPIN}/classic" for r in rows)
+            else ROUTE_A
+        )
+        ref = next(r for r in rows if r["route"] == ref_name)
+        for row in rows:
+            row["res_vs_classic"] = row["rel_residual"] / ref["rel_residual"]
+            row["fx_vs_classic"] = _rel(row["fx"], ref["fx"])
+            row["x_vs_classic"] = _dist(row["_x"], ref["_x"])
+        for row in rows:
+            row.pop("_x")
+            self.results.append(row)
+            self.say(COND_TABLE.row(row))
+        del dev
+        jax.clear_caches()
+
+
+def crossing(gap: float, fewer: int):
+    """The latency in us above which (c) is faster: ``gap`` seconds slower at no
+    latency, ``fewer`` allreduces fewer per solve; 0 where (c) is faster already,
+    ``"never"`` where it is slower and makes no fewer allreduces (its S in more
+    chunks than CG's iterations)."""
+    if gap <= 0:
+        return 0.0
+    if fewer <= 0:
+        return "never"
+    return gap / fewer * 1e6
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+def _dist(x, y) -> float:
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-300))
+
+
+def _group(rows):
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["params"], row["walkers"]), []).append(row)
+    return groups.items()
+
+
+def info_fields(info) -> dict:
+    """A CGInfo's fields as Python numbers (``allreduces_loop`` its reductions)."""
+    reductions = int(info.reductions)
+    return {
+        "iterations": int(info.iterations),
+        "converged": bool(info.converged),
+        "allreduces_loop": None if reductions < 0 else reductions,
+        "matvecs": int(info.matvecs),
+        "recurrence_residual": float(info.recurrence_residual),
+        "rel_residual_info": float(info.rel_residual),
+    }
+
+
+# ---------------------------------------------------------------------------------
+# Memory: one case per fresh job
+
+
+def run_memory_case(spec: str, args) -> None:
+    """In a job: one solve of ``route:params:walkers``; rank 0 reports the rise."""
+    import jax
+
+    import mpi4jax_dist
+
+    jax.config.update("jax_enable_x64", True)
+    mpi4jax_dist.initialize()
+    import memory
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    route, params, walkers = spec.split(":")
+    params, walkers = int(params), int(walkers)
+    prob = Problem(params, walkers, comm, args)
+    dev = prob.device()
+    N, tol, maxiter = prob.N, args.tol, args.maxiter
+    staged = route in (CHOL, CHOL_OOP)
+    if staged:
+        solve = Cholesky(N, comm, in_place=route == CHOL)
+        solve.compile(dev[0], dev[1], dev[3])
+    else:
+        if route == ROUTE_A:
+            jitted = route_a(N, comm, tol, maxiter)
+        elif route == NORMAL:
+            jitted = route_normal(comm, tol, maxiter)
+        else:
+            if dropin() is None:
+                _harness.report(status="no drop-in")
+                return
+            jitted = route_dropin(N, comm, tol, maxiter, "classic", 50)
+        # One solve first (solve_normal compiles on its first call): the measured
+        # one is the steady state, as in a VMC run.
+        jax.block_until_ready(jitted(*dev))
+        solve = jitted
+    factor_too = params <= args.factor_max
+    marks = {}
+
+    def stages(name):
+        marks[name] = _harness.rss_bytes()[1]
+
+    del prob.J  # the check needs none; only J on the device stays
+    memory.settle()
+    comm.Barrier()
+    reset = _harness.reset_peak_rss()
+    base = _harness.rss_bytes()[0]
+    start = time.perf_counter()
+    if staged and not factor_too:
+        S = jax.block_until_ready(solve.form(dev[0]))
+        S = jax.block_until_ready(solve.reduce(S))
+        stages("allreduce")
+        del S
+    elif staged:
+        solve(*dev, stages=stages)
+    else:
+        jax.block_until_ready(solve(*dev))
+    elapsed = time.perf_counter() - start
+    peak = _harness.rss_bytes()[1]
+    mine = {
+        "rise": peak - base,
+        "rise_s": marks.get("allreduce", peak) - base if staged else None,
+        "t": elapsed,
+        "reset": reset,
+    }
+    everyone = comm.gather(mine)
+    if comm.rank == 0:
+        from mpi4jax_dist import _mpi
+
+        _harness.report(
+            rise_bytes=max(r["rise"] for r in everyone),
+            rise_per_rank=[r["rise"] for r in everyone],
+            rise_s_bytes=(max(r["rise_s"] for r in everyone) if staged else None),
+            factor=factor_too if staged else None,
+            t_call_s=max(r["t"] for r in everyone),
+            peak_reset=all(r["reset"] for r in everyone),
+            mpi_library=_mpi.mpi_library(),
+        )
+
+
+def memory_cases(args):
+    """``(route, params, walkers, skip reason or None)`` in order."""
+    walkers = min(args.walkers)
+    cases = []
+    for params in args.params:
+        for route in (ROUTE_A, DROPIN, NORMAL):
+            if route in args.routes:
+                cases.append((route, params, walkers))
+        for route in (CHOL, CHOL_OOP):
+            if CHOL in args.routes:
+                cases.append((route, params, walkers))
+    for params in args.memory_params:
+        if params in args.params:
+            continue
+        for route in (CHOL, CHOL_OOP):
+            cases.append((route, params, walkers))
+    return cases
+
+
+def available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_skip(route, params, walkers, args) -> str | None:
+    """Why a case is not run, or None."""
+    if route not in (CHOL, CHOL_OOP):
+        return None
+    s = 8 * params**2
+    if s / 2**30 > args.max_s_gib:
+        return f"S {s / 2**30:.1f} GiB > --max-s-gib {args.max_s_gib:g}"
+    # S once (in place) or S, its sum and MPI's scratch (out of place); the
+    # factor stage 3.2 S (measured: XLA copies S to LAPACK's column-major layout
+    # and masks the factor's upper triangle into a third buffer).
+    k = max(1.1 if route == CHOL else 2.6, 3.3 if params <= args.factor_max else 0)
+    need = args.procs * (k * s + 8 * params * walkers + 0.6 * 2**30)
+    free = available_bytes()
+    if free is not None and need > 0.85 * free:
+        return (
+            f"predicted peak {need / 2**30:.1f} GiB on {args.procs} ranks > 85% of "
+            f"MemAvailable {free / 2**30:.1f} GiB"
+        )
+    return None
+
+
+def memory_main(args) -> list[dict]:
+    import memory
+
+    from mpi4jax_dist import _launch
+
+    if _launch.detect(os.environ) is not None:
+        sys.exit(
+            "sr.py --memory starts its own mpiexec jobs: run it as `python "
+            "benchmarks/sr.py --memory`, not under mpiexec"
+        )
+    env = memory.job_env(False)
+    meta = _harness.meta(
+        procs=args.procs,
+        args=vars(args),
+        malloc_mmap_threshold=env.get("MALLOC_MMAP_THRESHOLD_"),
+        mpiexec=_harness.find_mpiexec(),
+        threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
+    )
+    _harness.say(
+        None,
+        f"# SR peak memory, one fresh mpiexec job per case, {args.procs} ranks, "
+        f"float64, smallest walker count; rise = peak RSS above the RSS after "
+        f"set-up (J, f, compiled route), largest rank",
+        "# rise_S: after form + allreduce (S held once: 1, twice: 2+); rise_all: "
+        f"the whole solve, factor+solve included (- where N_p > --factor-max "
+        f"{args.factor_max}: not run); CG routes: one solve before the measured one",
+        MEMORY_TABLE.header(),
+    )
+    results = []
+    here = os.path.abspath(__file__)
+    common = [
+        "--eps",
+        repr(args.eps),
+        "--cond",
+        repr(args.cond),
+        "--decay",
+        repr(args.decay),
+        "--spectrum",
+        args.spectrum,
+        "--tol",
+        repr(args.tol),
+        "--maxiter",
+        str(args.maxiter),
+        "--factor-max",
+        str(args.factor_max),
+        *(["--eps-vector"] if args.eps_vector else []),
+    ]
+    for route, params, walkers in memory_cases(args):
+        row = {
+            "section": "memory",
+            "route": route,
+            "params": params,
+            "walkers": walkers,
+            "s_bytes": 8 * params**2,
+            "j_bytes": 8 * params * walkers,
+            "procs": args.procs,
+        }
+        why = memory_skip(route, params, walkers, args)
+        if why is not None:
+            row["status"] = "skipped"
+            row["why"] = why
+            results.append(row)
+            _harness.say(None, MEMORY_TABLE.row(row) + "  " + why)
+            continue
+        timeout = args.timeout or 180 + 120 * row["s_bytes"] / 2**30
+        job = _harness.run_job(
+            args.procs,
+            [here, "--memory-case", f"{route}:{params}:{walkers}", *common],
+            timeout=timeout,
+            env=env,
+        )
+        row["seconds"] = job.seconds
+        if job.returncode is None:
+            row["status"] = f"timed out ({timeout:g} s)"
+        elif not job.ok or not job.results:
+            row["status"] = f"failed ({job.returncode})"
+        elif job.results[-1].get("status"):
+            row["status"] = job.results[-1]["status"]
+        if "status" in row:
+            row["tail"] = job.tail
+        else:
+            found = job.results[-1]
+            row.update(found)
+            row["status"] = "ok"
+            rise = found["rise_bytes"]
+            if route in (CHOL, CHOL_OOP):
+                row["rise_s"] = found["rise_s_bytes"] / row["s_bytes"]
+                if found["factor"]:
+                    row["rise_all_s"] = rise / row["s_bytes"]
+            row["rise_j"] = rise / row["j_bytes"]
+        results.append(row)
+        _harness.say(None, MEMORY_TABLE.row(row))
+    meta["mpi_library"] = next(
+        (r["mpi_library"] for r in results if r.get("mpi_library")), None
+    )
+    _harness.save(args, meta, results)
+    bad = [r for r in results if r["status"] not in ("ok", "skipped", "no drop-in")]
+    for row in bad:
+        print(
+            f"FAILED: {row['route']} at N_p {row['params']}: {row['status']}\n"
+            f"{row.get('tail', '')[-1500:]}",
+            file=sys.stderr,
+        )
+    if bad:
+        raise SystemExit(1)
+    return results
+
+
+# ---------------------------------------------------------------------------------
+# Command line
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(t) for t in text.split(",") if t.strip()]
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=_ints, default=_ints(DEFAULT_PARAMS))
+    parser.add_argument(
+        "--walkers",
+        type=_ints,
+        default=_ints(DEFAULT_WALKERS),
+        help="walkers per rank, comma-separated",
+    )
+    parser.add_argument(
+        "--max-j-mib",
+        type=float,
+        default=64,
+        help="skip a walker count (not the smallest) whose J_r is larger",
+    )
+    parser.add_argument("--eps", type=float, default=1e-3)
+    parser.add_argument("--eps-vector", action="store_true")
+    parser.add_argument("--cond", type=float, default=1.7e7)
+    parser.add_argument(
+        "--spectrum",
+        choices=("exp", "power"),
+        default="exp",
+        help="S's eigenvalues: exp (from lambda_max down to about eps over the "
+        "rank) or power ((1 + j)^-decay)",
+    )
+    parser.add_argument("--decay", type=float, default=1.0, help="of --spectrum power")
+    parser.add_argument("--tol", type=float, default=1e-5)
+    parser.add_argument("--maxiter", type=int, default=200)
+    parser.add_argument(
+        "--routes",
+        default=",".join(ROUTES.names()),
+        help=f"comma-separated from {', '.join(ROUTES.names())}",
+    )
+    parser.add_argument("--variants", default=None, help="of the drop-in (default all)")
+    parser.add_argument("--replace-every", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds")
+    parser.add_argument(
+        "--latencies",
+        type=_floats,
+        default=_floats(DEFAULT_LATENCIES),
+        help="us, comma-separated (empty: no latency study)",
+    )
+    parser.add_argument(
+        "--latency-params",
+        type=_ints,
+        default=None,
+        help="N_p of the measured latency rows (default the first two --params)",
+    )
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=25.0,
+        help="GB/s per rank for the crossover's bandwidth term (0: none)",
+    )
+    parser.add_argument("--max-s-gib", type=float, default=4.0)
+    parser.add_argument("--no-conditioning", action="store_true")
+    parser.add_argument("--cond-params", type=int, default=2000)
+    parser.add_argument("--cond-walkers", type=int, default=500)
+    parser.add_argument(
+        "--memory", action="store_true", help="the memory study (not under mpiexec)"
+    )
+    parser.add_argument("--procs", type=int, default=2, help="ranks per memory job")
+    parser.add_argument(
+        "--memory-params", type=_ints, default=_ints(DEFAULT_MEMORY_PARAMS)
+    )
+    parser.add_argument("--factor-max", type=int, default=16384)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--memory-case", help=argparse.SUPPRESS)
+    _harness.add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        args.routes = ROUTES.choose(args.routes, "--routes")
+    except ValueError as err:
+        parser.error(str(err))
+    if args.latency_params is None:
+        args.latency_params = args.params[:2]
+    if args.repeat < 1 or args.maxiter < 1:
+        parser.error("--repeat and --maxiter must be >= 1")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    args = parse(argv)
+    if args.memory_case:
+        run_memory_case(args.memory_case, args)
+        return []
+    if args.memory:
+        return memory_main(args)
+    import jax
+
+    import mpi4jax_dist
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        mpi4jax_dist.initialize()
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        variants = cg_module().VARIANTS
+        if args.variants is None:
+            args.variants = list(variants)
+        elif isinstance(args.variants, str):
+            args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        bench = Bench(args, comm)
+        start = time.perf_counter()
+        bench.say(
+            f"# SR solve, {comm.size} ranks, jax {jax.__version__} "
+            f"({jax.default_backend()}), "
+            + ", ".join(
+                f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
+            )
+        )
+        bench.routes()
+        if args.latencies:
+            bench.latency()
+        if not args.no_conditioning:
+            bench.conditioning()
+        elapsed = time.perf_counter() - start
+        bench.say(f"# total {elapsed:.0f} s")
+        meta = _harness.meta(
+            comm,
+            args=vars(args),
+            threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
+            seconds=elapsed,
+            command=" ".join(sys.argv),
+            timing="median over --repeat rounds (round-robin) of the slowest rank's "
+            "solve, compilation and one warm-up solve excluded",
+            allreduce_chunk_bytes=_chunk_bytes(),
+        )
+        _harness.save(args, meta, bench.results, comm=comm)
+        comm.Barrier()
+        return bench.results
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+
+
+def _chunk_bytes() -> int:
+    from mpi4jax_dist import _config
+
+    return _config.allreduce_chunk_bytes()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
