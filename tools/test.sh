@@ -105,10 +105,20 @@ fi
 jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 if [ -x "$jaxmin/bin/python" ]; then
     in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
-    # Not the packaging test: setup.sh built this environment's package from a copy
-    # of the tree against this JAX already, and .venv's run builds the sdist.
+    # Serially, the tests of what meets JAX (initialize, its clients and backends,
+    # the compiled ops, jit/shard_map/custom_linear_solve, its caches): not the
+    # launcher, network, limit and benchmark tests, whose JAX calls are those of
+    # the tests kept (CI's time: they are a third of the serial suite's). Nor the
+    # packaging test: setup.sh built this environment's package from a copy of the
+    # tree against this JAX already, and .venv's run builds the sdist.
+    ignored=()
+    for name in test_packaging test_launch test_launch_detection \
+        test_coordinator_scale test_benchmarks test_memory_bench \
+        test_allreduce_bench test_job_scripts test_network test_limits test_mpi; do
+        ignored+=("--ignore=tests/$name.py")
+    done
     run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-        --ignore=tests/test_packaging.py
+        "${ignored[@]}"
     run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
         -q -p no:cacheprovider
 else
