@@ -96,6 +96,11 @@ an iteration spent reducing); this docstring quotes no timing that it cannot
 reproduce. Without a preconditioner the vectors that would equal others
 (``u = r``, ``q = s``, ``m = w``) are not carried.
 
+The module is callable: ``mpi4jax_dist.cg(A, b, x0, tol=, atol=, maxiter=, M=)`` is
+:func:`cg`, a drop-in for ``jax.scipy.sparse.linalg.cg`` over these variants, whose
+vectors are the caller's (replicated by default: local dot products, no reduction
+of its own; ``comm=``/``mesh=`` for split vectors).
+
 Shape B, the stochastic-reconfiguration normal equations
 ``(J^T J / Ns + eps I) x = f`` with ``J`` split by samples across ranks and ``x``
 replicated, is :func:`make_normal_solver`/:func:`solve_normal`: there the dot
@@ -145,9 +150,12 @@ class CGInfo(NamedTuple):
         recurrence_residual: the same from the recurrence the loop stopped on.
         reductions: collective reductions made inside the loop, the matvec's
             included: the reductions in the compiled loop body (read from the
-            program that ran) times the iterations, plus those of the residual
-            replacement branch times the replacements made. -1 where the program
-            does not fix how many run per iteration (a logged warning says why).
+            program that ran; inside a caller's ``jit``, from the traced one)
+            times the iterations, plus those of the residual replacement branch
+            times the replacements made. The drop-in :func:`cg` counts only
+            reductions that communicate (over more than one process). -1 where
+            the program does not fix how many run per iteration (a logged warning
+            says why).
         matvecs: matvecs made inside the loop (pipelined residual replacement adds
             four every ``replace_every`` iterations).
         converged: True when the loop stopped because the recurrence residual
