@@ -540,6 +540,11 @@ def test(req: Request) -> Request:
     return req._successor(buffer, handle, ())
 
 
+# A public function named test: pytest must not collect it from a user's test module
+# that does ``from mpi4jax_dist import test`` ("fixture 'req' not found").
+test.__test__ = False
+
+
 def wait(req: Request):
     """Complete ``req`` (``MPI_Wait``) and return the reduced array.
 

@@ -128,6 +128,25 @@ from jax.sharding import PartitionSpec
 
 from . import _extras, _hlo, _jax_compat
 
+__all__ = [
+    "BACKENDS",
+    "CGInfo",
+    "DEFAULT_REPLACE_EVERY",
+    "DROP_IN_BACKENDS",
+    "NormalSolver",
+    "REDUCTIONS_PER_ITERATION",
+    "SCALARS_PER_ITERATION",
+    "Solver",
+    "VARIANTS",
+    "VARIANT_RECORDS",
+    "Variant",
+    "cg",
+    "make_normal_solver",
+    "make_solver",
+    "solve",
+    "solve_normal",
+]
+
 logger = logging.getLogger("mpi4jax_dist")
 
 BACKENDS = ("mpi4jax", "psum")
