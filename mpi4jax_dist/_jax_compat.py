@@ -316,9 +316,15 @@ def make_mesh(devices, axis_name: str, axis_type: str = "auto"):
             )
         return Mesh(np.asarray(devices), (axis_name,))
     kinds = {"auto": axis_types.Auto, "explicit": axis_types.Explicit}
-    if axis_type not in kinds:
-        raise ValueError(f"axis_type={axis_type!r}: expected 'auto' or 'explicit'.")
-    return Mesh(np.asarray(devices), (axis_name,), axis_types=(kinds[axis_type],))
+    kind = axis_type if axis_type in kinds.values() else None
+    if isinstance(axis_type, str):
+        kind = kinds.get(axis_type)
+    if kind is None:
+        raise ValueError(
+            f"axis_type={axis_type!r}: expected 'auto' or 'explicit' (or "
+            f"jax.sharding.AxisType.Auto or .Explicit)."
+        )
+    return Mesh(np.asarray(devices), (axis_name,), axis_types=(kind,))
 
 
 # Whether the program being compiled on this thread runs on this process's devices

@@ -26,7 +26,8 @@ def global_mesh(axis_name: str = DEFAULT_AXIS, axis_type: str = "auto"):
     Args:
         axis_name: the mesh axis name ``shard_map``/``psum`` refer to.
         axis_type: ``"auto"`` (default; ``jax.scipy.sparse.linalg.cg`` and most
-            existing code need it) or ``"explicit"``.
+            existing code need it) or ``"explicit"``, or JAX's own
+            ``jax.sharding.AxisType.Auto``/``.Explicit``.
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(

@@ -40,3 +40,19 @@ def test_cg_module_exports_its_api_only():
 
     assert all(hasattr(cg, name) for name in cg.__all__)
     assert not {"jax", "jnp", "np", "logger", "lax"} & set(cg.__all__)
+
+
+def test_global_mesh_takes_jax_axis_types():
+    import jax
+    import pytest
+
+    import mpi4jax_dist
+
+    kinds = jax.sharding.AxisType
+    for kind in (kinds.Auto, kinds.Explicit):
+        assert mpi4jax_dist.global_mesh(axis_type=kind).axis_types == (kind,)
+    assert mpi4jax_dist.global_mesh(axis_type="explicit").axis_types == (
+        kinds.Explicit,
+    )
+    with pytest.raises(ValueError, match="axis_type=.*expected 'auto' or"):
+        mpi4jax_dist.global_mesh(axis_type=kinds.Manual)
