@@ -2,7 +2,9 @@
 into a fresh virtual environment without mpi4jax (an extra), where the compiled
 extension loads, the diagnostics and a psum through ``jax.distributed.initialize()``
 work under that environment's own ``mpiexec``, and what needs mpi4jax says which
-extra to install.
+extra to install. The sdist carries the license, the changes, the citation, docs/
+and py.typed, the wheel py.typed and the license; setup.cfg reads the version from
+mpi4jax_dist/__init__.py without importing it.
 
 The repository's files (git's view: committed, changed and new, less the ignored)
 are copied first, so that building writes nothing into the tree. The fresh
@@ -15,10 +17,12 @@ project's 2-core machine, two builds of the extension included.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tarfile
@@ -231,6 +235,82 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
     # mpi4jax only as the extra, with its floor (setup.cfg).
     mpi4jax = [r for r in requires if r.startswith("mpi4jax")]
     assert mpi4jax == ['mpi4jax>=0.9.1; extra == "mpi4jax"'], requires
+
+
+def _version() -> str:
+    """Return ``__version__`` as written in mpi4jax_dist/__init__.py, the one source
+    (read from the syntax tree, as setuptools reads it)."""
+    tree = ast.parse((util.ROOT / "mpi4jax_dist" / "__init__.py").read_text())
+    (version,) = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+    ]
+    return version
+
+
+# Read setup.cfg's version as a build does, with what importing the package needs
+# made unimportable: an isolated build has jaxlib but no jax or mpi4py.
+READ_VERSION = """
+import sys
+for name in ("jax", "mpi4py", "numpy", "psutil"):
+    sys.modules[name] = None
+from setuptools.config.setupcfg import read_configuration
+print(read_configuration("setup.cfg")["metadata"]["version"])
+print("mpi4jax_dist" in sys.modules)
+"""
+
+
+def test_version_has_one_source():
+    """setup.cfg takes the version from mpi4jax_dist/__init__.py without importing
+    the package; CITATION.cff and CHANGES.rst name the same version."""
+    version = _version()
+    proc = _check(
+        util.run_command(
+            [sys.executable, "-c", READ_VERSION], env=util.clean_env(), timeout=60
+        ),
+        "reading setup.cfg's version",
+    )
+    assert proc.stdout.split() == [version, "False"], proc.stdout + proc.stderr
+    citation = (util.ROOT / "CITATION.cff").read_text()
+    assert re.search(rf"^version: {re.escape(version)}$", citation, re.M), citation
+    changes = (util.ROOT / "CHANGES.rst").read_text()
+    assert re.search(rf"^Release {re.escape(version)} \[", changes, re.M)
+
+
+def test_dists_carry_license_changes_and_typing(dists):
+    """The sdist carries the license, the changes, the citation, the README, the
+    files of docs/ and py.typed; the wheel py.typed, the license in its .dist-info,
+    and the version of mpi4jax_dist/__init__.py."""
+    with tarfile.open(dists["sdist"]) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    docs = {f for f in _repository_files() if f.startswith("docs/")}
+    assert docs, "docs/ holds no files"
+    wanted = {"LICENSE", "CHANGES.rst", "CITATION.cff", "README.rst"}
+    wanted |= docs | {"mpi4jax_dist/py.typed"}
+    assert wanted <= names, f"{top}: missing {sorted(wanted - names)}"
+
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        names = whl.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        fields = [
+            line.split(": ", 1)
+            for line in whl.read(metadata).decode().split("\n\n", 1)[0].splitlines()
+        ]
+        dist_info = metadata.rsplit("/", 1)[0]
+        # Metadata 2.4 keeps license files in licenses/, older ones beside METADATA.
+        licenses = [
+            n
+            for n in (f"{dist_info}/licenses/LICENSE", f"{dist_info}/LICENSE")
+            if n in names
+        ]
+        assert licenses, f"no LICENSE in {dist_info}: {names}"
+        assert whl.read(licenses[0]) == (util.ROOT / "LICENSE").read_bytes()
+    assert "mpi4jax_dist/py.typed" in names
+    assert ["Version", _version()] in fields, fields
+    assert ["License-File", "LICENSE"] in fields, fields
 
 
 def test_installed_without_mpi4jax(venv, tmp_path):
