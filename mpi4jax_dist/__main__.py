@@ -16,17 +16,43 @@ import json
 import os
 import sys
 
+# --help is read in a terminal: plain text, not the reStructuredText of the docstring.
+_DESCRIPTION = """\
+Report what mpi4jax_dist sees in this job: the launcher and its variables,
+the MPI library, the ranks on each node, the coordinator, proxies and versions.
+Run it under the launcher that starts the job, for example:
+
+  mpiexec -n 2 python -m mpi4jax_dist --check
+
+Rank 0 prints the report. The exit status is 1, with the reasons, when anything
+looks wrong."""
+
+_EPILOG = '''\
+env (run without mpiexec) prints the shell lines that make JAX's CPU collectives
+run over MPI. In a job script, before the mpiexec line:
+
+  eval "$(python -m mpi4jax_dist env)"'''
+
 
 def _print_text(report: dict) -> None:
     mpi, topo = report["mpi"], report["topology"]
-    print(f"launcher      {report['launcher']}")
+    if report["launcher"] is None:
+        print("launcher      none recognised: no launcher variables in the environment")
+    else:
+        print(f"launcher      {report['launcher']}, recognised by its variables:")
     for name, value in report["launcher_variables"].items():
         print(f"  {name}={value}")
     print(
         f"MPI           {mpi['library']} (MPI {mpi['standard']}, thread level "
         f"{mpi['thread_level']})"
     )
-    print(f"mpiexec       {mpi['mpiexec']}: {mpi['mpiexec_version']}")
+    if mpi["mpiexec"] is None:
+        print("mpiexec       not found on PATH")
+    else:
+        print(
+            f"mpiexec       {mpi['mpiexec']}: "
+            f"{mpi['mpiexec_version'] or 'printed no version'}"
+        )
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
         print(f"  node {node}: ranks {ranks}")
@@ -117,10 +143,17 @@ def _stdout_to_stderr():
 
 
 def main(argv=None) -> int:
+    from . import __version__
     from ._diagnose import CHECK_TIMEOUT_S
 
     parser = argparse.ArgumentParser(
-        prog="python -m mpi4jax_dist", description=__doc__.splitlines()[0]
+        prog="python -m mpi4jax_dist",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"mpi4jax_dist {__version__}"
     )
     parser.add_argument(
         "command",

@@ -96,7 +96,8 @@ def diagnose(
         )
     nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
     report = {
-        "launcher": topo.launcher,
+        # None where no launcher variables were seen: nothing names the launcher.
+        "launcher": info.launcher if info else None,
         "launcher_variables": info.variables if info else {},
         "mpi": {
             "vendor": list(map(str, MPI.get_vendor())),
