@@ -165,7 +165,6 @@ DROPIN = "dropin"
 NORMAL = "solve_normal"
 CHOL = "cholesky"
 CHOL_OOP = "cholesky/oop"
-LATENCY_VARIABLE = "MPI4JAX_DIST_SIMULATED_LATENCY_US"
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS")
 
 ROUTES = _harness.Registry("SR route")
@@ -421,9 +420,7 @@ class Cholesky:
 
 def chunks(s_bytes: int) -> int:
     """MPI calls ``mpi4jax_dist.allreduce`` makes for ``s_bytes``."""
-    from mpi4jax_dist import _config
-
-    chunk = _config.allreduce_chunk_bytes()
+    chunk = _chunk_bytes()
     return 1 if chunk <= 0 else max(1, math.ceil(s_bytes / chunk))
 
 
@@ -754,13 +751,15 @@ class Bench:
     def latency(self):
         """Measured simulated-latency rows, the model for every routes row, and
         the crossovers."""
+        from mpi4jax_dist._config import SIMULATED_LATENCY_US
+
         args = self.args
         lats = args.latencies
         table = latency_table(lats)
         self.say(
             "",
             f"# latency: t_solve where one allreduce costs L more. measured: "
-            f"{LATENCY_VARIABLE}=L (a reduction held until L after its post: "
+            f"{SIMULATED_LATENCY_US}=L (a reduction held until L after its post: "
             f"max(L, t_reduce)), {min(args.walkers)} walkers/rank; model: t_solve "
             f"(routes table) + allred/solve x L (cholesky: its MPI calls); "
             f"model/meas: the model from the measured row's own 0 us time, at the "
@@ -825,11 +824,13 @@ class Bench:
             }
             for name in makers
         }
-        before = os.environ.get(LATENCY_VARIABLE)
+        from mpi4jax_dist._config import SIMULATED_LATENCY_US
+
+        before = os.environ.get(SIMULATED_LATENCY_US)
         try:
             for lat in lats:
                 # Read when traced: a fresh function per latency.
-                os.environ[LATENCY_VARIABLE] = format(lat, "g")
+                os.environ[SIMULATED_LATENCY_US] = format(lat, "g")
                 solves = {name: make() for name, make in makers.items()}
                 cases = [functools.partial(s, *dev) for s in solves.values()]
                 times = _harness.time_rounds(cases, comm, args.repeat)
@@ -852,9 +853,9 @@ class Bench:
                 jax.clear_caches()
         finally:
             if before is None:
-                os.environ.pop(LATENCY_VARIABLE, None)
+                os.environ.pop(SIMULATED_LATENCY_US, None)
             else:
-                os.environ[LATENCY_VARIABLE] = before
+                os.environ[SIMULATED_LATENCY_US] = before
         top = f"t_{lats[-1]:g}us"
         for row in rows.values():
             if "t_0us" in row:

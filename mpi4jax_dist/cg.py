@@ -724,7 +724,7 @@ def _leaf_signature(leaf):
     if isinstance(leaf, (bool, int, float, complex)):
         return type(leaf)  # weakly typed: one executable for every value
     # A tracer (a solve inside the caller's jit) has no sharding to ask for.
-    traced = isinstance(leaf, jax.core.Tracer)
+    traced = _is_traced(leaf)
     sharding = None if traced else getattr(leaf, "sharding", None)
     return np.shape(leaf), jnp.result_type(leaf), sharding
 
