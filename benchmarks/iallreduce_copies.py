@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     comm = MPI.COMM_WORLD
     impls = {
         "iallreduce+wait": jax.jit(
-            lambda x: mpi4jax_dist.wait(mpi4jax_dist.iallreduce(x, comm=comm)),
+            lambda x: mpi4jax_dist.iallreduce(x, comm=comm).wait(),
             donate_argnums=0,
         ),
         "allreduce": jax.jit(

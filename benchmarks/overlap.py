@@ -44,8 +44,8 @@ extension counts, per wait, whether its first ``MPI_Test`` completed the reducti
 the time the wait then spent waiting (``blocked``: what the work did not hide). The
 progress table (no simulated latency) compares three kinds of overlapped work: the
 matvec (its halo exchange makes MPI calls), the same stencil on the local rows only
-(no MPI call: what the MPI does by itself), and that stencil in two halves with an
-``mpi4jax_dist.test`` between them (what one ``MPI_Test`` adds). The CG table gives
+(no MPI call: what the MPI does by itself), and that stencil in two halves with a
+``req.test()`` between them (what one ``MPI_Test`` adds). The CG table gives
 the same counts for ``pipelined_nb``'s waits.
 """
 
@@ -190,7 +190,7 @@ def wait_counts(case, comm, runs: int = 1) -> dict:
     """What the waits of ``case`` found, over all ranks, from the extension's
     counters, the median over ``runs`` runs (untimed): ``done``, the share whose
     first ``MPI_Test`` completed the reduction; ``test_done``, the share of
-    ``mpi4jax_dist.test`` calls that did (None without tests); ``slack_us``, µs from
+    ``req.test()`` calls that did (None without tests); ``slack_us``, µs from
     post to wait, and ``blocked_us``, µs the wait then waited, each per wait."""
     from mpi4jax_dist import _ffi
 
@@ -252,15 +252,15 @@ def micro_cases(prob, comm, trips: int, latency):
     matvec = prob.mpi4jax_matvec()
 
     def reduce_only(c, v):
-        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(c / comm.size)), v
+        return mpi4jax_dist.iallreduce(c / comm.size).wait(), v
 
     def matvec_only(c, v):
         return c, matvec(v) * 1e-3
 
     def both(c, v):
         req = mpi4jax_dist.iallreduce(c / comm.size)
-        req, av = mpi4jax_dist.overlap(req, matvec, v)
-        return mpi4jax_dist.wait(req), av * 1e-3
+        req, av = req.overlap(matvec, v)
+        return req.wait(), av * 1e-3
 
     return looped(prob, trips, latency, (reduce_only, matvec_only, both))
 
@@ -269,7 +269,7 @@ def progress_cases(prob, comm, trips: int):
     """Three cases whose overlapped work makes no MPI call, as loops of ``trips``
     (no simulated latency): the grid's stencil on this rank's rows alone (zero
     halos, in two halves), the reduction overlapped with it, and the same with an
-    ``mpi4jax_dist.test`` between the two halves."""
+    ``req.test()`` between the two halves."""
     import cg as cg_bench
     import jax.numpy as jnp
 
@@ -291,16 +291,16 @@ def progress_cases(prob, comm, trips: int):
 
     def both(c, v):
         req = mpi4jax_dist.iallreduce(c / comm.size)
-        req, av = mpi4jax_dist.overlap(req, work, v)
-        return mpi4jax_dist.wait(req), av
+        req, av = req.overlap(work, v)
+        return req.wait(), av
 
     def both_test(c, v):
         req = mpi4jax_dist.iallreduce(c / comm.size)
         # v passes through the first half's work (no copy of it for the second).
-        req, (top, v) = mpi4jax_dist.overlap(req, lambda v: (half(v, True), v), v)
-        req = mpi4jax_dist.test(req)
-        req, bottom = mpi4jax_dist.overlap(req, lambda v: half(v, False), v)
-        return mpi4jax_dist.wait(req), jnp.concatenate([top, bottom])
+        req, (top, v) = req.overlap(lambda v: (half(v, True), v), v)
+        req = req.test()
+        req, bottom = req.overlap(lambda v: half(v, False), v)
+        return req.wait(), jnp.concatenate([top, bottom])
 
     return looped(prob, trips, None, (work_only, both, both_test))
 
@@ -406,7 +406,7 @@ def main(argv=None):
         "# progress, no simulated latency: the reduction overlapped with the "
         "matvec (its halo exchange calls MPI), with the stencil on the local rows "
         "(no MPI call), and with that stencil in two halves and an "
-        "mpi4jax_dist.test between them",
+        "req.test() between them",
         "#      n  work            reduce_us     work_us     both_us    done  "
         "test_done  slack_us  blocked_us",
     )

@@ -80,10 +80,10 @@ Latency study. The time a route would take where one allreduce costs ``L`` more
 
 - measured (``--latency-params``, the smallest walker count):
   ``MPI4JAX_DIST_SIMULATED_LATENCY_US=L`` set before tracing, for ``solve_normal``
-  (its reductions go through ``mpi4jax_dist.iallreduce`` + ``wait``, held until
-  ``L`` us after the post) and for ``(a)`` and the drop-in (classic) with ``A``'s
-  ``mpi4jax.allreduce`` replaced by ``mpi4jax_dist.wait(mpi4jax_dist.iallreduce(
-  ...))``, which the simulation holds alike (rows ``+iallreduce``). The simulation
+  (its reductions go through ``mpi4jax_dist.iallreduce`` + ``req.wait()``, held
+  until ``L`` us after the post) and for ``(a)`` and the drop-in (classic) with
+  ``A``'s ``mpi4jax.allreduce`` replaced by ``mpi4jax_dist.iallreduce(...).wait()``,
+  which the simulation holds alike (rows ``+iallreduce``). The simulation
   holds a reduction until ``L`` after its post: it costs ``max(L, t_reduce)``,
   not ``t_reduce + L``;
 - modelled: ``t_solve(L) = t_solve + n L`` from the measured ``t_solve`` (no
@@ -278,7 +278,7 @@ def make_A(J, eps, N, comm, counter=None, nonblocking=False):
     """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
 
     ``counter``: a ``jax.debug.callback`` per call. ``nonblocking``: the sum by
-    ``mpi4jax_dist.wait(mpi4jax_dist.iallreduce(...))``, which a simulated
+    ``mpi4jax_dist.iallreduce(...).wait()``, which a simulated
     latency holds (the latency study's ``+iallreduce`` rows).
     """
     import jax
@@ -292,7 +292,7 @@ def make_A(J, eps, N, comm, counter=None, nonblocking=False):
             jax.debug.callback(counter)
         part = J.T @ (J @ v)
         if nonblocking:
-            total = mpi4jax_dist.wait(mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm))
+            total = mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm).wait()
         else:
             total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
         return total / N + eps * v

@@ -17,10 +17,10 @@ from . import _cpu_collectives
 
 _cpu_collectives.prepare()
 
-from . import _cluster, _jax_compat  # noqa: E402
+from . import _cluster, _iallreduce, _jax_compat  # noqa: E402
 from ._allreduce import allreduce  # noqa: E402
 from ._api import initialize, topology  # noqa: E402
-from ._iallreduce import Request, iallreduce, overlap, test, wait  # noqa: E402
+from ._iallreduce import Request, iallreduce  # noqa: E402
 from ._topology import Topology  # noqa: E402
 from .interop import global_mesh, to_global, to_local  # noqa: E402
 
@@ -32,12 +32,9 @@ __all__ = [
     "global_mesh",
     "iallreduce",
     "initialize",
-    "overlap",
-    "test",
     "to_global",
     "to_local",
     "topology",
-    "wait",
 ]
 
 __version__ = "0.1.0"
@@ -53,4 +50,30 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(".cg", __name__)
+    # wait, test and overlap, deprecated for Request's methods: generic names at
+    # the package's top level (a function named test, imported into a user's
+    # test module, is what pytest collects). They warn on access, not on call:
+    # once per `from mpi4jax_dist import wait` (not once per call in a loop),
+    # pointing at the line that names them, also where the name is only imported
+    # or handed on; and the functions need no warning wrapper of their own.
+    if name in _iallreduce.DEPRECATED:
+        import sys
+
+        caller = sys._getframe(1).f_code
+        # `from mpi4jax_dist import wait` reaches here twice: first from
+        # importlib's _handle_fromlist (hasattr: is it a submodule?), then from
+        # the import statement itself, which warns, at the user's line.
+        if not (
+            caller.co_name == "_handle_fromlist" and "importlib" in caller.co_filename
+        ):
+            import warnings
+
+            old, new = _iallreduce.DEPRECATED[name]
+            warnings.warn(
+                f"mpi4jax_dist.{old} is deprecated: use {new}, a method of the "
+                f"mpi4jax_dist.Request that mpi4jax_dist.iallreduce returns.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(_iallreduce, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,9 +2,9 @@
 
 Usage, inside ``jax.jit`` (or eagerly)::
 
-    req = mpi4jax_dist.iallreduce(partials)           # MPI_Iallreduce posted
-    req, n = mpi4jax_dist.overlap(req, matvec, w)     # runs while it reduces
-    sums = mpi4jax_dist.wait(req)                     # MPI_Wait
+    req = mpi4jax_dist.iallreduce(partials)   # MPI_Iallreduce posted
+    req, n = req.overlap(matvec, w)           # runs while it reduces
+    sums = req.wait()                         # MPI_Wait
 
 Four ops, all on the CPU handlers of ``_ffi/cpu.cc``, and all carrying mpi4jax's
 ordered effect, as :func:`mpi4jax_dist.allreduce` does: one token orders them with
@@ -17,8 +17,8 @@ every mpi4jax call and every allreduce of the program, on every rank.
   XLA's memory: XLA frees its buffers when a run fails between start and wait, and
   MPI would go on writing into them until the request completes (at exit, say).
   The slot's memory lives until then; the price is two copies of the message.
-* :func:`overlap` runs ``fn(*args)`` between the start and the wait, by data
-  dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
+* :meth:`Request.overlap` runs ``fn(*args)`` between the start and the wait, by
+  data dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
   custom call that reads the request's handle (written by the start), and
   ``fn``'s result arrays pass through it again on their way out, the wait taking
   them from there as operands it never reads (so that every later reader of the
@@ -27,18 +27,20 @@ every mpi4jax call and every allreduce of the program, on every rank.
   start, ``fn``, wait, and so does XLA:CPU's runtime, which runs thunks concurrently
   ordered only by the buffers they read and write. (``lax.optimization_barrier``
   would not do: XLA:CPU removes barriers before it schedules.)
-* :func:`test` calls ``MPI_Test`` once and returns the request unchanged: placed
-  between two overlapped pieces of work, it lets the MPI progress the reduction.
-* :func:`wait` completes the request (``MPI_Wait``), copies the result out of the
-  extension's memory and returns the reduced array (aliased: the same buffer again).
+* :meth:`Request.test` calls ``MPI_Test`` once and returns the request unchanged:
+  placed between two overlapped pieces of work, it lets the MPI progress the
+  reduction.
+* :meth:`Request.wait` completes the request (``MPI_Wait``), copies the result out
+  of the extension's memory and returns the reduced array (aliased: the same buffer
+  again).
 
 MPI progress during the overlap. An MPI moves a non-blocking collective on only
 inside its own calls unless it runs a progress thread. ``MPI_Iallreduce`` sends what
 the first step of its algorithm can at the start; the later steps (receiving,
 adding, the next round of a recursive doubling: log2 P rounds) happen in whatever
-MPI call the process makes next: a :func:`test`, a halo exchange in the overlapped
-matvec, or the wait. For a few scalars on few ranks little is left for the wait;
-at scale more is. What helps:
+MPI call the process makes next: a :meth:`Request.test`, a halo exchange in the
+overlapped matvec, or the wait. For a few scalars on few ranks little is left for
+the wait; at scale more is. What helps:
 
 * MPICH: ``MPIR_CVAR_ASYNC_PROGRESS=1`` starts a progress thread in every process
   (it needs ``MPI_THREAD_MULTIPLE``, which this package asks for anyway); it
@@ -47,10 +49,10 @@ at scale more is. What helps:
 * Open MPI 5: no asynchronous progress for shared memory or most networks
   (``ompi_info`` says ``OMPI progress: no``; ``btl_tcp_progress_thread`` covers TCP
   only): non-blocking collectives (``coll/libnbc``) advance only inside MPI calls, so
-  place :func:`test` calls in the overlapped work.
-* Any MPI: :func:`test` between pieces of the work, e.g.
-  ``req, m = overlap(req, precond, w); req = test(req); req, n = overlap(req,
-  matvec, m)``.
+  place :meth:`Request.test` calls in the overlapped work.
+* Any MPI: :meth:`Request.test` between pieces of the work, e.g.
+  ``req, m = req.overlap(precond, w); req = req.test(); req, n =
+  req.overlap(matvec, m)``.
 
 A simulated latency, for benchmarks. Two ranks on one machine reduce a few scalars
 in about a microsecond; at 10^4 ranks an 8-byte allreduce takes tens. With
@@ -72,9 +74,9 @@ What is caught, and how:
   inside a loop body or an inner ``jit`` whose start is outside): ``RuntimeError``
   at the call, from JAX's trace state. A request is no pytree: it cannot be an
   argument or result of ``jit``, ``cond`` or a loop.
-* **A request used twice** (waited twice, or waited after ``overlap``/``test``
-  returned its successor): ``RuntimeError`` at the call. Anything else passed as a
-  request: ``TypeError`` naming the argument.
+* **A request used twice** (waited twice, or waited after ``req.overlap()`` or
+  ``req.test()`` returned its successor): ``RuntimeError`` at the call. Anything
+  else passed as a request (``Request.wait(x)``): ``TypeError`` naming it.
 * **At run time**, by the extension: a start that runs again while its previous
   request is still pending (its wait did not run: a request kept out of the traced
   function, a wait in a branch not taken) fails that run with an error naming the
@@ -84,8 +86,8 @@ What is caught, and how:
 * **Ranks that disagree on the count, dtype or op**: the first start on each
   communicator (every start with ``MPI4JAX_DIST_DEBUG_CHECKS=1``) posts an
   ``MPI_Iallreduce`` of 8 integers, and its reduction only once that has agreed (in
-  the first :func:`test` that finds it complete, or in the wait); the wait fails on
-  every rank, naming what differs. (MPICH reduces 1,000 floats on one rank with
+  the first :meth:`Request.test` that finds it complete, or in the wait); the wait
+  fails on every rank, naming what differs. (MPICH reduces 1,000 floats on one rank with
   2,000 on the other without an error; Open MPI 5.0 crashed in ``MPI_Test``.) The
   price: that first start hides little of its reduction. Not a blocking check, as
   :func:`mpi4jax_dist.allreduce` makes: a start that only some ranks make would
@@ -178,14 +180,23 @@ def _is_traced(value) -> bool:
 
 
 class Request:
-    """A non-blocking allreduce in flight: what :func:`iallreduce`, :func:`overlap`
-    and :func:`test` return, and what :func:`wait` completes.
+    """A non-blocking allreduce in flight: what :func:`iallreduce` returns.
 
-    Holds the array's buffer, which the wait fills with the result (MPI reduces a
-    copy the extension owns), and the handle of the request; neither is to be read
-    before the wait. Use each request once: :func:`overlap` and
-    :func:`test` return its successor. It is no pytree: start, overlap, test and
-    wait it in one function (one ``jit``, one loop body).
+    Complete it with :meth:`wait`, in the function that started it and on every
+    path; run work while it reduces with :meth:`overlap`, and let the MPI
+    progress it with :meth:`test`::
+
+        req = mpi4jax_dist.iallreduce(partials)   # MPI_Iallreduce posted
+        req, n = req.overlap(matvec, w)           # runs while it reduces
+        req = req.test()                          # MPI_Test, once
+        sums = req.wait()                         # MPI_Wait
+
+    A request is used once: :meth:`overlap` and :meth:`test` use it up and
+    return its successor, which is the one to use next (rebind the name, as
+    above). It holds the array's buffer, which the wait fills with the
+    result (MPI reduces a copy the extension owns), and the handle of the
+    request; neither is to be read before the wait. It is no pytree: start,
+    overlap, test and wait it in one function (one ``jit``, one loop body).
 
     Attributes:
         shape, dtype: those of the array being reduced.
@@ -227,19 +238,163 @@ class Request:
         return self._buffer.dtype
 
     def __repr__(self):
-        state = f"used by {self._used_by}" if self._used_by else "pending"
+        state = f"used by req.{self._used_by}()" if self._used_by else "pending"
         return (
             f"<mpi4jax_dist.Request {self.dtype}{list(self.shape)} from "
             f"{self.site}, {state}>"
         )
 
+    def overlap(self, fn, *args):
+        """Run ``fn(*args)`` while this request's reduction is in flight.
+
+        Start, ``fn`` and wait run in that order in the compiled program, by data
+        dependencies: ``args``' JAX arrays pass through a no-op call that reads
+        the request's handle (so ``fn`` starts after the start, or after the last
+        :meth:`test`), and ``fn``'s JAX arrays pass through it again, which the
+        wait (or the next test) takes as operands it never reads (so it runs after
+        ``fn``, and ``fn``'s work runs once: no reader of its results can
+        recompute them). Pass ``fn``'s inputs as ``args``: what ``fn`` closes
+        over is not ordered. The no-op call passes the arrays on in place; an
+        array of ``args`` used again after ``overlap`` (or carried unchanged
+        through a loop) is therefore copied once by XLA, which keeps its value:
+        return it from ``fn`` and use that instead to avoid the copy.
+        Eagerly, ``fn`` simply runs.
+
+        This request is used up: continue with the one returned.
+
+        Example::
+
+            req = mpi4jax_dist.iallreduce(partials)
+            req, m = req.overlap(precond, w)
+            req = req.test()
+            req, n = req.overlap(matvec, m)
+            sums = req.wait()
+
+        Args:
+            fn: the work to overlap; its inputs and outputs are pytrees.
+            *args: ``fn``'s inputs; non-array leaves pass unchanged.
+
+        Returns:
+            ``(request, fn(*args))``: the request to continue with (to
+            :meth:`wait` on, or to pass to another :meth:`overlap` or
+            :meth:`test`), and ``fn``'s result.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or ``args`` or ``fn``'s result
+                hold no JAX array (nothing to order by).
+            RuntimeError: this request was used already, or is used in another
+                function than the one that started it.
+        """
+        import jax
+
+        who = "mpi4jax_dist.Request.overlap"
+        _check_request(self, who)
+        if not callable(fn):
+            raise TypeError(f"{who}: fn={fn!r} is not callable.")
+        if not _is_traced(self._buffer):
+            out = fn(*args)  # eagerly, dispatch order is the order
+            self._consume("overlap")
+            return self._successor(self._buffer, self._handle, self._deps), out
+        leaves, treedef, arrays = _array_leaves(args)
+        if not arrays:
+            raise TypeError(
+                f"{who}: args hold no JAX array, so nothing orders fn's work after "
+                f"the start; pass fn's inputs as args rather than closing over them."
+            )
+        *_, tie = _primitives()
+        tied = tie.bind(self._handle, *(leaves[i] for i in arrays))
+        for i, value in zip(arrays, tied, strict=True):
+            leaves[i] = value
+        out = fn(*jax.tree.unflatten(treedef, leaves))
+        out_leaves, out_treedef, out_arrays = _array_leaves(out)
+        if not out_arrays:
+            raise TypeError(
+                f"{who}: fn returned no JAX array, so nothing orders the wait after "
+                f"its work; return the work's results."
+            )
+        # fn's results pass through the no-op call too, and the wait takes them
+        # from there: a result that had two readers (the wait and the caller's
+        # next step) could have its computation fused into both by XLA, which
+        # would run it twice, once after the wait. Each array once, and not an
+        # input fn passed through (already tied, and computed by no one): an
+        # array tied in place twice would be copied by XLA for each.
+        inputs = {id(value) for value in tied}
+        fresh = {}  # id -> the result array fn computed
+        for i in out_arrays:
+            if id(out_leaves[i]) not in inputs:
+                fresh.setdefault(id(out_leaves[i]), out_leaves[i])
+        through = {}
+        if fresh:
+            tied_out = tie.bind(self._handle, *fresh.values())
+            through = dict(zip(fresh, tied_out, strict=True))
+        passed = {}  # the results' arrays, once each, as the wait will take them
+        for i in out_arrays:
+            key = id(out_leaves[i])
+            out_leaves[i] = through.get(key, out_leaves[i])
+            passed.setdefault(key, out_leaves[i])
+        self._consume("overlap")
+        deps = self._deps + tuple(passed.values())
+        return self._successor(self._buffer, self._handle, deps), jax.tree.unflatten(
+            out_treedef, out_leaves
+        )
+
+    def test(self) -> Request:
+        """Call ``MPI_Test`` on this request once, so that the MPI progresses it.
+
+        Place it between pieces of overlapped work: an MPI without a progress
+        thread (Open MPI 5; MPICH unless ``MPIR_CVAR_ASYNC_PROGRESS=1``) moves a
+        non-blocking collective on only inside its own calls, so the later steps
+        of the reduction wait for the next one. It runs after the work that
+        :meth:`overlap` placed before it.
+
+        This request is used up: continue with the one returned (``req =
+        req.test()``).
+
+        Returns:
+            The request to continue with (to :meth:`wait` on, or to pass to
+            :meth:`overlap` or :meth:`test` again).
+
+        Raises:
+            RuntimeError: this request was used already, or is used in another
+                function than the one that started it.
+        """
+        who = "mpi4jax_dist.Request.test"
+        _check_request(self, who)
+        _, test_p, _, _ = _primitives()
+        buffer, handle = test_p.bind(self._buffer, self._handle, *self._deps)
+        self._consume("test")
+        return self._successor(buffer, handle, ())
+
+    def wait(self):
+        """Complete this request (``MPI_Wait``) and return the reduced array.
+
+        Every request needs its wait (or that of its successor from
+        :meth:`overlap` or :meth:`test`), in the function that started it and on
+        every path. It runs after the work that :meth:`overlap` placed before it.
+
+        This request is used up.
+
+        Returns:
+            The reduced array, of the shape and dtype of the started one.
+
+        Raises:
+            RuntimeError: this request was used already, or is used in another
+                function than the one that started it.
+        """
+        who = "mpi4jax_dist.Request.wait"
+        _check_request(self, who)
+        _, _, wait_p, _ = _primitives()
+        out = wait_p.bind(self._buffer, self._handle, *self._deps)
+        self._consume("wait")
+        return out
+
     def _check(self, who: str) -> None:
         """Raise unless this request may be used now, by ``who``."""
         if self._used_by is not None:
             raise RuntimeError(
-                f"{who}: the request started at {self.site} was already passed to "
-                f"mpi4jax_dist.{self._used_by}; use the request that returned (a "
-                f"request is used once: overlap and test return its successor)."
+                f"{who}: the request started at {self.site} was already used by "
+                f"req.{self._used_by}(); use the request that returned (a request "
+                f"is used once: req.overlap() and req.test() return its successor)."
             )
         if _trace_state() != self._trace:
             raise RuntimeError(
@@ -251,21 +406,23 @@ class Request:
             )
 
     def _consume(self, name: str) -> None:
-        """Mark this request as used by ``mpi4jax_dist.<name>``."""
+        """Mark this request as used by its method ``name``."""
         self._used_by = name
         self._finalizer.detach()
 
     def _successor(self, buffer, handle, deps) -> Request:
-        """The request that continues this one (from :func:`overlap`/:func:`test`)."""
+        """The request that continues this one (from :meth:`overlap`/:meth:`test`)."""
         return Request(buffer, handle, deps, self._uid, self.site, self._trace)
 
 
 def _check_request(req, who: str) -> Request:
+    # Only a method called on something else gets here with another type:
+    # Request.wait(3), or the deprecated mpi4jax_dist.wait(3).
     if not isinstance(req, Request):
         raise TypeError(
             f"{who}: req must be the mpi4jax_dist.Request that "
-            f"mpi4jax_dist.iallreduce (or overlap, or test) returned; got "
-            f"{type(req).__name__}."
+            f"mpi4jax_dist.iallreduce (or req.overlap(), or req.test()) returned; "
+            f"got {type(req).__name__}."
         )
     req._check(who)
     return req
@@ -281,7 +438,7 @@ def _eager_dropped(handle, site) -> None:
         left = [None]
     warnings.warn(
         f"{_WHO}: the request started at {site} was dropped without "
-        f"mpi4jax_dist.wait; "
+        f"req.wait(); "
         + (
             "it was completed and its result discarded."
             if not left
@@ -322,7 +479,7 @@ def _report_pending_at_exit() -> None:
     for handle, _uid, site in pending:
         sys.stderr.write(
             f"{_WHO}: at exit, the request started at {site} (handle {handle}) is "
-            f"still pending: its mpi4jax_dist.wait never ran.\n"
+            f"still pending: its req.wait() never ran.\n"
         )
     sys.stderr.flush()
     left = ext.complete_pending([], EXIT_TIMEOUT_S)
@@ -330,8 +487,8 @@ def _report_pending_at_exit() -> None:
     sys.stderr.write(
         f"{_WHO}: {len(pending)} request(s) left pending at exit ({done} completed "
         f"since, {len(left)} not within {EXIT_TIMEOUT_S:g} s): ending the job with "
-        f"status {EXIT_STATUS}. Every start needs its mpi4jax_dist.wait, on every "
-        f"rank and every path.\n"
+        f"status {EXIT_STATUS}. Every start needs its req.wait(), on every rank "
+        f"and every path.\n"
     )
     from mpi4py import MPI
 
@@ -361,9 +518,10 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     ``MPI_Iallreduce`` on a copy of ``x`` the extension owns and return a
     :class:`Request` at once.
 
-    Complete it with :func:`wait` in the same function, on every path; put the work
-    to overlap between the two with :func:`overlap` (and :func:`test` for MPI
-    progress). The module docstring says what runs when, and what is caught.
+    Complete it with :meth:`Request.wait` in the same function, on every path; put
+    the work to overlap between the two with :meth:`Request.overlap` (and
+    :meth:`Request.test` for MPI progress). The module docstring says what runs
+    when, and what is caught.
 
     Args:
         x: array or scalar: float32/64, complex64/128, (u)int8/16/32/64, or bool
@@ -437,136 +595,38 @@ def _array_leaves(tree):
     return leaves, treedef, arrays
 
 
+# The functions that Request's methods replace: deprecated, kept working. The
+# package's __getattr__ hands them out with a DeprecationWarning that names the
+# method; each calls the method (one implementation).
+
+
 def overlap(req: Request, fn, *args):
-    """Run ``fn(*args)`` while the reduction of ``req`` is in flight.
-
-    Start, ``fn`` and wait run in that order in the compiled program, by data
-    dependencies: ``args``' JAX arrays pass through a no-op call that reads the
-    request's handle (so ``fn`` starts after the start, or after the last
-    :func:`test`), and ``fn``'s JAX arrays pass through it again, which the wait
-    (or the next test) takes as operands it never reads (so it runs after ``fn``,
-    and ``fn``'s work runs once: no reader of its results can recompute them).
-    Pass ``fn``'s inputs as ``args``: what ``fn`` closes over is not ordered. The
-    no-op call passes the arrays on in place; an array of ``args`` used again after
-    ``overlap`` (or carried unchanged through a loop) is therefore copied once by
-    XLA, which keeps its value: return it from ``fn`` and use that instead to avoid
-    the copy.
-    Eagerly, ``fn`` simply runs.
-
-    Args:
-        req: the :class:`Request` of :func:`iallreduce` (or of :func:`overlap` or
-            :func:`test`); used up.
-        fn: the work to overlap; its inputs and outputs are pytrees.
-        *args: ``fn``'s inputs; non-array leaves pass unchanged.
-
-    Returns:
-        ``(request, fn(*args))``: the request to wait on, and ``fn``'s result.
-
-    Raises:
-        TypeError: ``req`` is not a request, ``fn`` is not callable, or ``args`` or
-            ``fn``'s result hold no JAX array (nothing to order by).
-        RuntimeError: ``req`` was used already, or in another function.
-    """
-    import jax
-
-    who = "mpi4jax_dist.overlap"
-    _check_request(req, who)
-    if not callable(fn):
-        raise TypeError(f"{who}: fn={fn!r} is not callable.")
-    if not _is_traced(req._buffer):
-        out = fn(*args)  # eagerly, dispatch order is the order
-        req._consume("overlap")
-        return req._successor(req._buffer, req._handle, req._deps), out
-    leaves, treedef, arrays = _array_leaves(args)
-    if not arrays:
-        raise TypeError(
-            f"{who}: args hold no JAX array, so nothing orders fn's work after "
-            f"the start; pass fn's inputs as args rather than closing over them."
-        )
-    *_, tie = _primitives()
-    tied = tie.bind(req._handle, *(leaves[i] for i in arrays))
-    for i, value in zip(arrays, tied, strict=True):
-        leaves[i] = value
-    out = fn(*jax.tree.unflatten(treedef, leaves))
-    out_leaves, out_treedef, out_arrays = _array_leaves(out)
-    if not out_arrays:
-        raise TypeError(
-            f"{who}: fn returned no JAX array, so nothing orders the wait after "
-            f"its work; return the work's results."
-        )
-    # fn's results pass through the no-op call too, and the wait takes them from
-    # there: a result that had two readers (the wait and the caller's next step)
-    # could have its computation fused into both by XLA, which would run it
-    # twice, once after the wait. Each array once, and not an input fn passed
-    # through (already tied, and computed by no one): an array tied in place twice
-    # would be copied by XLA for each.
-    inputs = {id(value) for value in tied}
-    fresh = {}  # id -> the result array fn computed
-    for i in out_arrays:
-        if id(out_leaves[i]) not in inputs:
-            fresh.setdefault(id(out_leaves[i]), out_leaves[i])
-    through = {}
-    if fresh:
-        tied_out = tie.bind(req._handle, *fresh.values())
-        through = dict(zip(fresh, tied_out, strict=True))
-    passed = {}  # the results' arrays, once each, as the wait will take them
-    for i in out_arrays:
-        key = id(out_leaves[i])
-        out_leaves[i] = through.get(key, out_leaves[i])
-        passed.setdefault(key, out_leaves[i])
-    req._consume("overlap")
-    deps = req._deps + tuple(passed.values())
-    return req._successor(req._buffer, req._handle, deps), jax.tree.unflatten(
-        out_treedef, out_leaves
-    )
+    """Deprecated: ``overlap(req, fn, *args)`` is :meth:`Request.overlap`,
+    ``req.overlap(fn, *args)``."""
+    return Request.overlap(req, fn, *args)
 
 
 def test(req: Request) -> Request:
-    """Call ``MPI_Test`` on ``req`` once, so that the MPI progresses it; return the
-    request unchanged (to pass on to :func:`overlap` or :func:`wait`).
-
-    Place it between pieces of overlapped work (see the module docstring on MPI
-    progress). It runs after the work that :func:`overlap` placed before it.
-
-    Raises:
-        TypeError: ``req`` is not a request.
-        RuntimeError: ``req`` was used already, or in another function.
-    """
-    who = "mpi4jax_dist.test"
-    _check_request(req, who)
-    _, test_p, _, _ = _primitives()
-    buffer, handle = test_p.bind(req._buffer, req._handle, *req._deps)
-    req._consume("test")
-    return req._successor(buffer, handle, ())
+    """Deprecated: ``test(req)`` is :meth:`Request.test`, ``req.test()``."""
+    return Request.test(req)
 
 
-# A public function named test: pytest must not collect it from a user's test module
-# that does ``from mpi4jax_dist import test`` ("fixture 'req' not found").
+# A function named test: pytest must not collect it from a user's test module that
+# still does ``from mpi4jax_dist import test`` ("fixture 'req' not found").
 test.__test__ = False
 
 
 def wait(req: Request):
-    """Complete ``req`` (``MPI_Wait``) and return the reduced array.
+    """Deprecated: ``wait(req)`` is :meth:`Request.wait`, ``req.wait()``."""
+    return Request.wait(req)
 
-    It runs after the work that :func:`overlap` placed before it.
 
-    Args:
-        req: the :class:`Request` of :func:`iallreduce`, :func:`overlap` or
-            :func:`test`; used up.
-
-    Returns:
-        The reduced array, of the shape and dtype of the started one.
-
-    Raises:
-        TypeError: ``req`` is not a request.
-        RuntimeError: ``req`` was used already, or in another function.
-    """
-    who = "mpi4jax_dist.wait"
-    _check_request(req, who)
-    _, _, wait_p, _ = _primitives()
-    out = wait_p.bind(req._buffer, req._handle, *req._deps)
-    req._consume("wait")
-    return out
+#: Deprecated name -> (its old call, the call that replaces it).
+DEPRECATED = {
+    "overlap": ("overlap(req, fn, *args)", "req.overlap(fn, *args)"),
+    "test": ("test(req)", "req.test()"),
+    "wait": ("wait(req)", "req.wait()"),
+}
 
 
 @functools.cache
@@ -633,12 +693,11 @@ def _primitives():
         if uid in _DROPPED:
             raise RuntimeError(
                 f"{_WHO}: the request started at {_DROPPED[uid]} is never waited "
-                f"on: it was dropped without mpi4jax_dist.wait. A start without "
-                f"its wait would leave MPI's reduction pending (and the next "
-                f"collective on its communicator hanging). Call "
-                f"mpi4jax_dist.wait(req) on it, or on the request that "
-                f"mpi4jax_dist.overlap or mpi4jax_dist.test returned, in the same "
-                f"function and on every path."
+                f"on: it was dropped without req.wait(). A start without its "
+                f"wait would leave MPI's reduction pending (and the next "
+                f"collective on its communicator hanging). Call req.wait() on "
+                f"it, or on the request that req.overlap() or req.test() "
+                f"returned, in the same function and on every path."
             )
         ext = _load_extension()
         _check_count(int(np.prod(ctx.avals_in[0].shape)), ext)
@@ -686,8 +745,8 @@ def _primitives():
     def gpu_lowering(platform):
         def rule(ctx, *args, **params):
             raise NotImplementedError(
-                f"{_WHO} (and mpi4jax_dist.test and wait) has a CPU handler only, "
-                f"none for {platform} GPUs; use the blocking "
+                f"{_WHO} (and Request.test and Request.wait) has a CPU handler "
+                f"only, none for {platform} GPUs; use the blocking "
                 f"mpi4jax_dist.allreduce (CUDA) or mpi4jax.allreduce there."
             )
 

@@ -29,9 +29,10 @@ variant           recurrences                                       reductions/i
 ``classic``       Hestenes-Stiefel: ``p.Ap``, then ``[r.z, r.r]``    2 (3 scalars)
 ``single``        Chronopoulos-Gear: ``[r.u, w.u, r.r]`` after the   1 (3 scalars)
                   matvec, ``w = A u`` carried
-``pipelined``     Ghysels-Vanroose: ``[r.u, w.u, r.r]`` independent  1 (3 scalars)
-                  of that iteration's matvec ``n = A M w``, so the
-                  two can overlap where the runtime allows it
+``pipelined``     Ghysels-Vanroose: ``[r.u, w.u, r.r]``,            1 (3 scalars)
+                  independent of that iteration's matvec
+                  ``n = A M w``, so the two can overlap where the
+                  runtime allows it
 ``pipelined_nb``  ``pipelined``, its reduction non-blocking: the     1 (3 scalars)
                   ``mpi4jax`` backend posts it
                   (:func:`mpi4jax_dist.iallreduce`) before the
@@ -40,7 +41,7 @@ variant           recurrences                                       reductions/i
 
 ``pipelined_nb`` is where the overlap happens: on the ``mpi4jax`` backend the
 iteration's ``MPI_Iallreduce`` is in flight while ``M w`` and ``A M w`` run, ordered so
-by data dependencies in the compiled loop (:func:`mpi4jax_dist.overlap`); the
+by data dependencies in the compiled loop (:meth:`mpi4jax_dist.Request.overlap`); the
 iterates are ``pipelined``'s (the same dot products, summed by ``MPI_Iallreduce``
 instead of ``MPI_Allreduce``: the same to rounding, and bit for bit in the 2-rank
 runs of the tests here).
@@ -385,7 +386,7 @@ def _pipelined_step(ops, b, st, k, counts, replace_every):
         n, counts = ops.apply(m, counts)
         # w comes back too: the non-blocking form passes it in place through a
         # call that orders the matvec after the start, which would copy a w
-        # used afterwards (see mpi4jax_dist.overlap).
+        # used afterwards (see mpi4jax_dist.Request.overlap).
         return w, m, n, counts
 
     (gamma, delta, rr), (w, m, n, counts) = ops.sum_overlapping(
@@ -440,8 +441,8 @@ class Variant:
             collective, counted once).
         nonblocking: whether the ``mpi4jax`` backend posts that reduction
             non-blocking before the preconditioner and matvec and waits after them
-            (:func:`mpi4jax_dist.iallreduce`, :func:`mpi4jax_dist.overlap`,
-            :func:`mpi4jax_dist.wait`); the other backends reduce blocking.
+            (:func:`mpi4jax_dist.iallreduce`, :meth:`~mpi4jax_dist.Request.overlap`,
+            :meth:`~mpi4jax_dist.Request.wait`); the other backends reduce blocking.
     """
 
     name: str
@@ -599,7 +600,7 @@ def _mpi4jax_sum(comm):
 
     def allreduce(x):
         if _config.simulated_latency_us() is not None:
-            return _iallreduce.wait(_iallreduce.iallreduce(x, MPI.SUM, comm=comm))
+            return _iallreduce.iallreduce(x, MPI.SUM, comm=comm).wait()
         return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
     return allreduce
@@ -615,8 +616,8 @@ def _mpi4jax_overlap(comm):
 
     def overlap(stacked, fn, *args):
         req = _iallreduce.iallreduce(stacked, MPI.SUM, comm=comm)
-        req, out = _iallreduce.overlap(req, fn, *args)
-        return _iallreduce.wait(req), out
+        req, out = req.overlap(fn, *args)
+        return req.wait(), out
 
     return overlap
 

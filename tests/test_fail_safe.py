@@ -85,7 +85,7 @@ def test_unmatched_eager_request_exits_promptly_and_non_zero():
     proc, took, lines = scenario("rank0-only")
     assert "started" in lines[0] and "done" in lines[1], output(proc)
     assert proc.returncode == _iallreduce.EXIT_STATUS, output(proc)
-    assert "dropped without mpi4jax_dist.wait" in proc.stderr, output(proc)
+    assert "dropped without req.wait()" in proc.stderr, output(proc)
     assert LEFT in proc.stderr, output(proc)
     # Two Python starts with JAX on a loaded 2-core machine take up to ~20 s; the
     # drop and exit add DROP_TIMEOUT_S + EXIT_TIMEOUT_S.

@@ -77,9 +77,9 @@ def test_counts_this_packages_reductions_once_each(mpi):
 
     def body(k, x):
         req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        req, y = mpi4jax_dist.overlap(req, lambda v: v * 2, x)
-        req = mpi4jax_dist.test(req)
-        return mpi4jax_dist.wait(req) + mpi4jax_dist.allreduce(y, comm=MPI.COMM_SELF)
+        req, y = req.overlap(lambda v: v * 2, x)
+        req = req.test()
+        return req.wait() + mpi4jax_dist.allreduce(y, comm=MPI.COMM_SELF)
 
     text = hlo(jax, marked_loop(jax, lax, body), jnp.ones(4), 3)
     found = _hlo.loop_reductions(text, "loop")

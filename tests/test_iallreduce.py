@@ -1,4 +1,5 @@
-"""The non-blocking allreduce: mpi4jax_dist.iallreduce, overlap, test and wait.
+"""The non-blocking allreduce: mpi4jax_dist.iallreduce and its Request's overlap,
+test and wait.
 
 With peers: mpiexec -n 2 (and 4) python -m pytest --with-mpi tests/test_iallreduce.py
 (results against mpi4py's Allreduce, eager and jitted, in loops, with work
@@ -42,10 +43,10 @@ def overlapped(x, op, w):
     import jax.numpy as jnp
 
     req = mpi4jax_dist.iallreduce(x, op)
-    req, a = mpi4jax_dist.overlap(req, lambda v: jnp.sin(v) * 2, w)
-    req = mpi4jax_dist.test(req)
-    req, b = mpi4jax_dist.overlap(req, lambda v: jnp.sum(v * v), a)
-    return mpi4jax_dist.wait(req), b
+    req, a = req.overlap(lambda v: jnp.sin(v) * 2, w)
+    req = req.test()
+    req, b = req.overlap(lambda v: jnp.sum(v * v), a)
+    return req.wait(), b
 
 
 def extension():
@@ -125,9 +126,9 @@ def test_eager_jit_loops_and_vmap(world):
 
     def step(c, w):
         req = mpi4jax_dist.iallreduce(c + 1)
-        req, w = mpi4jax_dist.overlap(req, lambda v: v * 0.5 + 1.0, w)
-        req = mpi4jax_dist.test(req)
-        return mpi4jax_dist.wait(req), w
+        req, w = req.overlap(lambda v: v * 0.5 + 1.0, w)
+        req = req.test()
+        return req.wait(), w
 
     def fori(a):
         return lax.fori_loop(0, 3, lambda i, s: step(*s), (a, jnp.ones(100)))[0]
@@ -142,7 +143,7 @@ def test_eager_jit_loops_and_vmap(world):
         return lax.scan(lambda s, _: (step(*s), None), (a, jnp.ones(8)), length=3)[0][0]
 
     def start_wait(a):
-        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a))
+        return mpi4jax_dist.iallreduce(a).wait()
 
     stacked = jnp.stack([x, 2 * x, 3 * x])
     by_row = np.stack([total, 2 * total, 3 * total])
@@ -191,8 +192,8 @@ def test_derivatives_flow_through_the_overlapped_work(world):
 
     def f(w):
         req = mpi4jax_dist.iallreduce(c)
-        req, y = mpi4jax_dist.overlap(req, jnp.sin, w)
-        return jnp.sum(mpi4jax_dist.wait(req) * y)
+        req, y = req.overlap(jnp.sin, w)
+        return jnp.sum(req.wait() * y)
 
     w = jnp.linspace(0.0, 1.0, 3)
     total = np.arange(3.0) * MPI.COMM_WORLD.size + sum(range(MPI.COMM_WORLD.size))
@@ -203,7 +204,7 @@ def test_derivatives_flow_through_the_overlapped_work(world):
             problems.append(f"{name}: {got}")
 
     def through(x):
-        return jnp.sum(mpi4jax_dist.wait(mpi4jax_dist.iallreduce(x)))
+        return jnp.sum(mpi4jax_dist.iallreduce(x).wait())
 
     problem = outcome(lambda: jax.grad(through)(w), NotImplementedError, "allreduce")
     if problem:
@@ -221,7 +222,7 @@ def test_donated_buffer_is_reduced_in_place(world):
     n = 1 << 16
 
     def f(a):
-        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a))
+        return mpi4jax_dist.iallreduce(a).wait()
 
     ours = jax.jit(f, donate_argnums=0)
     x = jnp.arange(n, dtype=jnp.float32) + comm.rank
@@ -259,7 +260,7 @@ def test_any_intracommunicator(world):
             expected = reduced(c, x, MPI.SUM)
 
             def f(a, c=c):
-                return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a, comm=c))
+                return mpi4jax_dist.iallreduce(a, comm=c).wait()
 
             got = jax.jit(f)(jnp.asarray(x))
             if not np.array_equal(np.asarray(got), expected):
@@ -283,13 +284,12 @@ def test_ordered_with_mpi4jax_calls(world):
 
     def f(x, v):
         req = mpi4jax_dist.iallreduce(x)
-        req, got = mpi4jax_dist.overlap(
-            req,
+        req, got = req.overlap(
             lambda v: mpi4jax.sendrecv(v, v, left, right, comm=comm)
             + mpi4jax.allreduce(v, op=MPI.MAX, comm=comm),
             v,
         )
-        return mpi4jax_dist.wait(req), got
+        return req.wait(), got
 
     x = jnp.arange(4.0) + comm.rank
     v = jnp.full(3, float(comm.rank))
@@ -338,12 +338,12 @@ def test_start_without_wait_is_an_error_at_trace_time(world):
 
     def dropped_after_overlap(a, w):
         req = mpi4jax_dist.iallreduce(a)
-        req, w = mpi4jax_dist.overlap(req, jnp.sin, w)
+        req, w = req.overlap(jnp.sin, w)
         return w
 
     def dropped_in_loop(a):
         def body(i, c):
-            mpi4jax_dist.test(mpi4jax_dist.iallreduce(c))
+            mpi4jax_dist.iallreduce(c).test()
             return c + 1
 
         return lax.fori_loop(0, 2, body, a)
@@ -375,31 +375,31 @@ def test_misused_requests_are_refused(world):
 
     def twice(a):
         req = mpi4jax_dist.iallreduce(a)
-        y = mpi4jax_dist.wait(req)
-        return y + mpi4jax_dist.wait(req)
+        y = req.wait()
+        return y + req.wait()
 
     def after_successor(a):
         req = mpi4jax_dist.iallreduce(a)
-        mpi4jax_dist.test(req)
-        return mpi4jax_dist.wait(req)
+        req.test()
+        return req.wait()
 
     def wait_in_loop_body(a):
         req = mpi4jax_dist.iallreduce(a)
-        return lax.fori_loop(0, 2, lambda i, c: c + mpi4jax_dist.wait(req), a)
+        return lax.fori_loop(0, 2, lambda i, c: c + req.wait(), a)
 
     def no_arrays(a):
         req = mpi4jax_dist.iallreduce(a)
-        req, _ = mpi4jax_dist.overlap(req, lambda: a * 2)
-        return mpi4jax_dist.wait(req)
+        req, _ = req.overlap(lambda: a * 2)
+        return req.wait()
 
     def returns_nothing(a):
         req = mpi4jax_dist.iallreduce(a)
-        req, _ = mpi4jax_dist.overlap(req, lambda v: None, a)
-        return mpi4jax_dist.wait(req)
+        req, _ = req.overlap(lambda v: None, a)
+        return req.wait()
 
     cases = [
-        (twice, RuntimeError, "already passed to mpi4jax_dist.wait"),
-        (after_successor, RuntimeError, "already passed to mpi4jax_dist.test"),
+        (twice, RuntimeError, "already used by req.wait()"),
+        (after_successor, RuntimeError, "already used by req.test()"),
         (wait_in_loop_body, RuntimeError, "another function"),
         (no_arrays, TypeError, "args hold no JAX array"),
         (returns_nothing, TypeError, "fn returned no JAX array"),
@@ -414,13 +414,15 @@ def test_misused_requests_are_refused(world):
             problems.append(f"{f.__name__}: {problem}")
     for bad in (None, 3, jnp.ones(3), (x, 1)):
         problem = outcome(
-            lambda b=bad: mpi4jax_dist.wait(b), TypeError, "req must be the"
+            lambda b=bad: mpi4jax_dist.Request.wait(b), TypeError, "req must be the"
         )
         if problem:
-            problems.append(f"wait({type(bad).__name__}): {problem}")
-    problem = outcome(lambda: mpi4jax_dist.test("req"), TypeError, "mpi4jax_dist.test")
+            problems.append(f"Request.wait({type(bad).__name__}): {problem}")
+    problem = outcome(
+        lambda: mpi4jax_dist.Request.test("req"), TypeError, "Request.test"
+    )
     if problem:
-        problems.append(f"test('req'): {problem}")
+        problems.append(f"Request.test('req'): {problem}")
     all_ranks(not problems, problems)
     all_ranks(not extension().pending_requests(), extension().pending_requests())
 
@@ -456,7 +458,7 @@ def test_large_counts_refused_without_mpi_iallreduce_c(world, monkeypatch):
         monkeypatch.setattr(ext, "LARGE_COUNT", False)
 
     def f(a):
-        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a))
+        return mpi4jax_dist.iallreduce(a).wait()
 
     spec = jax.ShapeDtypeStruct((INT_MAX + 1,), jnp.int8)
     problem = outcome(
@@ -509,9 +511,7 @@ def test_count_above_2_31(world):
         head, tail = lax.slice(a, (0,), (16,)), lax.slice(a, (LARGE - 16,), (LARGE,))
         return head, tail, jnp.all(lax.slice(a, (16,), (LARGE - 16,)) == 3)
 
-    reduce = jax.jit(
-        lambda a: mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a)), donate_argnums=0
-    )
+    reduce = jax.jit(lambda a: mpi4jax_dist.iallreduce(a).wait(), donate_argnums=0)
     with _jax_compat.enable_x64(True):
         x = make()
     ext.reset_stats()
@@ -611,10 +611,10 @@ def self_comm_program(with_overlap=True):
         w = w * 3  # an intermediate: the tie passes it on in place, no copy
         req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
         if with_overlap:
-            req, y = mpi4jax_dist.overlap(req, work, w)
+            req, y = req.overlap(work, w)
         else:
             y = work(w)
-        return mpi4jax_dist.wait(req), y
+        return req.wait(), y
 
     return f
 
@@ -677,8 +677,8 @@ def test_overlapped_work_runs_once_when_its_result_is_used_after_the_wait():
 
     def f(x, w):
         req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        req, y = mpi4jax_dist.overlap(req, work, w)
-        return mpi4jax_dist.wait(req), y * 1e-3  # used after the wait
+        req, y = req.overlap(work, w)
+        return req.wait(), y * 1e-3  # used after the wait
 
     x, w = jnp.arange(4.0), jnp.linspace(0, 1, 4096)
     text = jax.jit(f).lower(x, w).compile().as_text()
@@ -763,7 +763,7 @@ def test_gpu_platforms_are_refused_by_name():
     import jax.numpy as jnp
 
     def f(a):
-        return mpi4jax_dist.wait(mpi4jax_dist.iallreduce(a))
+        return mpi4jax_dist.iallreduce(a).wait()
 
     traced = jax.jit(f).trace(jnp.ones(3))
     for platform in ("cuda", "rocm"):
@@ -832,9 +832,7 @@ def test_simulated_latency_holds_the_result_until_after_the_post(monkeypatch):
     from mpi4jax_dist import _config
 
     def reduce():  # a new function: JAX reuses a function's traces
-        return lambda x: mpi4jax_dist.wait(
-            mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        )
+        return lambda x: mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF).wait()
 
     x = jnp.arange(5.0)
     monkeypatch.delenv(_config.SIMULATED_LATENCY_US, raising=False)
@@ -877,7 +875,7 @@ def test_waits_count_their_slack_and_what_they_waited(monkeypatch):
         ext.reset_stats()
         req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
         time.sleep(sleep_s)
-        np.testing.assert_array_equal(np.asarray(mpi4jax_dist.wait(req)), x)
+        np.testing.assert_array_equal(np.asarray(req.wait()), x)
         stats = ext.stats()
         assert stats["iallreduce_waits"] == 1, stats
         return (
@@ -908,8 +906,8 @@ def test_work_that_returns_its_inputs():
 
     def f(x, w):
         req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        req, (a, b) = mpi4jax_dist.overlap(req, lambda v: (v, v), w * 2)
-        return mpi4jax_dist.wait(req), a + b
+        req, (a, b) = req.overlap(lambda v: (v, v), w * 2)
+        return req.wait(), a + b
 
     x, w = jnp.arange(3.0), jnp.ones(5)
     text = jax.jit(f).lower(x, w).compile().as_text()
@@ -936,7 +934,7 @@ def test_the_4097th_pending_request_is_refused():
         with pytest.raises(Exception, match="4096 requests are pending"):
             mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
     finally:
-        got = [mpi4jax_dist.wait(req) for req in held]
+        got = [req.wait() for req in held]
     assert len(got) == len(held) and not ext.pending_requests()
     np.testing.assert_array_equal(np.asarray(got[-1]), np.ones(2))
 
@@ -954,6 +952,61 @@ def test_simulated_latency_rejects_what_is_not_a_latency(value):
 
 
 def test_api_is_exported():
-    for name in ("iallreduce", "overlap", "test", "wait"):
-        assert name in mpi4jax_dist.__all__
-        assert getattr(mpi4jax_dist, name) is getattr(_iallreduce, name)
+    assert {"iallreduce", "Request"} <= set(mpi4jax_dist.__all__)
+    assert mpi4jax_dist.iallreduce is _iallreduce.iallreduce
+    assert mpi4jax_dist.Request is _iallreduce.Request
+    for name in ("overlap", "test", "wait"):
+        assert callable(getattr(mpi4jax_dist.Request, name))
+        assert getattr(mpi4jax_dist.Request, name).__doc__
+
+
+@pytest.mark.parametrize(
+    "name, replacement",
+    [
+        ("wait", r"mpi4jax_dist\.wait\(req\) is deprecated: use req\.wait\(\)"),
+        ("test", r"mpi4jax_dist\.test\(req\) is deprecated: use req\.test\(\)"),
+        (
+            "overlap",
+            r"mpi4jax_dist\.overlap\(req, fn, \*args\) is deprecated: use "
+            r"req\.overlap\(fn, \*args\)",
+        ),
+    ],
+    ids=["wait", "test", "overlap"],
+)
+def test_the_old_functions_still_work_and_warn(name, replacement):
+    """mpi4jax_dist.wait, .test and .overlap (before the Request methods): out of
+    __all__ and dir(), but still there, with a DeprecationWarning that names the
+    method, once per access (``from mpi4jax_dist import wait`` too)."""
+    assert name not in mpi4jax_dist.__all__ and name not in dir(mpi4jax_dist)
+    with pytest.warns(DeprecationWarning, match=replacement) as caught:
+        old = getattr(mpi4jax_dist, name)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=replacement) as caught:
+        exec(f"from mpi4jax_dist import {name}", {})
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert old is getattr(_iallreduce, name)
+    # Misused, they fail as the methods do.
+    with pytest.raises(TypeError, match=f"Request.{name}: req must be the"):
+        old(None, abs, 1.0) if name == "overlap" else old(None)
+
+
+@pytest.mark.mpi_skip
+def test_the_old_functions_reduce_as_the_methods_do():
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from mpi4jax_dist import overlap, test, wait
+
+    def f(x, w):
+        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
+        req, y = overlap(req, jnp.sin, w)
+        return wait(test(req)), y
+
+    x, w = jnp.arange(3.0), jnp.ones(2)
+    for run in (f, jax.jit(f)):
+        y, s = run(x, w)
+        np.testing.assert_array_equal(np.asarray(y), np.arange(3.0))
+        np.testing.assert_allclose(np.asarray(s), np.sin(np.ones(2)))

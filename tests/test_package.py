@@ -287,12 +287,9 @@ def test_public_api():
         "global_mesh",
         "iallreduce",
         "initialize",
-        "overlap",
-        "test",
         "to_global",
         "to_local",
         "topology",
-        "wait",
     ]
 
 

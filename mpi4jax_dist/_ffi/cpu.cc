@@ -89,7 +89,7 @@ ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer,
   return IallreduceWait(*y, *handle.typed_data());
 }
 
-// The tie of mpi4jax_dist.overlap: the request's handle and arrays in, the
+// The tie of Request.overlap: the request's handle and arrays in, the
 // same arrays out (aliased, in place). No work: the arrays the overlapped work
 // reads are then written by a call that comes after the start (or test) that
 // wrote the handle, a dependency that XLA keeps through its passes (unlike an
@@ -99,7 +99,7 @@ ffi::Error IallreduceTieCpuImpl(ffi::BufferR0<ffi::S32>, ffi::RemainingArgs args
                                 ffi::RemainingRets rets) {
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.overlap: the tie has " + std::to_string(args.size()) +
+        "mpi4jax_dist.Request.overlap: the tie has " + std::to_string(args.size()) +
         " arrays in but " + std::to_string(rets.size()) + " out");
   }
   for (size_t i = 0; i < args.size(); ++i) {

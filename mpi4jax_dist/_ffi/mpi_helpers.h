@@ -491,8 +491,8 @@ inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
 }
 
 // ---------------------------------------------------------------------------
-// The non-blocking allreduce (mpi4jax_dist.iallreduce, mpi4jax_dist.wait,
-// mpi4jax_dist.test): a start posts MPI_Iallreduce and returns at once, a
+// The non-blocking allreduce (mpi4jax_dist.iallreduce, Request.wait,
+// Request.test): a start posts MPI_Iallreduce and returns at once, a
 // wait completes it. Between them the request lives in the RequestTable: a
 // start takes a slot and hands XLA its handle, an int32 that travels with the
 // buffer to the test and wait ops; the wait frees the slot.
@@ -568,7 +568,7 @@ struct RequestStats {
   // work did not hide. A wait whose first test completed it adds nothing.
   std::atomic<int64_t> wait_blocked_ns{0};
   std::atomic<int64_t> tests{0};
-  // Tests (mpi4jax_dist.test) that found the reduction complete.
+  // Tests (Request.test) that found the reduction complete.
   std::atomic<int64_t> tests_done{0};
   std::atomic<int64_t> max_pending{0};
 
@@ -638,7 +638,7 @@ class RequestTable {
             std::string(kIallreduceName) + ": the start made at " +
                 std::string(site) +
                 " runs again while its previous request is still pending: "
-                "its mpi4jax_dist.wait did not run (is it in a branch that was "
+                "its req.wait() did not run (is it in a branch that was "
                 "not taken, or was the request kept out of the function?). "
                 "Every start needs its wait, on every run.");
       }
@@ -656,7 +656,7 @@ class RequestTable {
                 " requests are pending, none waited on; the start made at " +
                 std::string(site) +
                 " is refused. Waits are missing: every start needs its "
-                "mpi4jax_dist.wait.");
+                "req.wait().");
       }
       slots_.push_back(std::make_unique<PendingRequest>());
       free = slots_.back().get();
@@ -872,7 +872,7 @@ inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
 // The wait: complete the request of `handle` (MPI_Wait), copy its result into
 // y, and free its slot.
 inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
-  const char* who = "mpi4jax_dist.wait";
+  const char* who = "mpi4jax_dist.Request.wait";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
   PendingRequest* slot = nullptr;
   if (ffi::Error error = RequestTable::Get().Find(handle, who, &slot);
@@ -934,7 +934,7 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
 // The test: one MPI_Test on the request of `handle`, so that MPI progresses it
 // (the request stays pending for its wait either way).
 inline ffi::Error IallreduceTest(int32_t handle) {
-  const char* who = "mpi4jax_dist.test";
+  const char* who = "mpi4jax_dist.Request.test";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
   PendingRequest* slot = nullptr;
   if (ffi::Error error = RequestTable::Get().Find(handle, who, &slot);

@@ -63,8 +63,8 @@ def callback_raises():
 
     def f(x, w):
         req = mpi4jax_dist.iallreduce(x)
-        req, y = mpi4jax_dist.overlap(req, work, w)
-        return mpi4jax_dist.wait(req), y
+        req, y = req.overlap(work, w)
+        return req.wait(), y
 
     g = jax.jit(f, donate_argnums=0)
     try:
@@ -119,7 +119,7 @@ def imismatch():
     n = 1000 if RANK == 0 else 2000
     try:
         req = mpi4jax_dist.iallreduce(jnp.ones(n), comm=MPI.COMM_WORLD)
-        out = mpi4jax_dist.wait(req).block_until_ready()
+        out = req.wait().block_until_ready()
         say(f"mismatched wait: no error, {float(out[-1])}")
     except Exception as err:  # noqa: BLE001
         say(f"mismatched wait failed: {err}")
