@@ -363,6 +363,9 @@ def save(args, meta_: dict, results: list[dict], plot=None, comm=None) -> None:
     """Write ``--json`` and draw ``--plot`` (with ``plot(results, path)``) on rank 0."""
     if comm is not None and comm.Get_rank() != 0:
         return
+    for path in (getattr(args, "json", None), getattr(args, "plot", None)):
+        if path:  # --json results/x.json works in a fresh clone
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump({"meta": meta_, "results": results}, f, indent=1)
