@@ -286,7 +286,10 @@ def jaxlib_include() -> str:
         ) from None
     include = Path(jaxlib.__file__).resolve().parent / "include"
     if not (include / "xla" / "ffi" / "api" / "ffi.h").is_file():
-        raise SystemExit(f"mpi4jax_dist: {include} holds no xla/ffi/api/ffi.h.")
+        raise SystemExit(
+            f"mpi4jax_dist: {include} holds no xla/ffi/api/ffi.h: this jaxlib has "
+            f"no FFI headers. Install jax and jaxlib 0.6 or newer first."
+        )
     return str(include)
 
 

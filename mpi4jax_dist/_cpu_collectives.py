@@ -193,8 +193,10 @@ def use_private_world() -> bool:
     rc = set_world(MPI._handleof(world))
     if rc != MPI.SUCCESS:
         raise RuntimeError(
-            f"mpi4jax_dist: the MPI wrapper {library} refused the private world "
-            f"(MPI error {rc}): was it handed one already?"
+            f"mpi4jax_dist: the MPI wrapper {library} refused the communicator "
+            f"it should hand XLA (MPI error {rc}): it was given one already, or "
+            f"MPITRAMPOLINE_LIB names another build of it. Unset MPITRAMPOLINE_LIB "
+            f"and let MPI4JAX_DIST_CPU_COLLECTIVES=mpi set it."
         )
     _given.append(world)
     return True

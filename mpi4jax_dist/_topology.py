@@ -389,7 +389,8 @@ class Bootstrap:
             self._wait(
                 self._private.Ibarrier(),
                 deadline,
-                "the other ranks to wait for the coordinator",
+                "the other ranks to join the barrier that tells them the "
+                "coordinator listens",
             )
             self._private.Free()
             self._private = None

@@ -982,6 +982,11 @@ def solve(
 
 #: Where :func:`cg`'s vectors live, and so how it sums its dot products.
 DROP_IN_BACKENDS = ("local", "mpi4jax", "psum")
+# What comm= and mesh= say about the drop-in's vectors (for its messages).
+_SPLIT_BY = {
+    "comm": "row blocks over the communicator's ranks",
+    "mesh": "global arrays sharded over the mesh",
+}
 
 
 def _operator(name, op):
@@ -1023,9 +1028,10 @@ def _drop_in_backend(backend, comm, mesh):
     for name, value, owner in (("comm", comm, "mpi4jax"), ("mesh", mesh, "psum")):
         if value is not None and backend != owner:
             raise ValueError(
-                f"{name}= is for backend={owner!r}, not {backend!r}: with "
-                f"backend='local' the vectors are whole on every rank and the "
-                f"dot products are local; drop {name}= or pass backend={owner!r}."
+                f"{name}= is for backend={owner!r}, not {backend!r}: {name}= says "
+                f"how the vectors are split ({_SPLIT_BY[name]}), which "
+                f"backend={backend!r} does not take; drop {name}= or pass "
+                f"backend={owner!r}."
             )
     return backend
 

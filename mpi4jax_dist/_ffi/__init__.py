@@ -178,8 +178,8 @@ def mismatch(ours: str, header: str, theirs: str, path) -> str | None:
         f"mpi4jax_dist's extension {path} was built against {header} and calls "
         f"'{_first_line(ours)}', but mpi4py uses '{_first_line(theirs)}'. Rebuild "
         f"mpi4jax_dist with this MPI's mpicc first on PATH: "
-        f"pip install --no-build-isolation --force-reinstall --no-deps <path to "
-        f"mpi4jax_dist> (tools/setup.sh does this)."
+        f"MPICC=<that MPI's mpicc> pip install --no-build-isolation "
+        f"--force-reinstall --no-deps --no-cache-dir <path to mpi4jax_dist>."
     )
 
 
