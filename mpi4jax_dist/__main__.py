@@ -142,49 +142,55 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (the docs render its help)."""
     from . import __version__
     from ._diagnose import CHECK_TIMEOUT_S
 
-    parser = argparse.ArgumentParser(
+    cli = argparse.ArgumentParser(
         prog="python -m mpi4jax_dist",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
+    cli.add_argument(
         "--version", action="version", version=f"mpi4jax_dist {__version__}"
     )
-    parser.add_argument(
+    cli.add_argument(
         "command",
         nargs="?",
         choices=["env"],
         help="env: print the shell lines that make JAX's CPU collectives use MPI",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument(
+    cli.add_argument("--json", action="store_true", help="print JSON")
+    cli.add_argument(
         "--check",
         action="store_true",
         help="also initialize JAX and compare allreduce with psum",
     )
-    parser.add_argument(
+    cli.add_argument(
         "--procs",
         type=int,
         metavar="N",
         help="judge rank 0's limits for a job of N processes (default: this one's)",
     )
-    parser.add_argument(
+    cli.add_argument(
         "--timeout",
         type=float,
         metavar="S",
         help="with --check: how long the ranks wait for each other after JAX's psum "
         f"before the job ends, saying that it hangs (default: {CHECK_TIMEOUT_S})",
     )
-    args = parser.parse_args(argv)
+    return cli
+
+
+def main(argv=None) -> int:
+    cli = parser()
+    args = cli.parse_args(argv)
     if args.procs is not None and args.procs < 1:
-        parser.error(f"--procs {args.procs}: expected a process count of 1 or more")
+        cli.error(f"--procs {args.procs}: expected a process count of 1 or more")
     if args.timeout is not None and not args.timeout > 0:
-        parser.error(f"--timeout {args.timeout:g}: expected seconds, more than 0")
+        cli.error(f"--timeout {args.timeout:g}: expected seconds, more than 0")
     if args.command == "env":
         from ._cpu_collectives import env_lines
 

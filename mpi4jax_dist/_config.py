@@ -14,6 +14,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 DISABLE = "MPI4JAX_DIST_DISABLE"
 ONE_PROCESS = "MPI4JAX_DIST_ONE_PROCESS"
@@ -505,3 +506,213 @@ def simulated_latency_us(env: Mapping[str, str] | None = None) -> float | None:
             f"non-negative number such as 50, or unset it for none."
         )
     return latency
+
+
+# The table of every variable above, for the documentation (docs/configuration.rst
+# renders it; tests/test_docs.py checks that every name this module defines is in
+# it). Switches follow one rule: each is named after what ``1`` does, so that
+# ``1`` turns that on and ``0`` turns it off; the default is given for each.
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One row of the documented table."""
+
+    names: tuple[str, ...]
+    group: str  # "package", "jax", "network", "gpu", "benchmark" or "build"
+    values: str  # what it takes, the default first (reStructuredText)
+    meaning: str  # what it does (reStructuredText)
+
+
+VARIABLES = (
+    Variable(
+        (DISABLE,),
+        "package",
+        "``0`` (default), ``1``",
+        "``1``: a plain ``jax.distributed.initialize()`` does not use this package "
+        "(JAX's own detectors decide); an explicit ``mpi4jax_dist.initialize()`` "
+        "still does.",
+    ),
+    Variable(
+        (ONE_PROCESS,),
+        "package",
+        "``1`` (default), ``0``",
+        "``1``: ``python script.py`` without a launcher is a one-process JAX world "
+        'on loopback. ``0``: JAX\'s own "coordinator_address should be defined".',
+    ),
+    Variable(
+        (FAIL_FAST,),
+        "package",
+        "``1`` (default), ``0``",
+        "``1``: a rank that raises, exits or gets SIGTERM ends the whole job at "
+        "once (``MPI_Abort``). ``0``: JAX's behaviour (the others wait for their "
+        "timeouts; JAX's preemption service catches SIGTERM).",
+    ),
+    Variable(
+        (CACHE_EVERY_PROCESS,),
+        "package",
+        "``1`` (default), ``0``",
+        "``1``: every process writes its own programs to JAX's persistent "
+        "compilation cache. ``0``: JAX's rule (only process 0 writes, so the other "
+        "ranks' per-rank programs are never cached).",
+    ),
+    Variable(
+        (CPU_COLLECTIVES,),
+        "package",
+        "unset (JAX's default), ``mpi``, ``gloo``",
+        "``mpi``: JAX's cross-process collectives on CPU (``psum`` and friends) run "
+        "over MPI instead of Gloo's TCP. Must be set before ``jax`` is imported, or "
+        'use ``eval "$(python -m mpi4jax_dist env)"`` in the job script.',
+    ),
+    Variable(
+        (TRAMPOLINE_LIB, JAX_CPU_COLLECTIVES),
+        "package",
+        "set for you",
+        f"Set by ``{CPU_COLLECTIVES}=mpi`` (or ``python -m mpi4jax_dist env``): the "
+        "MPI wrapper jaxlib loads, and JAX's choice of CPU collectives.",
+    ),
+    Variable(
+        (JAX_PREEMPTION,),
+        "package",
+        "``0`` (default), ``1``",
+        "JAX's own. ``1``: keep JAX's preemption service and its SIGTERM handler "
+        "under this package's fail-fast.",
+    ),
+    Variable(
+        (ALLREDUCE_CHUNK_BYTES,),
+        "package",
+        "``64M`` (default), a size (``16M``, ``1GiB``, ``67108864``), ``0``",
+        "The most bytes ``mpi4jax_dist.allreduce`` hands to one MPI call; bounds "
+        "MPI's scratch memory. ``0``: one call per message. Same on every rank.",
+    ),
+    Variable(
+        (DEBUG_CHECKS,),
+        "package",
+        "``0`` (default), ``1``",
+        "``1``: every ``allreduce``/``iallreduce`` checks that the ranks agree on "
+        "count, dtype, op and chunks (default: the first call on each "
+        "communicator). Same on every rank.",
+    ),
+    Variable(
+        (INTERFACE,),
+        "network",
+        "unset (default), an interface name (``hsn0``, ``ib0``)",
+        "The network interface whose address the coordinator uses on multi-node "
+        "jobs, and each process's for JAX's Gloo collectives (like "
+        "``NCCL_SOCKET_IFNAME``).",
+    ),
+    Variable(
+        (COORDINATOR_ADDRESS,),
+        "network",
+        "unset (default), ``host:port``",
+        "JAX's own. The coordinator's address; wins over the one rank 0 chooses.",
+    ),
+    Variable(
+        (COORDINATOR_PORT,),
+        "network",
+        "unset (default: a free port), ``1``-``65535``",
+        "JAX's own. The coordinator's port.",
+    ),
+    Variable(
+        (BIND_ADDRESS,),
+        "network",
+        "unset (default: the coordinator's address), ``host:port``",
+        "JAX's own. Where rank 0's coordination service listens. JAX's default is "
+        "every interface; this package binds it to the coordinator's address "
+        "unless you set one.",
+    ),
+    Variable(
+        (PROXY,),
+        "network",
+        "``exempt`` (default), ``keep``",
+        "``exempt``: where a proxy variable is set, the coordinator's host is added "
+        "to ``no_grpc_proxy`` so that gRPC does not send the bootstrap through the "
+        "proxy. ``keep``: leave the proxy variables alone.",
+    ),
+    Variable(
+        PROXY_VARIABLES,
+        "network",
+        "unset, a proxy URL",
+        "Read to decide whether to exempt the coordinator (any case).",
+    ),
+    Variable(
+        (LOCAL_DEVICE_IDS,),
+        "gpu",
+        "unset (default), ``0`` or ``0,1``...",
+        "JAX's own. The local devices of this process; wins over the device rule.",
+    ),
+    Variable(
+        VISIBLE_DEVICES,
+        "gpu",
+        "unset, a device list",
+        "Which accelerators this process sees; with one rank per GPU set by the "
+        "job script, each rank gets its own device.",
+    ),
+    Variable(
+        (PLATFORMS,),
+        "gpu",
+        "unset, ``cpu``, ``cuda``...",
+        "JAX's own. ``cpu``: no accelerator rule applies.",
+    ),
+    Variable(
+        (CUDA_AWARE_MPI,),
+        "gpu",
+        "``0`` (default), ``1``, ``force``",
+        "On CUDA GPUs, ``1``: ``allreduce`` hands MPI the device buffer where "
+        "``MPIX_Query_cuda_support`` says the MPI reads device memory; ``force``: "
+        "also where the MPI cannot say. ``0``: stage through pinned host memory. "
+        f"Unset: mpi4jax's ``{MPI4JAX_CUDA_AWARE_MPI}`` decides.",
+    ),
+    Variable(
+        (MPI4JAX_CUDA_AWARE_MPI,),
+        "gpu",
+        "``0`` (default), ``1``",
+        f"mpi4jax's own; read when ``{CUDA_AWARE_MPI}`` is unset.",
+    ),
+    Variable(
+        (STAGING_BYTES,),
+        "gpu",
+        "``64M`` (default), a size of at least 32 bytes",
+        "Pinned host memory the staged CUDA ``allreduce`` uses per process, in "
+        "two halves.",
+    ),
+    Variable(
+        (SIMULATED_LATENCY_US,),
+        "benchmark",
+        "unset (default), microseconds (``50``)",
+        "For benchmarks: every ``iallreduce`` (and ``cg``'s mpi4jax-backend "
+        "reductions) completes no sooner than that many µs after its start, as on "
+        "a large machine. ``0``: no delay, but the same code path.",
+    ),
+    Variable(
+        ("MPICC", "MPI4PY_BUILD_MPICC"),
+        "build",
+        "unset, a compiler wrapper (``mpicc``, ``cc``, ``/path/to/mpicc``)",
+        "Read by ``setup.py`` when the extension is built: the MPI compiler "
+        "wrapper whose flags it compiles with (mpi4py's variables; "
+        "``MPI4PY_BUILD_MPICC`` wins). Arguments after the command "
+        "(``cc -shared``) are ignored. Set but not found: the build fails.",
+    ),
+    Variable(
+        ("PE_ENV", "CRAYPE_VERSION"),
+        "build",
+        "set by Cray's modules",
+        "Read by ``setup.py``: the Cray Programming Environment is loaded, so "
+        "Cray's ``cc`` is the wrapper when no ``mpicc`` is found.",
+    ),
+    Variable(
+        ("MPI4JAX_DIST_BUILD_CUDA",),
+        "build",
+        "``auto`` (default), ``1``, ``0``",
+        "Read by ``setup.py``: ``auto`` builds the CUDA handler where a CUDA "
+        "runtime is found (``CUDA_HOME``/``CUDA_PATH``, around ``nvcc``, "
+        "``/usr/local/cuda``, JAX's nvidia wheels); ``1``: fail without one; "
+        "``0``: never.",
+    ),
+    Variable(
+        ("CUDA_HOME", "CUDA_PATH"),
+        "build",
+        "unset, a CUDA toolkit",
+        "Read by ``setup.py``: the CUDA runtime to build the CUDA handler against.",
+    ),
+)

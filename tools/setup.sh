@@ -127,7 +127,7 @@ fi
 if [ -z "$jax" ]; then
     # Editable: the source tree's extension is named for its MPI family
     # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment.
-    pip install --no-build-isolation -e "$here[test,bench,mpi4jax]"
+    pip install --no-build-isolation -e "$here[test,bench,mpi4jax,docs]"
 else
     # Another JAX's headers: installed from a copy of the tree into the
     # environment only, so that .venv's build of the same MPI family stays.

@@ -25,6 +25,8 @@ run() {
 # The code's own habits: black's layout and ruff's lint (versions pinned in setup.cfg).
 run black --check --quiet .
 run ruff check --quiet .
+# The documentation, with every Sphinx warning an error (docs/conf.py).
+run python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 # What the job looks like, first, so that a failing log shows the environment.
 run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 # Serially, with Open MPI's Python at hand (tools/setup.sh --with-openmpi): under
@@ -114,7 +116,8 @@ if [ -x "$jaxmin/bin/python" ]; then
     ignored=()
     for name in test_packaging test_launch test_launch_detection \
         test_coordinator_scale test_benchmarks test_memory_bench \
-        test_allreduce_bench test_job_scripts test_network test_limits test_mpi; do
+        test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
+        test_docs test_docs_errors test_build_mpicc; do
         ignored+=("--ignore=tests/$name.py")
     done
     run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
