@@ -1,7 +1,7 @@
 """A bare mpi4py Allreduce loop: the yardstick for the allreduce benchmark's floor.
 
     mpiexec -n 2 python benchmarks/bare_mpi4py.py [--sizes 4,4096,512KiB,16MiB]
-        [--compare]
+        [--compare] [--json PATH]
 
 Per size: K back-to-back ``Comm.Allreduce(x, y)`` on float32 NumPy buffers, nothing
 else (no buffer swap, no data update, no check), timed by ``_harness.time_rounds``
@@ -10,6 +10,7 @@ same K as benchmarks/allreduce.py. With ``--compare`` the ``mpi4py`` loop of
 benchmarks/allreduce.py (its registered implementation, buffers swapped every step)
 is timed in the same rounds, interleaved with the bare loop, and ``ratio`` is its
 median over the bare median: the harness's own overhead, which should be ~1.
+``--json PATH`` writes the rows with their provenance.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def main(argv=None) -> list[dict]:
         action="store_true",
         help="also time allreduce.py's mpi4py loop, interleaved",
     )
+    parser.add_argument("--json", metavar="PATH", help="write meta and results here")
     args = parser.parse_args(argv)
     from mpi4py import MPI
+
+    from mpi4jax_dist import _mpi
 
     comm = MPI.COMM_WORLD
     _harness.say(
@@ -98,6 +102,16 @@ def main(argv=None) -> list[dict]:
             row["ratio"] = row["t_median_s"] / found[0]["t_median_s"]
         _harness.say(comm, *(TABLE.row(r) for r in found))
         rows += found
+    # No JAX here: the MPI fields of meta() are filled in by hand.
+    meta = _harness.meta(
+        mpi_library=_mpi.mpi_library(),
+        world_size=comm.Get_size(),
+        dtype="float32",
+        args=vars(args),
+        timing="median over --samples rounds (round-robin) of the slowest rank's "
+        "time per allreduce, one warm-up excluded",
+    )
+    _harness.save(args, meta, rows, comm=comm)
     return rows
 
 

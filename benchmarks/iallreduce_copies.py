@@ -3,7 +3,7 @@
 Usage::
 
     mpiexec -n 2 python benchmarks/iallreduce_copies.py [--sizes 4,1MiB,64MiB]
-        [--samples 30]
+        [--samples 30] [--json PATH]
 
 ``mpi4jax_dist.iallreduce`` copies its operand into memory the extension owns and
 the wait copies the result out (MPI must never write into a buffer XLA may free
@@ -12,13 +12,18 @@ place. Both run jitted with their input donated, on ``MPI.COMM_WORLD``, float32,
 pair's start and wait back to back; the samples of the two alternate (one of each
 per round, each after a barrier), so that a drift of the machine's speed falls on
 both alike. Rank 0 prints the median microseconds per call of each and their
-ratio, one row per size.
+ratio, one row per size; ``--json PATH`` writes the rows with their provenance.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 
 SIZES = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -36,6 +41,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,1MiB,64MiB")
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--json", metavar="PATH", help="write meta and results here")
     args = parser.parse_args(argv)
 
     import jax
@@ -43,8 +49,10 @@ def main(argv=None) -> None:
     from mpi4py import MPI
 
     import mpi4jax_dist
+    from mpi4jax_dist import _mpi
 
     comm = MPI.COMM_WORLD
+    results = []
     impls = {
         "iallreduce+wait": jax.jit(
             lambda x: mpi4jax_dist.iallreduce(x, comm=comm).wait(),
@@ -80,9 +88,29 @@ def main(argv=None) -> None:
             name: comm.allreduce(float(np.median(t)) * 1e6, op=MPI.MAX)
             for name, t in times.items()
         }
+        a, b = med["iallreduce+wait"], med["allreduce"]
         if comm.rank == 0:
-            a, b = med["iallreduce+wait"], med["allreduce"]
             print(f"{n * 4:>12} {a:>19.1f} {b:>14.1f} {a / b:>7.2f}")
+        results.append(
+            {
+                "bytes": n * 4,
+                "iallreduce_wait_median_us": a,
+                "allreduce_median_us": b,
+                "ratio": a / b,
+                "samples": args.samples,
+            }
+        )
+    # jax.distributed is not initialized here: the MPI fields by hand.
+    meta = _harness.meta(
+        mpi_library=_mpi.mpi_library(),
+        world_size=comm.Get_size(),
+        backend=jax.default_backend(),
+        dtype="float32",
+        args=vars(args),
+        timing="per size, the slowest rank's median over --samples alternating "
+        "samples of one jitted, donated call",
+    )
+    _harness.save(args, meta, results, comm=comm)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 """What ``import mpi4jax_dist`` costs over ``import jax``.
 
-    python benchmarks/import_time.py [--repeat N]
-
+    python benchmarks/import_time.py [--repeat N] [--json PATH]
 
 Each sample is a fresh interpreter that imports jax, then mpi4jax_dist, timing both;
 prints the medians over --repeat samples and checks that importing started neither
-MPI nor a JAX backend.
+MPI nor a JAX backend. ``--json PATH`` writes the medians and every sample.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 
 _SAMPLE = """
 import json, sys, time
@@ -31,6 +34,7 @@ print(json.dumps({"jax": t1 - t0, "extra": t2 - t1,
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--json", metavar="PATH", help="write meta and results here")
     args = parser.parse_args(argv)
     samples = [
         json.loads(
@@ -54,6 +58,24 @@ def main(argv=None):
     print(
         f"MPI initialized by import: {any(s['mpi'] for s in samples)}; "
         f"backend initialized: {any(s['backend'] for s in samples)}"
+    )
+    result = {
+        "jax_s": jax_s,
+        "extra_s": extra_s,
+        "share": extra_s / jax_s,
+        "repeat": args.repeat,
+        "mpi_initialized": any(s["mpi"] for s in samples),
+        "backend_initialized": any(s["backend"] for s in samples),
+        "samples": samples,
+    }
+    _harness.save(
+        args,
+        _harness.meta(
+            args=vars(args),
+            timing="median over --repeat fresh interpreters of import jax, then "
+            "of import mpi4jax_dist after it",
+        ),
+        [result],
     )
     return {"jax_s": jax_s, "extra_s": extra_s}
 
