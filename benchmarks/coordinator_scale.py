@@ -3,7 +3,7 @@
     python benchmarks/coordinator_scale.py [--procs 64,256,1024,2048,4096]
         [--waves 0,256,1024] [--gap-ms 100] [--repeat 3] [--timeout 180]
         [--soft-limit N] [--protection on|off|off,on] [--init-timeout S]
-        [--json PATH] [--plot PNG]
+        [--exchange BYTES [--gather-threads N]] [--json PATH] [--plot PNG]
 
 Every run is a fresh subprocess (its own session, killed at ``--timeout``) that
 starts one real coordination service (jaxlib's ``get_distributed_runtime_service``,
@@ -46,6 +46,21 @@ Waves (``--waves W``, W > 0): client ``i`` starts its ``connect()`` at
 apply to its released ranks without any feedback from the service; ``0`` is the
 burst, all at once. ``--gap-ms`` sets the gap.
 
+Topology exchange (``--exchange BYTES``): after connect, the clients do what PJRT's
+CPU client does at start-up (XLA's ExchangeTopologies): every client puts a local
+topology of BYTES (random: gRPC's compression cannot shrink it) under
+``cpu:local_topology/cpu/<i>``; client 0 gets all P of them (``--gather-threads``
+blocking gets at a time, default the CPUs, as XLA's thread pool) and puts the
+global one (each local one framed as a GlobalTopologyProto node: P * (BYTES + 2 or
+3)) under ``cpu:global_topology/cpu``; every client then gets it (in JAX all but
+process 0 do). Timed per phase (``put_s``, ``gather_s``, ``global_put_s``,
+``fetch_s``), with every fetched size checked, the bytes the service's sockets sent
+(``ss``'s bytes_sent) against the payload (P * BYTES + P * global), and the
+process's peak RSS growth over the exchange (service and all P clients together:
+this emulation holds both ends). A real CPU process's local topology is 69-80 B at
+P = 2 or 4 (one device; 69 for process 0, whose node_id 0 is not serialized), about
+88 B at P = 4,096.
+
 File limits: ``--soft-limit N`` lowers this process's soft RLIMIT_NOFILE to N before
 anything starts. With ``--protection on`` the run then calls the package's
 protection, :func:`mpi4jax_dist._limits.ensure_file_limit`, before the service
@@ -63,6 +78,7 @@ may wait on for good: 10 s past ``--init-timeout`` it counts as failed.)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -368,6 +384,10 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
             )
         return
 
+    if config.get("exchange"):
+        if not exchange(config, row, clients, port, procs):
+            return
+
     # Shutdown: every client's (a barrier over all), then the service's.
     done_shut = [None] * procs
 
@@ -399,6 +419,185 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
         )
         return
     row["ok"] = True
+
+
+# ---------------------------------------------------------------------------------
+# The topology exchange (--exchange BYTES)
+
+# The keys PJRT's CPU client uses (its key-value store prefixes "cpu:"), read from a
+# real 2-process run of jax.distributed.initialize() with jaxlib 0.10.2.
+LOCAL_KEY = "cpu:local_topology/cpu/{}"
+GLOBAL_KEY = "cpu:global_topology/cpu"
+EXCHANGE_PHASES = ("put", "gather", "global_put", "fetch")
+
+
+def varint_size(n: int) -> int:
+    """Bytes of ``n`` as a protobuf varint."""
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def global_size(procs: int, local: int) -> int:
+    """Bytes of a GlobalTopologyProto of ``procs`` LocalTopologyProtos of ``local``
+    bytes each: every node is a length-delimited field 1 (a tag byte and the
+    length's varint before it)."""
+    return procs * (1 + varint_size(local) + local)
+
+
+def frame(value: bytes) -> bytes:
+    """``value`` as one ``nodes`` entry (field 1) of a GlobalTopologyProto."""
+    n, length = len(value), bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        length.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"\x0a" + bytes(length) + value
+
+
+def service_bytes_sent(port: int) -> int | None:
+    """Bytes the service's ESTABLISHED sockets (local port ``port``) have sent, from
+    ``ss -tin`` (bytes_sent, retransmissions included); None without ss."""
+    try:
+        out = subprocess.run(
+            ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.findall(r"\bbytes_sent:(\d+)", out)
+    return sum(map(int, found)) if found else None
+
+
+def _all_clients(procs: int, call) -> tuple[float, dict[int, str]]:
+    """Run ``call(i)`` for every client, each from a thread of its own, released
+    together; return the seconds until the last returned, and the errors."""
+    start = threading.Event()
+    done = [0.0] * procs
+    errors: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            call(i)
+        except Exception as err:
+            errors[i] = f"{type(err).__name__}: {err}"
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(procs)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    start.set()
+    for t in threads:
+        t.join()
+    return max(done) - t0, errors
+
+
+def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> bool:
+    """What PJRT's CPU client does at start-up, after connect: every client puts
+    its local topology (``config["exchange"]`` bytes, random so that gRPC's
+    compression cannot shrink it), client 0 gets all P (``config["gather_threads"]``
+    blocking gets at a time; default: the CPUs, as XLA) and puts the global one
+    (each local one framed as a GlobalTopologyProto's node), every client gets the
+    global one. Each phase is timed; the fetched sizes are
+    checked. Record into ``row``; return False (``row`` failed) on an error."""
+    local = int(config["exchange"])
+    timeout_ms = int(config.get("exchange_timeout", 120)) * 1000
+    expected = global_size(procs, local)
+    row["exchange_local_bytes"] = local
+    row["exchange_global_bytes"] = expected
+    values = [os.urandom(local) for _ in range(procs)]
+    times, failures = {}, {}
+    rss0, _ = _harness.rss_bytes()
+    row["exchange_peak_reset"] = _harness.reset_peak_rss()
+    sent0 = service_bytes_sent(port)
+
+    # 1. Every client puts its local topology.
+    times["put"], failures["put"] = _all_clients(
+        procs, lambda i: clients[i].key_value_set_bytes(LOCAL_KEY.format(i), values[i])
+    )
+    values.clear()
+    # 2. Client 0 gathers all P with a pool of threads, one blocking get each, as
+    # XLA's GetAllLocalTopologies does (its pool: DefaultThreadPoolSize(), about
+    # the CPUs); 3. puts the global one.
+    threads = int(config.get("gather_threads") or os.cpu_count() or 1)
+    row["exchange_gather_threads"] = threads
+    if not failures["put"]:
+        t0 = time.perf_counter()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                nodes = list(
+                    pool.map(
+                        lambda i: frame(
+                            clients[0].blocking_key_value_get_bytes(
+                                LOCAL_KEY.format(i), timeout_ms
+                            )
+                        ),
+                        range(procs),
+                    )
+                )
+            t1 = time.perf_counter()
+            blob = b"".join(nodes)
+            del nodes
+            t2 = time.perf_counter()
+            clients[0].key_value_set_bytes(GLOBAL_KEY, blob)
+            times["gather"], times["global_put"] = t1 - t0, time.perf_counter() - t2
+            failures["gather"] = {}
+            if len(blob) != expected:
+                failures["gather"] = {0: f"global {len(blob)} B, not {expected} B"}
+            del blob
+        except Exception as err:
+            failures["gather"] = {0: f"{type(err).__name__}: {err}"}
+    # 4. Every client fetches the global topology; only its size is kept.
+    fetched = [None] * procs
+
+    def fetch(i: int) -> None:
+        fetched[i] = len(
+            clients[i].blocking_key_value_get_bytes(GLOBAL_KEY, timeout_ms)
+        )
+
+    if not any(failures.values()):
+        times["fetch"], failures["fetch"] = _all_clients(procs, fetch)
+        wrong = {
+            i: f"fetched {n} B, not {expected} B"
+            for i, n in enumerate(fetched)
+            if n is not None and n != expected
+        }
+        failures["fetch"].update(wrong)
+        row["exchange_fetched_bytes"] = sum(n for n in fetched if n is not None)
+        row["exchange_fetched_ok"] = sum(n == expected for n in fetched)
+
+    rss1, hwm = _harness.rss_bytes()
+    sent1 = service_bytes_sent(port)
+    for phase in EXCHANGE_PHASES:
+        row[f"{phase}_s"] = times.get(phase)
+    row["exchange_s"] = sum(times.values())
+    # What the service must send, at the least: the P locals to client 0, the
+    # global to each of the P clients (messages' framing and gRPC's not counted).
+    row["exchange_payload_bytes"] = procs * local + procs * expected
+    row["service_sent_bytes"] = (
+        sent1 - sent0 if sent0 is not None and sent1 is not None else None
+    )
+    row["exchange_rss_mib"] = mib(rss1 - rss0)
+    row["exchange_peak_mib"] = mib(hwm - rss0) if row["exchange_peak_reset"] else None
+    errors = {
+        f"{p} {i}": e for p in EXCHANGE_PHASES for i, e in failures.get(p, {}).items()
+    }
+    if errors:
+        first = next(iter(errors))
+        row.update(
+            ok=False,
+            failed_clients=len(errors),
+            error=f"exchange: {len(errors)} failed; {first}: {errors[first]}"[:400],
+        )
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------
@@ -495,6 +694,45 @@ TABLE = _harness.Table(
 )
 
 
+EXCHANGE_KEYS = (
+    "put_s",
+    "gather_s",
+    "global_put_s",
+    "fetch_s",
+    "exchange_s",
+    "exchange_local_bytes",
+    "exchange_global_bytes",
+    "exchange_payload_bytes",
+    "service_sent_bytes",
+    "exchange_fetched_bytes",
+    "exchange_fetched_ok",
+    "exchange_rss_mib",
+    "exchange_peak_mib",
+)
+
+
+def _mb(value) -> str:
+    return f"{value / 1e6:.1f}"
+
+
+EXCHANGE_TABLE = _harness.Table(
+    [
+        _harness.Column("case", "case", "", 17, left=True),
+        _harness.Column("procs", "P", "", 5, "d"),
+        _harness.Column("exchange_local_bytes", "local", "B", 6, "d"),
+        _harness.Column("exchange_global_bytes", "global", "B", 9, "d"),
+        _harness.Column("put_s", "put", "median s", 8, _s),
+        _harness.Column("gather_s", "gather", "median s", 8, _s),
+        _harness.Column("global_put_s", "glob put", "median s", 8, _s),
+        _harness.Column("fetch_s", "fetch", "median s", 8, _s),
+        _harness.Column("exchange_payload_bytes", "payload", "MB", 8, _mb),
+        _harness.Column("service_sent_bytes", "svc sent", "MB (ss)", 8, _mb),
+        _harness.Column("exchange_peak_mib", "peak RSS", "+MiB", 8, ".0f"),
+        _harness.Column("status", "status", "ok/runs", 8, left=True),
+    ]
+)
+
+
 def summarize(runs: list[dict], case: str, procs: int) -> dict:
     """One table row from a setting's runs: medians over the ok runs."""
     good = [r for r in runs if r.get("ok")]
@@ -520,6 +758,7 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         "rss_mib",
         "rss_per_client_kib",
         "hwm_mib",
+        *EXCHANGE_KEYS,
     ):
         values = [r[key] for r in good if r.get(key) is not None]
         row[key] = statistics.median(values) if values else None
@@ -614,6 +853,25 @@ def main(argv=None) -> list[dict]:
         help="sampling interval of the service's connections [ms]; 0: off",
     )
     parser.add_argument(
+        "--exchange",
+        type=int,
+        default=0,
+        help="after connect, exchange topologies as PJRT's CPU client does, each "
+        "local one this many bytes; 0: off",
+    )
+    parser.add_argument(
+        "--gather-threads",
+        type=int,
+        default=0,
+        help="client 0's concurrent gets in the exchange's gather; 0: the CPUs",
+    )
+    parser.add_argument(
+        "--exchange-timeout",
+        type=int,
+        default=120,
+        help="the exchange's blocking gets' timeout [s]",
+    )
+    parser.add_argument(
         "--soft-limit", type=int, default=None, help="lower RLIMIT_NOFILE first"
     )
     parser.add_argument(
@@ -674,6 +932,9 @@ def main(argv=None) -> list[dict]:
                     "init_timeout": init_timeout,
                     "shutdown_timeout": args.shutdown_timeout,
                     "sample_ms": args.sample_ms,
+                    "exchange": args.exchange,
+                    "exchange_timeout": args.exchange_timeout,
+                    "gather_threads": args.gather_threads,
                 }
                 runs[(protection, waves)].append(run_one(config, args.timeout))
         for protection, waves in settings:
@@ -687,6 +948,19 @@ def main(argv=None) -> list[dict]:
             print(TABLE.row(row), flush=True)
             for error in dict.fromkeys(row["errors"]):
                 print(f"#   error: {error}", flush=True)
+    if args.exchange:
+        gets = args.gather_threads or os.cpu_count()
+        print(
+            f"# topology exchange, {args.exchange} B per local topology: put (all "
+            f"clients), gather (client 0 gets all P, {gets} at a time), glob put "
+            "(client 0), fetch (all clients get the global); payload: what the "
+            "service must send; svc sent: its sockets' bytes_sent over the exchange "
+            "(ss); peak RSS: the whole process's peak (service and all clients) "
+            "over its RSS before"
+        )
+        print(EXCHANGE_TABLE.header())
+        for row in results:
+            print(EXCHANGE_TABLE.row(row), flush=True)
     _harness.save(
         args,
         _harness.meta(

@@ -71,3 +71,54 @@ def test_file_limit_fails_without_protection_and_passes_with_it():
     (run,) = on["runs"]
     assert run["raised_from"] == soft and run["soft_limit_run"] > soft
     assert run["service_conns"] == procs
+
+
+def test_topology_exchange_is_timed_and_every_client_fetches_the_global_one():
+    bench = util.load_benchmark("coordinator_scale")
+    procs, local = 8, 88
+    (row,) = bench.main(
+        ["--procs", str(procs), "--waves", "0", "--timeout", "60"]
+        + ["--init-timeout", "20", "--exchange", str(local)]
+    )
+    assert row["ok"], row["errors"]
+    # A GlobalTopologyProto: each node's local one behind a tag and its length.
+    assert row["exchange_global_bytes"] == bench.global_size(procs, local) == 720
+    for phase in bench.EXCHANGE_PHASES:
+        assert row[f"{phase}_s"] > 0, phase
+    assert row["exchange_fetched_ok"] == procs
+    assert row["exchange_fetched_bytes"] == procs * 720
+    assert row["exchange_payload_bytes"] == procs * local + procs * 720
+    # The service's sockets sent at least the payload (gRPC's framing on top).
+    assert row["service_sent_bytes"] >= row["exchange_payload_bytes"]
+    assert row["exchange_peak_mib"] is not None
+
+
+class FakeClient:
+    """A client of an in-memory key-value store; ``short`` fetches lose a byte."""
+
+    def __init__(self, store: dict, short: bool = False):
+        self.store, self.short = store, short
+
+    def key_value_set_bytes(self, key, value):
+        self.store[key] = bytes(value)
+
+    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+        value = self.store[key]
+        return value[:-1] if self.short and key == "cpu:global_topology/cpu" else value
+
+
+def test_topology_exchange_fails_when_a_client_fetches_the_wrong_size():
+    bench = util.load_benchmark("coordinator_scale")
+    config = {"exchange": 50, "exchange_timeout": 1}
+    store: dict = {}
+    good = [FakeClient(store) for _ in range(4)]
+    row: dict = {}
+    assert bench.exchange(config, row, good, 1, 4)
+    assert row["exchange_fetched_ok"] == 4 and "error" not in row
+    assert store["cpu:global_topology/cpu"].startswith(b"\x0a\x32")  # field 1, 50 B
+    store.clear()
+    clients = good[:2] + [FakeClient(store, short=True)] + good[3:]
+    row = {}
+    assert not bench.exchange(config, row, clients, 1, 4)
+    assert row["ok"] is False and row["exchange_fetched_ok"] == 3
+    assert "fetch 2: fetched 207 B, not 208 B" in row["error"]
