@@ -89,6 +89,11 @@ def _print_text(report: dict) -> None:
             f"  timeouts of {name}: "
             + ", ".join(f"{k} {v} s" for k, v in values.items())
         )
+    for name, values in scale["topology_timeouts_minutes"].items():
+        print(
+            f"  topology timeouts of {name}: "
+            + ", ".join(f"{k} {v} min" for k, v in values.items())
+        )
     for warning in scale["warnings"]:
         print(f"WARNING       {warning}")
     failure = report["on_failure"]

@@ -47,7 +47,10 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topolo
             ``local_device_ids``, ``initialization_timeout``, ...); what is given
             there wins over what MPI says. ``initialization_timeout`` and
             ``heartbeat_timeout_seconds``, when not given, grow with the number of
-            processes (:func:`mpi4jax_dist._limits.timeouts`).
+            processes (:func:`mpi4jax_dist._limits.timeouts`), and so do JAX's
+            options ``jax_cpu_get_local_topology_timeout_minutes`` and
+            ``jax_cpu_get_global_topology_timeout_minutes`` where they still hold
+            JAX's defaults (:func:`mpi4jax_dist._limits.topology_timeouts`).
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
@@ -60,6 +63,10 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topolo
     _topology.use_communicator(comm)
     if not initialized:
         _cpu_collectives.settle(cpu_collectives)
+        if not _jax_compat.backends_initialized():  # else JAX's own error follows
+            _jax_compat.raise_config_defaults(
+                _limits.topology_timeouts(_size(comm)), _limits.JAX_TOPOLOGY_TIMEOUTS
+            )
         with _cluster.explicitly_requested():
             jax.distributed.initialize(**jax_arguments(_size(comm), kwargs))
     topo = _topology.topology(comm)

@@ -263,6 +263,23 @@ def backends_initialized() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def raise_config_defaults(values: dict, defaults: dict) -> dict:
+    """Set each JAX option of ``values`` that this JAX has and that still holds its
+    default (``defaults``: the user set none), where ``values`` asks for more;
+    return what was set. Options this JAX lacks (the topology timeouts came after
+    0.6.0) are skipped: it then has no such timeout to hit."""
+    applied = {}
+    for name, value in values.items():
+        try:
+            current = getattr(jax.config, name)
+        except AttributeError:
+            continue
+        if current == defaults[name] and value > current:
+            jax.config.update(name, value)
+            applied[name] = value
+    return applied
+
+
 def enable_x64(new_val: bool = True):
     """Return the context manager that turns 64-bit types on (or off) inside it."""
     if since("jax.enable_x64"):

@@ -12,6 +12,7 @@ here, before its service starts (:func:`ensure_file_limit`).
 from __future__ import annotations
 
 import logging
+import math
 import resource
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -96,12 +97,57 @@ def timeouts(num_processes: int) -> dict[str, int]:
     }
 
 
+# JAX's topology exchange at start-up: every process puts its local topology in
+# rank 0's service, process 0 gets them all (each get waits at most the "local"
+# timeout) and puts the global one, every process fetches it (within the "global"
+# timeout, counted from its own put). JAX's defaults, in minutes:
+JAX_TOPOLOGY_TIMEOUTS = {
+    "jax_cpu_get_local_topology_timeout_minutes": 2,
+    "jax_cpu_get_global_topology_timeout_minutes": 5,
+}
+# Seconds per pair of processes, measured with benchmarks/coordinator_scale.py
+# --exchange 88 (a CPU process's local topology; one 2-core host holding the
+# service and all P clients, so an upper bound for a real rank 0): put + gather
+# took 4.68 s and the whole exchange 8.30 s at P = 4,096 (medians of 3; both grow
+# as P^2: docs/benchmarks/topology_exchange-cpu88.json).
+EXCHANGE_S_PER_PAIR = {"put_gather": 4.684 / 4096**2, "whole": 8.297 / 4096**2}
+# The timeouts mpi4jax_dist.initialize() sets are this many times the model's
+# estimate, and never below JAX's defaults.
+TOPOLOGY_SAFETY = 2
+
+
+def topology_exchange_s(num_processes: int) -> dict[str, float]:
+    """Return the model's seconds for the topology exchange of ``num_processes``:
+    ``put_gather`` (until process 0 holds every local topology) and ``whole``."""
+    return {k: v * num_processes**2 for k, v in EXCHANGE_S_PER_PAIR.items()}
+
+
+def topology_timeouts(num_processes: int) -> dict[str, int]:
+    """Return the topology-exchange timeouts (minutes) ``mpi4jax_dist.initialize()``
+    sets where the user set none: twice the model's time, at least JAX's defaults
+    (2 and 5 min), the global one above the local one as JAX requires. JAX's own
+    up to about 10^4 processes; 94 and 165 min at 10^5."""
+    model = topology_exchange_s(num_processes)
+    local_name, global_name = JAX_TOPOLOGY_TIMEOUTS
+    local = max(
+        JAX_TOPOLOGY_TIMEOUTS[local_name],
+        math.ceil(TOPOLOGY_SAFETY * model["put_gather"] / 60),
+    )
+    whole = max(
+        JAX_TOPOLOGY_TIMEOUTS[global_name],
+        local + 1,
+        math.ceil(TOPOLOGY_SAFETY * model["whole"] / 60),
+    )
+    return {local_name: local, global_name: whole}
+
+
 # --- what the diagnostics say ---------------------------------------------------------
 
 # Bytes of JAX's topology exchange per pair of processes, per platform: every
-# process's local topology (about 80 bytes each) gathered through rank 0's service
-# and the global one sent back to every process.
-TOPOLOGY_BYTES_PER_PAIR = 80
+# process's local topology gathered through rank 0's service and the global one
+# sent back to every process. Measured: 69 to 80 B per process at P = 2 and 4, and
+# about 94 B at 4,096 (longer ids; benchmarks/coordinator_scale.py's docstring).
+TOPOLOGY_BYTES_PER_PAIR = 94
 SOMAXCONN = "/proc/sys/net/core/somaxconn"
 
 
@@ -147,8 +193,22 @@ def report(num_processes: int) -> dict:
     if exchange > 10**9:
         warnings.append(
             f"JAX's topology exchange relays about {exchange / 1e9:.0f} GB through "
-            f"rank 0 (80 B per pair of processes): use one process per node with all "
-            f"its devices where the platform allows it."
+            f"rank 0 ({TOPOLOGY_BYTES_PER_PAIR} B per pair of processes): use one "
+            f"process per node with all its devices where the platform allows it."
+        )
+    model = topology_exchange_s(num_processes)
+    jax_global = JAX_TOPOLOGY_TIMEOUTS["jax_cpu_get_global_topology_timeout_minutes"]
+    if model["whole"] > 60 * jax_global:
+        ours = topology_timeouts(num_processes)
+        warnings.append(
+            f"JAX's topology exchange may take about {model['whole'] / 60:.0f} min "
+            f"for {num_processes} processes (a model measured on one 2-core host: "
+            f"an upper bound), more than JAX's {jax_global} min: a plain "
+            f"jax.distributed.initialize() may time out; mpi4jax_dist.initialize() "
+            f"sets jax_cpu_get_local_topology_timeout_minutes="
+            f"{ours['jax_cpu_get_local_topology_timeout_minutes']} and "
+            f"jax_cpu_get_global_topology_timeout_minutes="
+            f"{ours['jax_cpu_get_global_topology_timeout_minutes']}."
         )
     return {
         "processes": num_processes,
@@ -159,6 +219,11 @@ def report(num_processes: int) -> dict:
             "mpi4jax_dist.initialize": timeouts(num_processes),
         },
         "topology_exchange_bytes": exchange,
+        "topology_exchange_s": model,
+        "topology_timeouts_minutes": {
+            "jax_defaults": dict(JAX_TOPOLOGY_TIMEOUTS),
+            "mpi4jax_dist.initialize": topology_timeouts(num_processes),
+        },
         "problems": problems,
         "warnings": warnings,
     }

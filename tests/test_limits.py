@@ -25,6 +25,53 @@ def test_timeouts_grow_with_the_process_count():
     }
 
 
+def test_topology_timeouts_grow_with_the_square_of_the_process_count():
+    local = "jax_cpu_get_local_topology_timeout_minutes"
+    glob = "jax_cpu_get_global_topology_timeout_minutes"
+    assert _limits.topology_timeouts(1000) == _limits.JAX_TOPOLOGY_TIMEOUTS
+    assert _limits.topology_timeouts(10_000) == _limits.JAX_TOPOLOGY_TIMEOUTS
+    assert _limits.topology_timeouts(100_000) == {local: 94, glob: 165}
+    for procs in (2, 5000, 30_000, 100_000, 300_000):
+        minutes = _limits.topology_timeouts(procs)
+        assert minutes[glob] > minutes[local]  # JAX's rule
+        model = _limits.topology_exchange_s(procs)
+        assert 60 * minutes[glob] >= _limits.TOPOLOGY_SAFETY * model["whole"]
+
+
+_RAISE_CONFIG = """
+import jax
+from mpi4jax_dist import _jax_compat, _limits
+local = "jax_cpu_get_local_topology_timeout_minutes"
+glob = "jax_cpu_get_global_topology_timeout_minutes"
+if not hasattr(jax.config, local):
+    print("absent", _jax_compat.raise_config_defaults(
+        _limits.topology_timeouts(100_000), _limits.JAX_TOPOLOGY_TIMEOUTS))
+    raise SystemExit
+jax.config.update(glob, 7)  # the user's own
+applied = _jax_compat.raise_config_defaults(
+    _limits.topology_timeouts(100_000), _limits.JAX_TOPOLOGY_TIMEOUTS)
+print(sorted(applied.items()), getattr(jax.config, local), getattr(jax.config, glob))
+"""
+
+
+def test_topology_timeouts_are_raised_only_where_the_user_set_none():
+    """In a fresh interpreter: JAX's default is raised, the user's 7 min is kept
+    (a JAX without the options gets nothing)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RAISE_CONFIG],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=util.clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    if proc.stdout.startswith("absent"):
+        assert proc.stdout.split() == ["absent", "{}"]
+    else:
+        assert proc.stdout.split("]")[1].split() == ["94", "7"], proc.stdout
+        assert "('jax_cpu_get_local_topology_timeout_minutes', 94)" in proc.stdout
+
+
 def test_initialize_fills_in_only_what_the_caller_left_out():
     arguments = _api.jax_arguments(100_000, {"initialization_timeout": 5})
     assert arguments["initialization_timeout"] == 5  # the caller's
@@ -86,9 +133,16 @@ def test_diagnostics_judge_a_planned_job_size():
     scale = report["scale"]
     assert scale["open_files"] == {"soft": 1024, "hard": 4096, "needed": 100256}
     assert scale["timeouts"]["mpi4jax_dist.initialize"] == _limits.timeouts(100_000)
-    assert scale["topology_exchange_bytes"] == 80 * 10**10
+    assert scale["topology_exchange_bytes"] == 94 * 10**10
+    assert scale["topology_timeouts_minutes"]["mpi4jax_dist.initialize"] == (
+        _limits.topology_timeouts(100_000)
+    )
     assert any(
         "hard open-file limit, 4096, is below the 100256" in p
         for p in report["problems"]
     ), report["problems"]
-    assert any("topology exchange relays about 800 GB" in w for w in scale["warnings"])
+    assert any("topology exchange relays about 940 GB" in w for w in scale["warnings"])
+    assert any(
+        "jax_cpu_get_global_topology_timeout_minutes=165" in w
+        for w in scale["warnings"]
+    ), scale["warnings"]
