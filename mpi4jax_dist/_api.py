@@ -63,12 +63,13 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topolo
     _topology.use_communicator(comm)
     if not initialized:
         _cpu_collectives.settle(cpu_collectives)
+        size = _size(comm)
         if not _jax_compat.backends_initialized():  # else JAX's own error follows
             _jax_compat.raise_config_defaults(
-                _limits.topology_timeouts(_size(comm)), _limits.JAX_TOPOLOGY_TIMEOUTS
+                _limits.topology_timeouts(size), _limits.JAX_TOPOLOGY_TIMEOUTS
             )
         with _cluster.explicitly_requested():
-            jax.distributed.initialize(**jax_arguments(_size(comm), kwargs))
+            jax.distributed.initialize(**jax_arguments(size, kwargs))
     topo = _topology.topology(comm)
     _check_matches(topo)
     return topo

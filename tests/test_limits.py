@@ -57,12 +57,8 @@ print(sorted(applied.items()), getattr(jax.config, local), getattr(jax.config, g
 def test_topology_timeouts_are_raised_only_where_the_user_set_none():
     """In a fresh interpreter: JAX's default is raised, the user's 7 min is kept
     (a JAX without the options gets nothing)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _RAISE_CONFIG],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=util.clean_env(),
+    proc = util.run_command(
+        [sys.executable, "-c", _RAISE_CONFIG], env=util.clean_env(), timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     if proc.stdout.startswith("absent"):
