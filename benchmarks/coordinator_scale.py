@@ -3,7 +3,8 @@
     python benchmarks/coordinator_scale.py [--procs 64,256,1024,2048,4096]
         [--waves 0,256,1024] [--gap-ms 100] [--repeat 3] [--timeout 180]
         [--soft-limit N] [--protection on|off|off,on] [--init-timeout S]
-        [--exchange BYTES [--gather-threads N]] [--json PATH] [--plot PNG]
+        [--exchange [PLATFORM:]BYTES[,...] [--gather-threads N]]
+        [--json PATH] [--plot PNG]
 
 Every run is a fresh subprocess (its own session, killed at ``--timeout``) that
 starts one real coordination service (jaxlib's ``get_distributed_runtime_service``,
@@ -59,7 +60,14 @@ process 0 do). Timed per phase (``put_s``, ``gather_s``, ``global_put_s``,
 process's peak RSS growth over the exchange (service and all P clients together:
 this emulation holds both ends). A real CPU process's local topology is 69-80 B at
 P = 2 or 4 (one device; 69 for process 0, whose node_id 0 is not serialized), about
-88 B at P = 4,096.
+88 B at P = 4,096. ``--exchange PLATFORM:BYTES,...`` makes one exchange per
+platform, in that order, under that platform's keys (``cuda:local_topology/cuda/<i>``),
+as JAX does for each backend it starts (the CPU one first): ``cpu:88,cuda:110`` is a
+GPU process without ``JAX_PLATFORMS``. Each platform's figures are kept under
+``<platform>.<key>``, their sums under the plain keys. A GPU process's local topology
+is an estimate (no GPU here): about 40 B and 70 B per GPU
+(``mpi4jax_dist._limits.GPU_LOCAL_TOPOLOGY_BYTES``). ``benchmarks/topology_model.py``
+fits a model to these runs.
 
 File limits: ``--soft-limit N`` lowers this process's soft RLIMIT_NOFILE to N before
 anything starts. With ``--protection on`` the run then calls the package's
@@ -424,11 +432,41 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
 # ---------------------------------------------------------------------------------
 # The topology exchange (--exchange BYTES)
 
-# The keys PJRT's CPU client uses (its key-value store prefixes "cpu:"), read from a
-# real 2-process run of jax.distributed.initialize() with jaxlib 0.10.2.
-LOCAL_KEY = "cpu:local_topology/cpu/{}"
-GLOBAL_KEY = "cpu:global_topology/cpu"
+# The keys a PJRT client uses: its key-value store prefixes "<platform>:", and
+# XLA's ExchangeTopologies names the keys by the platform too. The CPU client's were
+# read from a real 2-process run of jax.distributed.initialize() with jaxlib 0.10.2;
+# a GPU plugin's ("cuda:") follow the same rule (not run here: no GPU).
+LOCAL_KEY = "{platform}:local_topology/{platform}/{index}"
+GLOBAL_KEY = "{platform}:global_topology/{platform}"
 EXCHANGE_PHASES = ("put", "gather", "global_put", "fetch")
+
+
+def parse_exchange(value) -> list[tuple[str, int]]:
+    """``--exchange``'s value as ``[(platform, bytes), ...]``: ``88`` is the CPU
+    client's alone; ``cpu:88,cuda:190`` is one exchange per platform, in that order
+    (JAX initializes its backends one after another, the CPU one first)."""
+    if isinstance(value, int):
+        return [("cpu", value)] if value else []
+    pairs = []
+    for item in (t.strip() for t in str(value).split(",")):
+        if not item:
+            continue
+        platform, _, size = item.rpartition(":")
+        platform = platform or "cpu"
+        try:
+            pairs.append((platform, int(size)))
+        except ValueError:
+            raise ValueError(
+                f"--exchange {value!r}: {item!r} is not BYTES or PLATFORM:BYTES"
+            ) from None
+        if pairs[-1][1] <= 0 or not re.fullmatch(r"[a-z0-9_]+", platform):
+            raise ValueError(
+                f"--exchange {value!r}: {item!r} needs a platform name of lower-case "
+                f"letters and a positive byte count"
+            )
+    if len({p for p, _ in pairs}) != len(pairs):
+        raise ValueError(f"--exchange {value!r}: a platform appears twice")
+    return pairs
 
 
 def varint_size(n: int) -> int:
@@ -499,35 +537,96 @@ def _all_clients(procs: int, call) -> tuple[float, dict[int, str]]:
     return max(done) - t0, errors
 
 
+# What one platform's exchange records; the row also holds their sums over the
+# platforms under the same names (peak RSS: the largest).
+EXCHANGE_SUMS = (
+    "put_s",
+    "gather_s",
+    "global_put_s",
+    "fetch_s",
+    "exchange_s",
+    "exchange_local_bytes",
+    "exchange_global_bytes",
+    "exchange_payload_bytes",
+    "service_sent_bytes",
+    "exchange_fetched_bytes",
+    "exchange_rss_mib",
+)
+
+
 def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> bool:
-    """What PJRT's CPU client does at start-up, after connect: every client puts
-    its local topology (``config["exchange"]`` bytes, random so that gRPC's
-    compression cannot shrink it), client 0 gets all P (``config["gather_threads"]``
-    blocking gets at a time; default: the CPUs, as XLA) and puts the global one
-    (each local one framed as a GlobalTopologyProto's node), every client gets the
-    global one. Each phase is timed; the fetched sizes are
-    checked. Record into ``row``; return False (``row`` failed) on an error."""
-    local = int(config["exchange"])
+    """What PJRT's clients do at start-up, after connect, one platform after
+    another (``config["exchange"]``, see :func:`parse_exchange`): each platform's
+    exchange is recorded in ``row`` under ``"<platform>.<key>"``, and their sums
+    under the plain keys. Return False (``row`` failed) on an error."""
+    platforms = parse_exchange(config["exchange"])
+    row["exchange_platforms"] = [p for p, _ in platforms]
+    records, failed = [], None
+    for platform, local in platforms:
+        record, errors = exchange_platform(
+            config, clients, port, procs, platform, local
+        )
+        records.append(record)
+        row.update({f"{platform}.{k}": v for k, v in record.items()})
+        if errors:
+            failed = platform, errors
+            break
+    for key in EXCHANGE_SUMS:
+        values = [r.get(key) for r in records]
+        row[key] = None if None in values else sum(values)
+    fetched_ok = [r.get("exchange_fetched_ok") for r in records]
+    row["exchange_fetched_ok"] = None if None in fetched_ok else min(fetched_ok)
+    peaks = [r["exchange_peak_mib"] for r in records]
+    row["exchange_peak_mib"] = None if None in peaks else max(peaks)
+    if failed:
+        platform, errors = failed
+        first = next(iter(errors))
+        row.update(
+            ok=False,
+            failed_clients=len(errors),
+            error=f"exchange {platform}: {len(errors)} failed; {first}: "
+            f"{errors[first]}"[:400],
+        )
+        return False
+    return True
+
+
+def exchange_platform(
+    config: dict, clients: list, port: int, procs: int, platform: str, local: int
+) -> tuple[dict, dict[str, str]]:
+    """One platform's exchange, as XLA's ExchangeTopologies does it: every client
+    puts its local topology (``local`` bytes, random so that gRPC's compression
+    cannot shrink it), client 0 gets all P (``config["gather_threads"]`` blocking
+    gets at a time; default: the CPUs, as XLA) and puts the global one (each local
+    one framed as a GlobalTopologyProto's node), every client gets the global one.
+    Each phase is timed; the fetched sizes are checked. Return the record and the
+    errors by ``"<phase> <client>"``."""
     timeout_ms = int(config.get("exchange_timeout", 120)) * 1000
+    local_key, global_key = LOCAL_KEY, GLOBAL_KEY.format(platform=platform)
     expected = global_size(procs, local)
-    row["exchange_local_bytes"] = local
-    row["exchange_global_bytes"] = expected
+    record: dict = {
+        "exchange_local_bytes": local,
+        "exchange_global_bytes": expected,
+    }
     values = [os.urandom(local) for _ in range(procs)]
     times, failures = {}, {}
     rss0, _ = _harness.rss_bytes()
-    row["exchange_peak_reset"] = _harness.reset_peak_rss()
+    record["exchange_peak_reset"] = _harness.reset_peak_rss()
     sent0 = service_bytes_sent(port)
+
+    def key(i: int) -> str:
+        return local_key.format(platform=platform, index=i)
 
     # 1. Every client puts its local topology.
     times["put"], failures["put"] = _all_clients(
-        procs, lambda i: clients[i].key_value_set_bytes(LOCAL_KEY.format(i), values[i])
+        procs, lambda i: clients[i].key_value_set_bytes(key(i), values[i])
     )
     values.clear()
     # 2. Client 0 gathers all P with a pool of threads, one blocking get each, as
     # XLA's GetAllLocalTopologies does (its pool: DefaultThreadPoolSize(), about
     # the CPUs); 3. puts the global one.
     threads = int(config.get("gather_threads") or os.cpu_count() or 1)
-    row["exchange_gather_threads"] = threads
+    record["exchange_gather_threads"] = threads
     if not failures["put"]:
         t0 = time.perf_counter()
         try:
@@ -535,9 +634,7 @@ def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> b
                 nodes = list(
                     pool.map(
                         lambda i: frame(
-                            clients[0].blocking_key_value_get_bytes(
-                                LOCAL_KEY.format(i), timeout_ms
-                            )
+                            clients[0].blocking_key_value_get_bytes(key(i), timeout_ms)
                         ),
                         range(procs),
                     )
@@ -546,7 +643,7 @@ def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> b
             blob = b"".join(nodes)
             del nodes
             t2 = time.perf_counter()
-            clients[0].key_value_set_bytes(GLOBAL_KEY, blob)
+            clients[0].key_value_set_bytes(global_key, blob)
             times["gather"], times["global_put"] = t1 - t0, time.perf_counter() - t2
             failures["gather"] = {}
             if len(blob) != expected:
@@ -559,7 +656,7 @@ def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> b
 
     def fetch(i: int) -> None:
         fetched[i] = len(
-            clients[i].blocking_key_value_get_bytes(GLOBAL_KEY, timeout_ms)
+            clients[i].blocking_key_value_get_bytes(global_key, timeout_ms)
         )
 
     if not any(failures.values()):
@@ -570,34 +667,28 @@ def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> b
             if n is not None and n != expected
         }
         failures["fetch"].update(wrong)
-        row["exchange_fetched_bytes"] = sum(n for n in fetched if n is not None)
-        row["exchange_fetched_ok"] = sum(n == expected for n in fetched)
+        record["exchange_fetched_bytes"] = sum(n for n in fetched if n is not None)
+        record["exchange_fetched_ok"] = sum(n == expected for n in fetched)
 
     rss1, hwm = _harness.rss_bytes()
     sent1 = service_bytes_sent(port)
     for phase in EXCHANGE_PHASES:
-        row[f"{phase}_s"] = times.get(phase)
-    row["exchange_s"] = sum(times.values())
+        record[f"{phase}_s"] = times.get(phase)
+    record["exchange_s"] = sum(times.values())
     # What the service must send, at the least: the P locals to client 0, the
     # global to each of the P clients (messages' framing and gRPC's not counted).
-    row["exchange_payload_bytes"] = procs * local + procs * expected
-    row["service_sent_bytes"] = (
+    record["exchange_payload_bytes"] = procs * local + procs * expected
+    record["service_sent_bytes"] = (
         sent1 - sent0 if sent0 is not None and sent1 is not None else None
     )
-    row["exchange_rss_mib"] = mib(rss1 - rss0)
-    row["exchange_peak_mib"] = mib(hwm - rss0) if row["exchange_peak_reset"] else None
+    record["exchange_rss_mib"] = mib(rss1 - rss0)
+    record["exchange_peak_mib"] = (
+        mib(hwm - rss0) if record["exchange_peak_reset"] else None
+    )
     errors = {
         f"{p} {i}": e for p in EXCHANGE_PHASES for i, e in failures.get(p, {}).items()
     }
-    if errors:
-        first = next(iter(errors))
-        row.update(
-            ok=False,
-            failed_clients=len(errors),
-            error=f"exchange: {len(errors)} failed; {first}: {errors[first]}"[:400],
-        )
-        return False
-    return True
+    return record, errors
 
 
 # ---------------------------------------------------------------------------------
@@ -719,18 +810,37 @@ EXCHANGE_TABLE = _harness.Table(
     [
         _harness.Column("case", "case", "", 17, left=True),
         _harness.Column("procs", "P", "", 5, "d"),
+        _harness.Column("platform", "platform", "", 8, left=True),
         _harness.Column("exchange_local_bytes", "local", "B", 6, "d"),
         _harness.Column("exchange_global_bytes", "global", "B", 9, "d"),
         _harness.Column("put_s", "put", "median s", 8, _s),
         _harness.Column("gather_s", "gather", "median s", 8, _s),
         _harness.Column("global_put_s", "glob put", "median s", 8, _s),
         _harness.Column("fetch_s", "fetch", "median s", 8, _s),
+        _harness.Column("exchange_s", "exchange", "median s", 8, _s),
         _harness.Column("exchange_payload_bytes", "payload", "MB", 8, _mb),
         _harness.Column("service_sent_bytes", "svc sent", "MB (ss)", 8, _mb),
         _harness.Column("exchange_peak_mib", "peak RSS", "+MiB", 8, ".0f"),
         _harness.Column("status", "status", "ok/runs", 8, left=True),
     ]
 )
+
+
+def exchange_lines(row: dict) -> list[dict]:
+    """The exchange table's lines of one result: one per platform, then their sums
+    where there are several."""
+    platforms = row.get("exchange_platforms") or []
+    lines = [
+        {
+            **row,
+            "platform": p,
+            **{k: row.get(f"{p}.{k}") for k in EXCHANGE_KEYS},
+        }
+        for p in platforms
+    ]
+    if len(platforms) > 1:
+        lines.append({**row, "platform": "all"})
+    return lines
 
 
 def summarize(runs: list[dict], case: str, procs: int) -> dict:
@@ -759,9 +869,15 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         "rss_per_client_kib",
         "hwm_mib",
         *EXCHANGE_KEYS,
+        *(
+            f"{p}.{k}"
+            for p in first.get("exchange_platforms", ())
+            for k in EXCHANGE_KEYS
+        ),
     ):
         values = [r[key] for r in good if r.get(key) is not None]
         row[key] = statistics.median(values) if values else None
+    row["exchange_platforms"] = first.get("exchange_platforms", [])
     values = [r["connect_s"] for r in good]
     row["connect_max_s"] = max(values) if values else None
     for key in ("fds", "service_fds", "service_conns"):
@@ -854,10 +970,10 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument(
         "--exchange",
-        type=int,
-        default=0,
-        help="after connect, exchange topologies as PJRT's CPU client does, each "
-        "local one this many bytes; 0: off",
+        default="",
+        help="after connect, exchange topologies as PJRT's clients do: BYTES (the "
+        "CPU client's, each local one this many bytes) or PLATFORM:BYTES,... (one "
+        "exchange per platform, in order); empty: off",
     )
     parser.add_argument(
         "--gather-threads",
@@ -888,6 +1004,7 @@ def main(argv=None) -> list[dict]:
     try:
         procs_list = parse_ints(args.procs, "--procs")
         waves_list = parse_waves(args.waves, args.gap_ms)
+        parse_exchange(args.exchange)
     except ValueError as err:
         parser.error(str(err))
     protections = [p.strip() for p in args.protection.split(",") if p.strip()]
@@ -950,17 +1067,20 @@ def main(argv=None) -> list[dict]:
                 print(f"#   error: {error}", flush=True)
     if args.exchange:
         gets = args.gather_threads or os.cpu_count()
+        sizes = ", ".join(f"{p} {b} B" for p, b in parse_exchange(args.exchange))
         print(
-            f"# topology exchange, {args.exchange} B per local topology: put (all "
+            f"# topology exchange, per local topology: {sizes}; one platform after "
+            "another, as JAX initializes its backends: put (all "
             f"clients), gather (client 0 gets all P, {gets} at a time), glob put "
             "(client 0), fetch (all clients get the global); payload: what the "
             "service must send; svc sent: its sockets' bytes_sent over the exchange "
             "(ss); peak RSS: the whole process's peak (service and all clients) "
-            "over its RSS before"
+            "over its RSS before; platform 'all': the sums (peak: the largest)"
         )
         print(EXCHANGE_TABLE.header())
         for row in results:
-            print(EXCHANGE_TABLE.row(row), flush=True)
+            for line in exchange_lines(row):
+                print(EXCHANGE_TABLE.row(line), flush=True)
     _harness.save(
         args,
         _harness.meta(

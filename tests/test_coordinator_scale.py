@@ -3,6 +3,7 @@ and a too-low open-file limit fails without the package's protection, not with i
 
 import json
 
+import pytest
 import util
 
 pytestmark = util.skip_in_mpi_job
@@ -122,3 +123,47 @@ def test_topology_exchange_fails_when_a_client_fetches_the_wrong_size():
     assert not bench.exchange(config, row, clients, 1, 4)
     assert row["ok"] is False and row["exchange_fetched_ok"] == 3
     assert "fetch 2: fetched 207 B, not 208 B" in row["error"]
+
+
+def test_exchange_parses_one_platform_or_several_in_order():
+    bench = util.load_benchmark("coordinator_scale")
+    assert bench.parse_exchange(88) == [("cpu", 88)]
+    assert bench.parse_exchange(0) == bench.parse_exchange("") == []
+    assert bench.parse_exchange("88") == [("cpu", 88)]
+    assert bench.parse_exchange("cpu:88,cuda:110") == [("cpu", 88), ("cuda", 110)]
+    for bad, words in [
+        ("cpu:88,cpu:90", "a platform appears twice"),
+        ("cuda:x", "is not BYTES or PLATFORM:BYTES"),
+        ("cuda:0", "a positive byte count"),
+        ("CUDA:5", "lower-case"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bench.parse_exchange(bad)
+
+
+def test_each_platform_exchanges_under_its_own_keys_one_after_another():
+    bench = util.load_benchmark("coordinator_scale")
+    config = {"exchange": "cpu:20,cuda:50", "exchange_timeout": 1}
+    store: dict = {}
+    row: dict = {}
+    assert bench.exchange(config, row, [FakeClient(store) for _ in range(3)], 1, 3)
+    assert sorted(store) == [
+        "cpu:global_topology/cpu",
+        "cpu:local_topology/cpu/0",
+        "cpu:local_topology/cpu/1",
+        "cpu:local_topology/cpu/2",
+        "cuda:global_topology/cuda",
+        "cuda:local_topology/cuda/0",
+        "cuda:local_topology/cuda/1",
+        "cuda:local_topology/cuda/2",
+    ]
+    assert len(store["cuda:global_topology/cuda"]) == bench.global_size(3, 50)
+    assert row["exchange_platforms"] == ["cpu", "cuda"]
+    assert row["cpu.exchange_local_bytes"] == 20
+    assert row["cuda.exchange_local_bytes"] == 50
+    # The plain keys hold the sums over the platforms.
+    assert row["exchange_s"] == row["cpu.exchange_s"] + row["cuda.exchange_s"]
+    assert row["exchange_payload_bytes"] == 3 * 20 + 3 * 66 + 3 * 50 + 3 * 156
+    lines = bench.exchange_lines(row)
+    assert [line["platform"] for line in lines] == ["cpu", "cuda", "all"]
+    assert lines[1]["exchange_s"] == row["cuda.exchange_s"]
