@@ -94,6 +94,12 @@ def _print_text(report: dict) -> None:
             f"  topology timeouts of {name}: "
             + ", ".join(f"{k} {v} min" for k, v in values.items())
         )
+    model, gpu = scale["topology_exchange_s"], scale["gpu_topology_exchange"]
+    print(
+        f"  topology exchange by the model: CPU {model['whole']:.0f} s; CUDA plugin, "
+        f"one GPU per process {gpu['seconds']['whole']:.0f} s (XLA's fixed limit "
+        f"{gpu['xla_timeouts_minutes']['global']} min)"
+    )
     for warning in scale["warnings"]:
         print(f"WARNING       {warning}")
     failure = report["on_failure"]

@@ -100,33 +100,82 @@ def timeouts(num_processes: int) -> dict[str, int]:
 # JAX's topology exchange at start-up: every process puts its local topology in
 # rank 0's service, process 0 gets them all (each get waits at most the "local"
 # timeout) and puts the global one, every process fetches it (within the "global"
-# timeout, counted from its own put). JAX's defaults, in minutes:
+# timeout, counted from its own put). Each platform JAX starts (CPU, and CUDA where
+# the GPU plugin is installed) exchanges its own. JAX's defaults, in minutes:
 JAX_TOPOLOGY_TIMEOUTS = {
     "jax_cpu_get_local_topology_timeout_minutes": 2,
     "jax_cpu_get_global_topology_timeout_minutes": 5,
 }
-# Seconds per pair of processes, measured with benchmarks/coordinator_scale.py
-# --exchange 88 (a CPU process's local topology; one 2-core host holding the
-# service and all P clients, so an upper bound for a real rank 0): put + gather
-# took 4.68 s and the whole exchange 8.30 s at P = 4,096 (medians of 3; both grow
-# as P^2: docs/benchmarks/topology_exchange-cpu88.json).
-EXCHANGE_S_PER_PAIR = {"put_gather": 4.684 / 4096**2, "whole": 8.297 / 4096**2}
+# XLA's GPU client has the same 2 and 5 minutes, and JAX passes its plugin no
+# option to change them (the plugin rejects unknown create options).
+GPU_TOPOLOGY_TIMEOUTS_MINUTES = {"local": 2, "global": 5}
+# Local topologies, in bytes: a CPU process's (one device) measured, 69-80 B at
+# P = 2 and 4 and about 88 B at 4,096; a GPU process's estimated from the fields XLA's
+# GPU client fills (a process id and boot id, about 40 B, and about 70 B per GPU).
+CPU_LOCAL_TOPOLOGY_BYTES = 88
+GPU_LOCAL_TOPOLOGY_BYTES = {"process": 40, "device": 70}
+# The exchange's seconds, fitted by benchmarks/topology_model.py to the emulation's
+# runs (benchmarks/coordinator_scale.py --exchange: P = 64 to 4,096, local topologies
+# of 88 to 600 B, one 2-core host holding the service and all P clients, so an upper
+# bound for a real rank 0; docs/benchmarks/topology_exchange-*.json). Terms: per
+# process, per pair of processes, per byte the service sends (exchange_payload).
+TOPOLOGY_FIT = {
+    "whole": {
+        "per_process_s": 7.546e-04,
+        "per_pair_s": 3.652e-07,
+        "per_byte_s": 1.340e-09,
+    },
+    "put_gather": {"per_process_s": 5.306e-04, "per_pair_s": 2.085e-07},
+}
 # The timeouts mpi4jax_dist.initialize() sets are this many times the model's
 # estimate, and never below JAX's defaults.
 TOPOLOGY_SAFETY = 2
 
 
-def topology_exchange_s(num_processes: int) -> dict[str, float]:
-    """Return the model's seconds for the topology exchange of ``num_processes``:
-    ``put_gather`` (until process 0 holds every local topology) and ``whole``."""
-    return {k: v * num_processes**2 for k, v in EXCHANGE_S_PER_PAIR.items()}
+def gpu_local_topology_bytes(gpus_per_process: int = 1) -> int:
+    """The estimated local topology of a process driving this many GPUs."""
+    sizes = GPU_LOCAL_TOPOLOGY_BYTES
+    return sizes["process"] + sizes["device"] * gpus_per_process
+
+
+def exchange_payload(num_processes: int, local_bytes: int) -> int:
+    """The bytes rank 0's service sends in one platform's topology exchange: the P
+    local topologies to process 0, and the global one (every local one behind a
+    field tag and its length) to each of the P processes."""
+    length = 1
+    while local_bytes >> (7 * length):
+        length += 1
+    global_bytes = num_processes * (1 + length + local_bytes)
+    return num_processes * local_bytes + num_processes * global_bytes
+
+
+def exchange_terms(num_processes: int, local_bytes: int) -> dict[str, float]:
+    """The model's terms for one platform's exchange (see :data:`TOPOLOGY_FIT`)."""
+    return {
+        "per_process_s": num_processes,
+        "per_pair_s": num_processes**2,
+        "per_byte_s": exchange_payload(num_processes, local_bytes),
+    }
+
+
+def topology_exchange_s(
+    num_processes: int, local_bytes: int = CPU_LOCAL_TOPOLOGY_BYTES
+) -> dict[str, float]:
+    """Return the model's seconds for one platform's topology exchange of
+    ``num_processes`` (the CPU client's by default): ``put_gather`` (until process 0
+    holds every local topology) and ``whole``."""
+    terms = exchange_terms(num_processes, local_bytes)
+    return {
+        phase: sum(c * terms[name] for name, c in fit.items())
+        for phase, fit in TOPOLOGY_FIT.items()
+    }
 
 
 def topology_timeouts(num_processes: int) -> dict[str, int]:
     """Return the topology-exchange timeouts (minutes) ``mpi4jax_dist.initialize()``
     sets where the user set none: twice the model's time, at least JAX's defaults
     (2 and 5 min), the global one above the local one as JAX requires. JAX's own
-    up to about 10^4 processes; 94 and 165 min at 10^5."""
+    up to about 10^4 processes; 65 and 154 min at 10^5."""
     model = topology_exchange_s(num_processes)
     local_name, global_name = JAX_TOPOLOGY_TIMEOUTS
     local = max(
@@ -143,11 +192,6 @@ def topology_timeouts(num_processes: int) -> dict[str, int]:
 
 # --- what the diagnostics say ---------------------------------------------------------
 
-# Bytes of JAX's topology exchange per pair of processes, per platform: every
-# process's local topology gathered through rank 0's service and the global one
-# sent back to every process. Measured: 69 to 80 B per process at P = 2 and 4, and
-# about 94 B at 4,096 (longer ids; benchmarks/coordinator_scale.py's docstring).
-TOPOLOGY_BYTES_PER_PAIR = 94
 SOMAXCONN = "/proc/sys/net/core/somaxconn"
 
 
@@ -161,8 +205,9 @@ def listen_backlog() -> int | None:
 
 
 def topology_exchange_bytes(num_processes: int) -> int:
-    """Return the bytes rank 0's service relays in JAX's topology exchange."""
-    return TOPOLOGY_BYTES_PER_PAIR * num_processes**2
+    """Return the bytes rank 0's service sends in JAX's CPU topology exchange (the
+    emulation's services sent within 0.3 % of this)."""
+    return exchange_payload(num_processes, CPU_LOCAL_TOPOLOGY_BYTES)
 
 
 def report(num_processes: int) -> dict:
@@ -193,8 +238,9 @@ def report(num_processes: int) -> dict:
     if exchange > 10**9:
         warnings.append(
             f"JAX's topology exchange relays about {exchange / 1e9:.0f} GB through "
-            f"rank 0 ({TOPOLOGY_BYTES_PER_PAIR} B per pair of processes): use one "
-            f"process per node with all its devices where the platform allows it."
+            f"rank 0 (about {exchange / num_processes**2:.0f} B per pair of "
+            f"processes, per platform): use one process per node with all its "
+            f"devices where the platform allows it."
         )
     model = topology_exchange_s(num_processes)
     jax_global = JAX_TOPOLOGY_TIMEOUTS["jax_cpu_get_global_topology_timeout_minutes"]
@@ -210,6 +256,19 @@ def report(num_processes: int) -> dict:
             f"jax_cpu_get_global_topology_timeout_minutes="
             f"{ours['jax_cpu_get_global_topology_timeout_minutes']}."
         )
+    gpu = topology_exchange_s(num_processes, gpu_local_topology_bytes(1))
+    gpu_limit = GPU_TOPOLOGY_TIMEOUTS_MINUTES["global"]
+    if gpu["whole"] > 60 * gpu_limit:
+        warnings.append(
+            f"where each of the {num_processes} processes drives one GPU through "
+            f"JAX's CUDA plugin, the plugin's own topology exchange may take about "
+            f"{gpu['whole'] / 60:.0f} min (the same model), more than XLA's "
+            f"{gpu_limit} min, which JAX has no option to raise: run one process "
+            f"per node with all its GPUs (the exchange's time falls by about the "
+            f"GPUs per node squared, over the growth of each local topology), and "
+            f"set JAX_PLATFORMS=cuda so that the CPU backend exchanges no topology "
+            f"of its own."
+        )
     return {
         "processes": num_processes,
         "open_files": {"soft": soft, "hard": hard, "needed": needed},
@@ -223,6 +282,11 @@ def report(num_processes: int) -> dict:
         "topology_timeouts_minutes": {
             "jax_defaults": dict(JAX_TOPOLOGY_TIMEOUTS),
             "mpi4jax_dist.initialize": topology_timeouts(num_processes),
+        },
+        "gpu_topology_exchange": {
+            "local_bytes_estimated": gpu_local_topology_bytes(1),
+            "seconds": gpu,
+            "xla_timeouts_minutes": dict(GPU_TOPOLOGY_TIMEOUTS_MINUTES),
         },
         "problems": problems,
         "warnings": warnings,

@@ -30,7 +30,7 @@ def test_topology_timeouts_grow_with_the_square_of_the_process_count():
     glob = "jax_cpu_get_global_topology_timeout_minutes"
     assert _limits.topology_timeouts(1000) == _limits.JAX_TOPOLOGY_TIMEOUTS
     assert _limits.topology_timeouts(10_000) == _limits.JAX_TOPOLOGY_TIMEOUTS
-    assert _limits.topology_timeouts(100_000) == {local: 94, glob: 165}
+    assert _limits.topology_timeouts(100_000) == {local: 72, glob: 165}
     for procs in (2, 5000, 30_000, 100_000, 300_000):
         minutes = _limits.topology_timeouts(procs)
         assert minutes[glob] > minutes[local]  # JAX's rule
@@ -64,8 +64,8 @@ def test_topology_timeouts_are_raised_only_where_the_user_set_none():
     if proc.stdout.startswith("absent"):
         assert proc.stdout.split() == ["absent", "{}"]
     else:
-        assert proc.stdout.split("]")[1].split() == ["94", "7"], proc.stdout
-        assert "('jax_cpu_get_local_topology_timeout_minutes', 94)" in proc.stdout
+        assert proc.stdout.split("]")[1].split() == ["72", "7"], proc.stdout
+        assert "('jax_cpu_get_local_topology_timeout_minutes', 72)" in proc.stdout
 
 
 def test_initialize_fills_in_only_what_the_caller_left_out():
@@ -129,7 +129,8 @@ def test_diagnostics_judge_a_planned_job_size():
     scale = report["scale"]
     assert scale["open_files"] == {"soft": 1024, "hard": 4096, "needed": 100256}
     assert scale["timeouts"]["mpi4jax_dist.initialize"] == _limits.timeouts(100_000)
-    assert scale["topology_exchange_bytes"] == 94 * 10**10
+    # 88 B from each process to process 0, 90 B per pair of processes back.
+    assert scale["topology_exchange_bytes"] == 88 * 10**5 + 90 * 10**10
     assert scale["topology_timeouts_minutes"]["mpi4jax_dist.initialize"] == (
         _limits.topology_timeouts(100_000)
     )
@@ -137,8 +138,27 @@ def test_diagnostics_judge_a_planned_job_size():
         "hard open-file limit, 4096, is below the 100256" in p
         for p in report["problems"]
     ), report["problems"]
-    assert any("topology exchange relays about 940 GB" in w for w in scale["warnings"])
+    assert any("topology exchange relays about 900 GB" in w for w in scale["warnings"])
     assert any(
         "jax_cpu_get_global_topology_timeout_minutes=165" in w
         for w in scale["warnings"]
     ), scale["warnings"]
+    gpu = [w for w in scale["warnings"] if "JAX's CUDA plugin" in w]
+    assert len(gpu) == 1 and "may take about 87 min" in gpu[0], scale["warnings"]
+    assert "set JAX_PLATFORMS=cuda" in gpu[0]
+    assert scale["gpu_topology_exchange"]["xla_timeouts_minutes"] == {
+        "local": 2,
+        "global": 5,
+    }
+
+
+def test_the_gpu_exchange_warning_starts_where_the_model_exceeds_xla_5_minutes():
+    """The CUDA plugin's exchange at one GPU per process: within XLA's fixed 5 min
+    at 10^4 processes by the model, beyond it at 3 x 10^4."""
+    model = _limits.topology_exchange_s
+    gpu_bytes = _limits.gpu_local_topology_bytes(1)
+    assert model(10_000, gpu_bytes)["whole"] < 300 < model(30_000, gpu_bytes)["whole"]
+    quiet = _limits.report(10_000)["warnings"]
+    assert not any("CUDA plugin" in w for w in quiet), quiet
+    loud = _limits.report(30_000)["warnings"]
+    assert any("CUDA plugin" in w for w in loud), loud
