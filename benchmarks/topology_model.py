@@ -36,9 +36,9 @@ also starts its CPU backend, which exchanges a topology of its own, first). A GP
 process's local topology is an estimate
 (``mpi4jax_dist._limits.GPU_LOCAL_TOPOLOGY_BYTES``); the CPU client's was measured.
 Printed per scenario: the processes, the bytes through rank 0, the model's seconds
-and a floor, the bytes at 25 GB/s (one 200 Gb/s NIC). The model
-comes from one 2-core host holding the service and every client, so it is an upper
-bound for a real rank 0; the floor is a lower one.
+and a floor, the bytes at 25 GB/s (one 200 Gb/s NIC). The model comes from one
+2-core host holding the service and every client, so it is an upper bound for a
+real rank 0; the floor is a lower one.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def topology_timeouts(num_processes: int) -> dict[str, int]:
     """Return the topology-exchange timeouts (minutes) ``mpi4jax_dist.initialize()``
     sets where the user set none: twice the model's time, at least JAX's defaults
     (2 and 5 min), the global one above the local one as JAX requires. JAX's own
-    up to about 10^4 processes; 65 and 154 min at 10^5."""
+    up to about 10^4 processes; 72 and 165 min at 10^5."""
     model = topology_exchange_s(num_processes)
     local_name, global_name = JAX_TOPOLOGY_TIMEOUTS
     local = max(
@@ -206,7 +206,7 @@ def listen_backlog() -> int | None:
 
 def topology_exchange_bytes(num_processes: int) -> int:
     """Return the bytes rank 0's service sends in JAX's CPU topology exchange (the
-    emulation's services sent within 0.3 % of this)."""
+    emulation's services sent 0.1 to 9 % more: gRPC's framing, retransmissions)."""
     return exchange_payload(num_processes, CPU_LOCAL_TOPOLOGY_BYTES)
 
 
