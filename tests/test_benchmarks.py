@@ -182,10 +182,12 @@ def test_sr_memory_runs_a_fresh_job_per_case(tmp_path):
 def test_sr_step_example_matches_jax_scipy():
     """examples/sr_step.py on 2 ranks: the drop-in's update is jax.scipy's."""
     proc = util.run_mpi(util.ROOT / "examples" / "sr_step.py", 2, timeout=120)
-    # Searched anywhere in a line, not at its start: mpiexec forwards each rank's
-    # stdout as it reads it, so one rank's line can follow another's unfinished
-    # output (Gloo's "[Gloo] Rank 0 is connected ..." on the same line).
-    lines = re.findall(r"rank \d+/2: [^\n]*", proc.stdout)
+    # Searched anywhere in a line, not at its start, and each up to the next rank's
+    # line: mpiexec forwards each rank's stdout as it reads it, so one rank's line
+    # can follow another's unfinished output (Gloo's "[Gloo] Rank 0 is connected
+    # ..." on the same line), and in a clean-clone CI run rank 0's line followed
+    # rank 1's before its newline.
+    lines = re.findall(r"rank \d+/2: .*?(?=rank \d+/2: |\n|$)", proc.stdout)
     ranks = sorted(line.split("/")[0] for line in lines)
     assert ranks == ["rank 0", "rank 1"], proc.stdout + proc.stderr
     for line in lines:
