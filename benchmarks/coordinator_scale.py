@@ -443,7 +443,7 @@ EXCHANGE_PHASES = ("put", "gather", "global_put", "fetch")
 
 def parse_exchange(value) -> list[tuple[str, int]]:
     """``--exchange``'s value as ``[(platform, bytes), ...]``: ``88`` is the CPU
-    client's alone; ``cpu:88,cuda:190`` is one exchange per platform, in that order
+    client's alone; ``cpu:88,cuda:110`` is one exchange per platform, in that order
     (JAX initializes its backends one after another, the CPU one first)."""
     if isinstance(value, int):
         return [("cpu", value)] if value else []
@@ -462,7 +462,8 @@ def parse_exchange(value) -> list[tuple[str, int]]:
         if pairs[-1][1] <= 0 or not re.fullmatch(r"[a-z0-9_]+", platform):
             raise ValueError(
                 f"--exchange {value!r}: {item!r} needs a platform name of lower-case "
-                f"letters and a positive byte count"
+                f"letters, digits or _ (as JAX's: cpu, cuda, rocm) and a positive byte "
+                f"count"
             )
     if len({p for p, _ in pairs}) != len(pairs):
         raise ValueError(f"--exchange {value!r}: a platform appears twice")

@@ -3,6 +3,7 @@ diagnostics (``mpi4jax_dist._limits.TOPOLOGY_FIT``): it is the fit of the commit
 emulation runs, and the fit finds known coefficients."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -72,3 +73,21 @@ def test_scenarios_one_process_per_node_and_jax_platforms_save():
     assert per_gpu["whole_s"] == pytest.approx(only_cuda["whole_s"] + cpu)
     assert per_node["platforms"]["cuda"]["local_bytes"] == 40 + 4 * 70
     assert not only_cuda["cuda_within_xla_limit"]
+
+
+def test_the_model_script_runs_on_the_committed_runs(tmp_path, capsys):
+    model = util.load_benchmark("topology_model")
+    out = tmp_path / "model.json"
+    result = model.main([*RUNS, "--gpus", "10000,100000", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert (
+        "# fit of whole over" in printed and "1 per GPU, JAX_PLATFORMS=cuda" in printed
+    )
+    assert len(result["scenarios"]) == 2 * len(model.SCENARIOS)
+    saved = json.loads(out.read_text())
+    assert saved["results"]["fit"] == result["fit"] and "versions" in saved["meta"]
+    # At 10^5 GPUs one process per GPU does not fit XLA's 5 minutes by the model;
+    # one per 8-GPU node does.
+    at_1e5 = {s["scenario"]: s for s in result["scenarios"] if s["gpus"] == 100_000}
+    assert not at_1e5["1 per GPU, JAX_PLATFORMS=cuda"]["cuda_within_xla_limit"]
+    assert at_1e5["1 per 8-GPU node, =cuda"]["cuda_within_xla_limit"]
