@@ -101,6 +101,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 
+from mpi4jax_dist import _limits  # noqa: E402
+
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
 # What gRPC logs when the files run out: current jaxlib's words, and jaxlib 0.6.0's
@@ -258,7 +260,7 @@ def worker(config: dict) -> None:
 
 
 def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
-    from mpi4jax_dist import _jax_compat, _limits
+    from mpi4jax_dist import _jax_compat
 
     runtime = _jax_compat.distributed_runtime()
 
@@ -470,20 +472,9 @@ def parse_exchange(value) -> list[tuple[str, int]]:
     return pairs
 
 
-def varint_size(n: int) -> int:
-    """Bytes of ``n`` as a protobuf varint."""
-    size = 1
-    while n >= 0x80:
-        n >>= 7
-        size += 1
-    return size
-
-
-def global_size(procs: int, local: int) -> int:
-    """Bytes of a GlobalTopologyProto of ``procs`` LocalTopologyProtos of ``local``
-    bytes each: every node is a length-delimited field 1 (a tag byte and the
-    length's varint before it)."""
-    return procs * (1 + varint_size(local) + local)
+# The global topology's size, as the package's model counts it; the exchange checks
+# it against the one it builds with frame().
+global_size = _limits.global_topology_bytes
 
 
 def frame(value: bytes) -> bytes:
@@ -539,8 +530,9 @@ def _all_clients(procs: int, call) -> tuple[float, dict[int, str]]:
 
 
 # What one platform's exchange records; the row also holds their sums over the
-# platforms under the same names (peak RSS: the largest).
-EXCHANGE_SUMS = (
+# platforms under the same names, but for the clients that fetched the right size
+# (the fewest) and the peak RSS (the largest).
+EXCHANGE_KEYS = (
     "put_s",
     "gather_s",
     "global_put_s",
@@ -551,7 +543,12 @@ EXCHANGE_SUMS = (
     "exchange_payload_bytes",
     "service_sent_bytes",
     "exchange_fetched_bytes",
+    "exchange_fetched_ok",
     "exchange_rss_mib",
+    "exchange_peak_mib",
+)
+EXCHANGE_SUMS = tuple(
+    k for k in EXCHANGE_KEYS if k not in ("exchange_fetched_ok", "exchange_peak_mib")
 )
 
 
@@ -783,23 +780,6 @@ TABLE = _harness.Table(
         _harness.Column("overflows", "listen", "ovfl", 6, "d"),
         _harness.Column("status", "status", "ok/runs", 8, left=True),
     ]
-)
-
-
-EXCHANGE_KEYS = (
-    "put_s",
-    "gather_s",
-    "global_put_s",
-    "fetch_s",
-    "exchange_s",
-    "exchange_local_bytes",
-    "exchange_global_bytes",
-    "exchange_payload_bytes",
-    "service_sent_bytes",
-    "exchange_fetched_bytes",
-    "exchange_fetched_ok",
-    "exchange_rss_mib",
-    "exchange_peak_mib",
 )
 
 

@@ -80,8 +80,8 @@ def points(paths: list[str]) -> list[dict]:
             platforms = row.get("exchange_platforms") or []
             if not row.get("ok") or not platforms:
                 continue
+            runs = [r for r in row["runs"] if r.get("ok")]
             for position, platform in enumerate(platforms):
-                runs = [r for r in row["runs"] if r.get("ok")]
 
                 def median(key: str, runs=runs, platform=platform) -> float:
                     return statistics.median(r[f"{platform}.{key}"] for r in runs)

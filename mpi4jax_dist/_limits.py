@@ -138,14 +138,20 @@ def gpu_local_topology_bytes(gpus_per_process: int = 1) -> int:
     return sizes["process"] + sizes["device"] * gpus_per_process
 
 
-def exchange_payload(num_processes: int, local_bytes: int) -> int:
-    """The bytes rank 0's service sends in one platform's topology exchange: the P
-    local topologies to process 0, and the global one (every local one behind a
-    field tag and its length) to each of the P processes."""
+def global_topology_bytes(num_processes: int, local_bytes: int) -> int:
+    """Bytes of the global topology (a GlobalTopologyProto) of ``num_processes``
+    local ones of ``local_bytes`` each: every local one is a length-delimited field
+    1, a tag byte and the length's varint before it."""
     length = 1
     while local_bytes >> (7 * length):
         length += 1
-    global_bytes = num_processes * (1 + length + local_bytes)
+    return num_processes * (1 + length + local_bytes)
+
+
+def exchange_payload(num_processes: int, local_bytes: int) -> int:
+    """The bytes rank 0's service sends in one platform's topology exchange: the P
+    local topologies to process 0, and the global one to each of the P processes."""
+    global_bytes = global_topology_bytes(num_processes, local_bytes)
     return num_processes * local_bytes + num_processes * global_bytes
 
 

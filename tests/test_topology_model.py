@@ -51,11 +51,13 @@ def test_the_fit_finds_known_coefficients_and_rejects_others():
 
 
 def test_payload_is_what_the_emulation_sends():
+    """The model's bytes against a global topology the emulation builds, each local
+    one framed as a protobuf field (its length's varint grows at 128 B)."""
     bench = util.load_benchmark("coordinator_scale")
     for procs, local in [(2, 69), (64, 88), (4096, 110), (100, 127), (100, 128)]:
-        assert _limits.exchange_payload(procs, local) == procs * local + procs * (
-            bench.global_size(procs, local)
-        )
+        built = len(b"".join(bench.frame(bytes(local)) for _ in range(procs)))
+        assert _limits.global_topology_bytes(procs, local) == built
+        assert _limits.exchange_payload(procs, local) == procs * local + procs * built
 
 
 def test_scenarios_one_process_per_node_and_jax_platforms_save():
