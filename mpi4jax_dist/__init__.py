@@ -41,6 +41,9 @@ __version__ = "0.1.0"
 
 # The one side effect of importing: JAX asks our cluster env first.
 _jax_compat.register_first(_cluster.Mpi4jaxDistCluster)
+# JAX's trace context whole before user code is traced, not completed by our
+# first call's imports (which would make every jit traced before compile again).
+_jax_compat.complete_trace_context()
 
 
 def __getattr__(name):

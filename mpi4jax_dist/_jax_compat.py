@@ -25,6 +25,12 @@ version    change
            jax._src.monitoring's).
 0.9.0      ``jax_enable_preemption_service`` (before: ``jax.distributed.initialize``
            always started the preemption service and its SIGTERM handler).
+0.11.0     ``cache host callbacks``: the persistent compilation cache holds
+           programs with host callbacks, and ``compiler._cache_write`` takes no
+           ``host_callbacks`` (before: it took them, and wrote none of those).
+0.12.0     ``jax.extend registers trace context``: importing ``jax.extend`` (as
+           mpi4jax does) adds Pallas' two options to the trace context, which
+           every ``jit``'s cache key holds (before: it added none).
 =========  ==========================================================================
 """
 
@@ -62,6 +68,8 @@ CHANGES = {
     "override_coordinator_port": (0, 8, 1),
     "jax.monitoring.unregister_event_duration_listener": (0, 8, 1),
     "jax_enable_preemption_service": (0, 9, 0),
+    "cache host callbacks": (0, 11, 0),
+    "jax.extend registers trace context": (0, 12, 0),
 }
 
 
@@ -106,6 +114,20 @@ def register_first(cls) -> None:
     """
     registry = ClusterEnv._cluster_types
     registry[:] = [cls] + [c for c in registry if c is not cls]
+
+
+def complete_trace_context() -> None:
+    """Import now the JAX modules whose import adds options to JAX's trace context
+    and that this package's first calls would import (mpi4jax imports
+    ``jax.extend``).
+
+    Every ``jit`` keys its cache on the trace context: options added after a
+    function was traced make its next call trace and compile it again (since jax
+    0.12, a first ``allreduce`` inside a ``jit`` did that to every function traced
+    before). Imported up front, the context is whole before any user code runs.
+    """
+    if since("jax.extend registers trace context"):
+        import jax.extend  # noqa: F401
 
 
 def initialize_accepts(name: str) -> bool:
@@ -349,6 +371,36 @@ def make_mesh(devices, axis_name: str, axis_type: str = "auto"):
 _compiling = threading.local()
 
 
+# The parameters of JAX's ``compiler._cache_write``, which the wrapper below takes
+# and hands on: a version takes the last row whose first version is <= it.
+CACHE_WRITE_PARAMS = (
+    (
+        FLOOR,
+        (
+            "cache_key",
+            "compile_time_secs",
+            "module_name",
+            "backend",
+            "executable",
+            "host_callbacks",
+        ),
+    ),
+    (
+        CHANGES["cache host callbacks"],
+        ("cache_key", "compile_time_secs", "module_name", "backend", "executable"),
+    ),
+)
+
+
+def cache_write_params(version: tuple[int, int, int] = JAX_VERSION) -> tuple:
+    """Return the parameters of ``compiler._cache_write`` in JAX ``version``."""
+    params = CACHE_WRITE_PARAMS[0][1]
+    for first, names in CACHE_WRITE_PARAMS:
+        if version >= first:
+            params = names
+    return params
+
+
 def cache_on_every_process() -> bool:
     """Let every process write the persistent compilation cache entries of the
     programs that run on its devices alone; return whether this JAX allows it.
@@ -361,9 +413,11 @@ def cache_on_every_process() -> bool:
     only), so after ``jax.distributed.initialize`` the other processes' programs
     are never written and never found. Wrapped here: ``compile_or_get_cached``
     notes whether the devices are all of one process, and ``_cache_write`` then
-    writes on any process, with JAX's other conditions (no host callbacks, the
-    minimum compile time; the minimum entry size is checked by the write itself).
-    Programs over several processes keep JAX's rule. Idempotent.
+    writes on any process, with JAX's other conditions (no host callbacks before
+    jax 0.11, the minimum compile time; the minimum entry size is checked by the
+    write itself). Programs over several processes keep JAX's rule. Idempotent.
+    A JAX whose ``_cache_write`` takes other parameters than
+    :func:`cache_write_params` says keeps its own rule (False).
     """
     from jax._src import compiler
 
@@ -372,18 +426,11 @@ def cache_on_every_process() -> bool:
     own_compile = compiler.compile_or_get_cached
     own_write = compiler._cache_write
     compile_params = inspect.signature(own_compile).parameters
-    write_params = list(inspect.signature(own_write).parameters)
-    expected = [
-        "cache_key",
-        "compile_time_secs",
-        "module_name",
-        "backend",
-        "executable",
-        "host_callbacks",
-    ]
-    if "devices" not in compile_params or write_params != expected:
+    write_params = tuple(inspect.signature(own_write).parameters)
+    if "devices" not in compile_params or write_params != cache_write_params():
         return False  # another JAX: its own rule stays
     bind = inspect.signature(own_compile).bind
+    bind_write = inspect.signature(own_write).bind
 
     def compile_or_get_cached(*args, **kwargs):
         devices = bind(*args, **kwargs).arguments["devices"]
@@ -400,7 +447,7 @@ def cache_on_every_process() -> bool:
             _compiling, "one_process", False
         ):
             return own_write(*args, **kwargs)
-        return _write_cache_entry(*args, **kwargs)
+        return _write_cache_entry(**bind_write(*args, **kwargs).arguments)
 
     compile_or_get_cached.jax_original = own_compile
     cache_write.jax_original = own_write
@@ -410,16 +457,17 @@ def cache_on_every_process() -> bool:
 
 
 def _write_cache_entry(
-    cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+    cache_key, compile_time_secs, module_name, backend, executable, host_callbacks=()
 ) -> None:
-    """JAX's ``_cache_write`` less its ``process_id != 0`` check."""
+    """JAX's ``_cache_write`` less its ``process_id != 0`` check (``host_callbacks``
+    before jax 0.11 only: since, programs with them are cached)."""
     import warnings
 
     from jax._src import compilation_cache, compiler
     from jax._src import config as _jax_config
 
     if host_callbacks:
-        return  # baked into the executable: JAX never caches them
+        return  # before jax 0.11: baked into the executable, never cached
     if compile_time_secs < _jax_config.persistent_cache_min_compile_time_secs.value:
         return
     try:

@@ -40,6 +40,33 @@ def _has_coordinator_port() -> bool:
     return "override_coordinator_port" in inspect.signature(method).parameters
 
 
+def _cache_write_takes_no_host_callbacks() -> bool:
+    from jax._src import compiler
+
+    own = getattr(compiler._cache_write, "jax_original", compiler._cache_write)
+    return "host_callbacks" not in inspect.signature(own).parameters
+
+
+def _extend_adds_to_trace_context() -> bool:
+    """Whether importing jax.extend makes the trace context longer (in a fresh
+    interpreter: this one has imported it)."""
+    code = (
+        "from jax._src import config\n"
+        "n = len(config.trace_context())\n"
+        "import jax.extend\n"
+        "print(len(config.trace_context()) > n)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=util.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()[-1] == "True"
+
+
 # Each row of CHANGES, asked of the installed JAX itself.
 PROBES = {
     "jax.shard_map": _has_shard_map,
@@ -56,6 +83,8 @@ PROBES = {
     "jax_enable_preemption_service": lambda: hasattr(
         jax.config, "jax_enable_preemption_service"
     ),
+    "cache host callbacks": _cache_write_takes_no_host_callbacks,
+    "jax.extend registers trace context": _extend_adds_to_trace_context,
 }
 
 
@@ -106,6 +135,17 @@ def test_floor_is_setup_cfgs():
     assert _jax_compat.parse_version(match.group(1)) == _jax_compat.FLOOR
     assert _jax_compat.JAX_VERSION >= _jax_compat.FLOOR
     assert _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0] == _jax_compat.FLOOR
+    assert _jax_compat.CACHE_WRITE_PARAMS[0][0] == _jax_compat.FLOOR
+
+
+def test_cache_write_params_are_this_jaxs():
+    """The wrapper of cache_on_every_process hands on what this JAX's own
+    _cache_write takes (else it would leave JAX's rule in place: rank 1 caches
+    nothing, as with JAX 0.11 before the table knew its change)."""
+    from jax._src import compiler
+
+    own = getattr(compiler._cache_write, "jax_original", compiler._cache_write)
+    assert tuple(inspect.signature(own).parameters) == _jax_compat.cache_write_params()
 
 
 def test_since_compares_versions():
@@ -239,3 +279,35 @@ def test_publish_gloo_address(address, made):
     assert made in outcome, outcome
     if made == "made":  # too late once the backend exists
         assert late is False
+
+
+def test_functions_are_traced_once_around_the_first_calls():
+    """A jit traced before the first allreduce, iallreduce and cg is not traced
+    again after them, nor are they: the trace context (every jit's cache key) is
+    whole once the package is imported (:func:`_jax_compat.complete_trace_context`).
+    """
+    proc = util.run_mpi("trace_once.py", 2, timeout=120)
+    for record in util.result_lines(proc, 2, "rank"):
+        assert record["after"] == record["before"], record
+        assert set(record["traces"].values()) == {1}, record
+
+
+def test_an_import_after_tracing_traces_again():
+    """What the test above guards against, on the JAX it runs with: where importing
+    jax.extend adds to the trace context (the table's row), a jit traced before
+    that import traces again on its next call, and not where it adds nothing."""
+    code = (
+        "import jax\n"
+        "traces = []\n"
+        "f = jax.jit(lambda v: traces.append(1) or v + 1)\n"
+        "f(1.0)\n"
+        "import jax.extend\n"
+        "f(1.0)\n"
+        "print(len(traces))\n"
+    )
+    proc = util.run_command(
+        [sys.executable, "-c", code], env=util.clean_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    again = _jax_compat.since("jax.extend registers trace context")
+    assert proc.stdout.split()[-1] == ("2" if again else "1"), proc.stdout
