@@ -31,7 +31,7 @@ def launch(case, *python_args, **env):
         2,
         check=False,
         timeout=90,
-        env=util.clean_env(**env),
+        env=util.clean_env(**{**bench.QUIET, **env}),
     )
     return proc, time.monotonic() - start
 

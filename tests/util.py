@@ -204,13 +204,13 @@ def run_mpi(
     return proc
 
 
-def run_command(cmd, *, env: dict, timeout: float):
-    """Run ``cmd`` from the repository root and return the CompletedProcess (text
-    output captured); past ``timeout`` seconds the test fails, showing what the
-    command had printed."""
+def run_command(cmd, *, env: dict, timeout: float, cwd=ROOT):
+    """Run ``cmd`` in ``cwd`` (default: the repository root) and return the
+    CompletedProcess (text output captured); past ``timeout`` seconds the test
+    fails, showing what the command had printed."""
     try:
         return subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{_text(err)}")
