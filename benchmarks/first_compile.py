@@ -30,11 +30,15 @@ is not in any figure.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
-import _harness
+# The harness beside this script, also under PYTHONSAFEPATH=1 (how CI runs the
+# installed copies), which leaves the script's folder off sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 
 CASES = ("jax_cg", "dropin", "dropin_pipelined", "solve_normal")
 

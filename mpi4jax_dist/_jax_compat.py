@@ -23,7 +23,7 @@ version    change
            the port passed by keyword from ``JAX_COORDINATOR_PORT``;
            ``jax.monitoring.unregister_event_duration_listener`` (before: only
            jax._src.monitoring's).
-0.9.0      ``jax_enable_preemption_service`` (before: ``jax.distributed.initialize``
+0.8.2      ``jax_enable_preemption_service`` (before: ``jax.distributed.initialize``
            always started the preemption service and its SIGTERM handler).
 0.11.0     ``cache host callbacks``: the persistent compilation cache holds
            programs with host callbacks, and ``compiler._cache_write`` takes no
@@ -67,7 +67,7 @@ CHANGES = {
     "jax.enable_x64": (0, 8, 0),
     "override_coordinator_port": (0, 8, 1),
     "jax.monitoring.unregister_event_duration_listener": (0, 8, 1),
-    "jax_enable_preemption_service": (0, 9, 0),
+    "jax_enable_preemption_service": (0, 8, 2),
     "cache host callbacks": (0, 11, 0),
     "jax.extend registers trace context": (0, 12, 0),
 }
