@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import platform
 import shutil
 import subprocess
 import time
@@ -18,8 +19,9 @@ PACKAGES = ("mpi4jax_dist", "jax", "jaxlib", "mpi4py", "mpi4jax", "numpy")
 
 
 def versions(packages=PACKAGES) -> dict:
-    """Return ``{package: installed version or None}``."""
-    found = {}
+    """Return ``{"python": Python's version, package: installed version or
+    None}``."""
+    found = {"python": platform.python_version()}
     for package in packages:
         try:
             found[package] = importlib.metadata.version(package)
