@@ -9,12 +9,19 @@
 #       run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=570)
 #
 # Where it runs: one NVIDIA GPU (made for the H200 machine: 16 cores, no network,
-# commands as root, python3 = Python 3.12 with jax and jax-cuda13-plugin, mpi4py,
-# numpy, pytest, pytest-timeout, cython and nanobind (mpi4jax's build needs
-# both), setuptools, a C++ compiler, and CUDA 13 with nvcc in /usr/local/cuda).
+# commands as root, python3 with jax and its CUDA 13 plugin (Python 3.12.3, jax
+# 0.11.2 as last read there, 2026-11), mpi4py, numpy, pytest, pytest-timeout,
+# cython and nanobind (mpi4jax's build needs both), setuptools, a C++ compiler,
+# and CUDA 13 with nvcc in /usr/local/cuda). PYTHON= names another interpreter.
 # What it needs beyond that, carried in .whl/ (about 14 MB): the mpich wheel
 # (mpicc, mpiexec, libmpi: the image has no MPI), pytest-mpi, and mpi4jax's sdist
-# (built there against that MPI and CUDA). PYTHON= names another interpreter.
+# (built there against that MPI and CUDA); none of them is bound to a Python
+# version. JAX is the machine's own, whichever it is: step 1 prints it beside the
+# newest that pip served --fetch (.whl/NEWEST_JAX). The newest JAX's CUDA wheels
+# can come too, where a machine takes them (--fetch --with-jax, for Python
+# DEVICE_PYTHON, default 3.12: jax, jaxlib, jax-cuda13-plugin and -pjrt, about 230
+# MB, more than the device tool's 64 MiB carry); step 2 installs what .whl/jax/
+# holds over the machine's JAX.
 #
 # What it does, each step timed, stopping at the first that fails:
 #   1. the machine: GPU and driver, python, jax and its CUDA plugin, nvcc;
@@ -67,6 +74,22 @@ MPI4JAX=mpi4jax==0.9.1.post2
 
 if [ "${1:-}" = --fetch ]; then
     mkdir -p "$wheels"
+    # The newest JAX that pip serves a Python >= 3.12, for step 1 to compare with.
+    device_python=${DEVICE_PYTHON:-3.12}
+    newest=$("$python" -m pip download --no-deps --only-binary=:all: \
+        --python-version "$device_python" --implementation cp \
+        --platform manylinux_2_27_x86_64 -d "$(mktemp -d)" jax 2>/dev/null \
+        | sed -n 's/.*jax-\([0-9.]*\)-py3.*/\1/p' | head -n 1)
+    echo "${newest:-unknown}" >"$wheels/NEWEST_JAX"
+    echo "gpu_check: the newest JAX for Python $device_python: ${newest:-unknown}"
+    if [ "${2:-}" = --with-jax ] && [ -n "$newest" ]; then
+        mkdir -p "$wheels/jax"
+        "$python" -m pip download --no-deps --only-binary=:all: \
+            --python-version "$device_python" --implementation cp \
+            --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+            -d "$wheels/jax" "jax==$newest" "jaxlib==$newest" \
+            "jax-cuda13-plugin==$newest" "jax-cuda13-pjrt==$newest" || exit 1
+    fi
     # The device's python3 is 3.12 on x86-64; the mpich wheel is for any Python.
     "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 \
@@ -111,6 +134,8 @@ for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "mpi4py"
     except md.PackageNotFoundError:
         print(f"  {name} -")
 EOF
+echo "  the newest JAX when .whl was fetched: $(cat "$wheels/NEWEST_JAX" 2>/dev/null \
+    || echo unknown)$([ -d "$wheels/jax" ] && echo ', carried in .whl/jax: installed next')"
 nvcc --version | tail -1 || echo "no nvcc on PATH"
 ls /usr/local | grep -i cuda || true
 [ -d "$wheels" ] \
@@ -118,6 +143,12 @@ ls /usr/local | grep -i cuda || true
 
 step "installing MPICH and pytest-mpi, building mpi4jax and mpi4jax_dist"
 prefix=$("$python" -c 'import sys; print(sys.prefix)')
+if [ -d "$wheels/jax" ]; then
+    "$python" -m pip install -q --no-index --no-deps --upgrade \
+        --disable-pip-version-check "$wheels"/jax/*.whl || fail "pip install of .whl/jax"
+    "$python" -c 'import jax; print("jax", jax.__version__, "from .whl/jax")' \
+        || fail "the carried JAX does not import"
+fi
 "$python" -m pip install -q --no-index --no-deps --disable-pip-version-check \
     "$wheels"/mpich-*.whl "$wheels"/pytest_mpi-*.whl || fail "pip install of the wheels"
 export PATH="$prefix/bin:$PATH"
