@@ -49,9 +49,11 @@ venv=${VENV:-$here/.venv}
 # shellcheck source=tools/find_python.sh
 source "$here/tools/find_python.sh"
 
-# Set up alongside the others, each with its output kept in a log shown when it
-# ends: the Python 3.11 environments (they build from a copy of the tree and write
-# nothing in it; one core compiles while the other downloads), and Debian's Slurm.
+# The other environments and Debian's Slurm are set up alongside .venv, each with
+# its output kept in a log shown when it ends (one core compiles while the other
+# downloads). Those of Python 3.11 build from a copy of the tree and write nothing
+# in it; Open MPI's and Intel MPI's install editable into the tree like .venv, one
+# at a time (a lock around that step alone).
 background=()  # name:pid:log
 start_background() {
     local name=$1 log
@@ -66,9 +68,12 @@ trap 'for job in "${background[@]}"; do kill "$(cut -d: -f2 <<<"$job")" 2>/dev/n
 # The Python 3.11 environments: the oldest JAX and the last JAX for Python 3.11
 # (JAX 0.11 dropped it). 0.6.0 runs on 3.10 to 3.13: another of those will do.
 py311=$(find_python 3.11 3.11) || py311=
-serial=()
 for other in "${others[@]}"; do
     case "$other" in
+        openmpi) start_background "the Open MPI environment" env MPI=openmpi \
+            VENV="$here/.venv-ompi" JAX= bash "${BASH_SOURCE[0]}" ;;
+        impi) start_background "the Intel MPI environment" env MPI=impi \
+            VENV="$here/.venv-impi" JAX= bash "${BASH_SOURCE[0]}" ;;
         jaxmin)
             python_jaxmin=${py311:-$(find_python 3.10 3.13)} || python_jaxmin=
             if [ -z "$python_jaxmin" ]; then
@@ -92,10 +97,8 @@ for other in "${others[@]}"; do
             else
                 echo "setup.sh: not root: Slurm (tools/cluster.sh) not installed"
             fi ;;
-        *) serial+=("$other") ;;
     esac
 done
-others=("${serial[@]}")
 if [ -n "${PYTHON:-}" ]; then
     python=$PYTHON
 elif ! python=$(find_python 3.12); then
@@ -113,6 +116,10 @@ fi
 
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
+elif [ "$(python_version "$venv/bin/python")" != "$(python_version "$python")" ]; then
+    # Made earlier with another Python (.venv was Python 3.11 before): kept as it is.
+    echo "setup.sh: $venv has Python $(python_version "$venv/bin/python"), not" \
+        "$(python_version "$python"): kept; remove it to make it anew"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if [ -n "$jax" ]; then
@@ -166,8 +173,15 @@ case "$install" in
 esac
 if [ "$install" = editable ]; then
     # Editable: the source tree's extension is named for its MPI family
-    # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment.
-    pip install --no-build-isolation -e "$here[test,bench,mpi4jax,docs]"
+    # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment; the build's
+    # egg-info and temporary files are the tree's, so one environment at a time.
+    mkdir -p "$here/build"
+    lock=()
+    if command -v flock >/dev/null 2>&1; then
+        lock=(flock "$here/build/setup.lock")
+    fi
+    "${lock[@]}" "$venv/bin/python" -m pip --disable-pip-version-check -q install \
+        --no-build-isolation -e "$here[test,bench,mpi4jax,docs]"
 else
     # Another JAX's headers (or another Python's): installed from a copy of the
     # tree into the environment only, so that .venv's build of the same MPI
@@ -182,7 +196,7 @@ else
 fi
 # What the environment holds, as resolved: "the newest JAX" is whatever pip gave.
 "$venv/bin/python" - "$venv" <<'EOF'
-import importlib.metadata as md, platform, re, sys
+import importlib.metadata as md, platform, sys
 from mpi4py import MPI
 names = ("jax", "jaxlib", "mpi4py", "mpi4jax")
 held = ", ".join(f"{name} {md.version(name)}" for name in names)
@@ -192,12 +206,6 @@ library = " ".join(first.replace("Version:", "").split())
 print(f"setup.sh: ready: {sys.argv[1]}: Python {platform.python_version()}, {held}, {library}")
 EOF
 
-for other in "${others[@]}"; do
-    case "$other" in
-        openmpi) MPI=openmpi VENV="$here/.venv-ompi" JAX= bash "${BASH_SOURCE[0]}" ;;
-        impi) MPI=impi VENV="$here/.venv-impi" JAX= bash "${BASH_SOURCE[0]}" ;;
-    esac
-done
 status=0
 for job in "${background[@]}"; do
     IFS=: read -r name pid log <<<"$job"
