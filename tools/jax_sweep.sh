@@ -49,25 +49,33 @@ python=${PYTHON:-$(find_python 3.12)} || {
     python=python3
 }
 # Print the newest patch of each JAX minor that pip serves the Python $1, from
-# setup.cfg's floor up, oldest first.
+# setup.cfg's floor up, oldest first. pip resolves each minor with that Python
+# (`pip download --no-deps "jax==0.8.*"`): `pip index versions` also lists
+# releases whose Requires-Python excludes it (pip 23 on Python 3.10 listed 0.10.2).
 floor=$(sed -n 's/^ *jax *>= *\([0-9.]*\).*/\1/p' setup.cfg)
 jax_versions() {
     "$1" - "$floor" <<'EOF'
-import re, subprocess, sys
+import pathlib, re, subprocess, sys, tempfile
+pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 out = subprocess.run(
-    [sys.executable, "-m", "pip", "index", "versions", "jax"],
-    capture_output=True, text=True, check=True,
+    [*pip, "index", "versions", "jax"], capture_output=True, text=True, check=True
 ).stdout
 listed = re.search(r"Available versions: (.*)", out).group(1).split(", ")
 key = lambda v: tuple(int(x) for x in v.split("."))
-newest = {}
-for version in listed:
-    if re.fullmatch(r"[0-9.]+", version) and key(version) >= key(sys.argv[1]):
-        minor = ".".join(version.split(".")[:2])
-        if minor not in newest or key(version) > key(newest[minor]):
-            newest[minor] = version
-for minor in sorted(newest, key=key):
-    print(newest[minor])
+minors = {
+    ".".join(v.split(".")[:2])
+    for v in listed
+    if re.fullmatch(r"[0-9.]+", v) and key(v) >= key(sys.argv[1])
+}
+for minor in sorted(minors, key=key):
+    with tempfile.TemporaryDirectory() as folder:
+        got = subprocess.run(
+            [*pip, "download", "-q", "--no-deps", "-d", folder, f"jax=={minor}.*"],
+            capture_output=True,
+        )
+        wheels = list(pathlib.Path(folder).glob("jax-*.whl"))
+    if got.returncode == 0 and wheels:
+        print(wheels[0].name.split("-")[1])  # none for this Python: left out
 EOF
 }
 versions=$(jax_versions "$python") || {
@@ -130,7 +138,13 @@ for row in "${rows[@]}"; do
     venv=$root/$label
     echo "== $label: setting up $venv"
     start=$SECONDS
-    if VENV=$venv PYTHON=$py JAX=$jax MPI=mpich bash tools/setup.sh \
+    # The checks import the environment's copy of the package: PYTHONSAFEPATH=1
+    # keeps the tree off sys.path. Python 3.10 has no PYTHONSAFEPATH, and imports
+    # the tree's package: there it is installed editable, its extension built in
+    # the tree under that Python's own name (cpython-310), beside the others.
+    install=copy
+    "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || install=editable
+    if VENV=$venv PYTHON=$py JAX=$jax MPI=mpich INSTALL=$install bash tools/setup.sh \
         >"$logs/$label-setup.log" 2>&1; then
         status=pass
     else
