@@ -337,12 +337,14 @@ def meta(comm=None, **extra) -> dict:
     }
     if comm is not None:
         import jax
+        from mpi4py import MPI
 
         import mpi4jax_dist
         from mpi4jax_dist import _jax_compat
 
         info.update(
             mpi_library=_mpi.mpi_library(),
+            thread_level=_mpi.thread_level_name(MPI.Query_thread()),
             world_size=comm.Get_size(),
             num_nodes=mpi4jax_dist.topology().num_nodes,
             backend=jax.default_backend(),

@@ -833,7 +833,8 @@ def main(argv=None) -> list[dict]:
     _harness.say(
         comm,
         f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} node(s), "
-        f"{meta['mpi_library']}, jax {meta['versions']['jax']} ({meta['backend']}, "
+        f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
+        f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
         "# time per allreduce, collectives alone: loop = x <- allreduce(x) K times "
         "in one dispatch / K; call = K dispatches / K; slowest rank per sample; "

@@ -46,6 +46,10 @@ def _print_text(report: dict) -> None:
         f"MPI           {mpi['library']} (MPI {mpi['standard']}, thread level "
         f"{mpi['thread_level']})"
     )
+    settings = ", ".join(f"{k}={v}" for k, v in mpi["thread_level_settings"].items())
+    print(f"  {mpi['thread_level']}: {mpi['thread_level_means']}")
+    if settings:
+        print(f"  set by {settings}")
     if mpi["mpiexec"] is None:
         print("mpiexec       not found on PATH")
     else:

@@ -113,9 +113,16 @@ def op_name(op, who: str = "mpi4jax_dist.allreduce") -> str:
 
 @functools.cache
 def _check_mpi(who: str = "mpi4jax_dist.allreduce") -> None:
-    """Raise unless MPI is up with ``MPI_THREAD_MULTIPLE`` (checked once per
-    ``who``, the function the message names)."""
+    """Raise unless MPI is up with at least ``MPI_THREAD_SERIALIZED`` (checked
+    once per ``who``, the function the message names).
+
+    XLA runs the handlers on its worker threads, so MPI must let any thread call
+    it: ``MPI_THREAD_MULTIPLE``, or ``MPI_THREAD_SERIALIZED``, where the extension
+    makes its MPI calls under one lock (``MpiGuard`` in ``_ffi/mpi_helpers.h``).
+    """
     from mpi4py import MPI
+
+    from . import _config
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         raise RuntimeError(
@@ -124,19 +131,53 @@ def _check_mpi(who: str = "mpi4jax_dist.allreduce") -> None:
             "MPI.Init_thread(MPI.THREAD_MULTIPLE) first."
         )
     provided = MPI.Query_thread()
-    if provided < MPI.THREAD_MULTIPLE:
-        levels = {
-            MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
-            MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-            MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
-        }
+    if provided < MPI.THREAD_SERIALIZED:
+        level = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED"}
+        settings = _config.thread_level_settings()
+        said = ", ".join(f"{k}={v}" for k, v in settings.items()) or "neither set"
         raise RuntimeError(
-            f"{who} needs MPI_THREAD_MULTIPLE, but MPI was "
-            f"initialized with {levels.get(provided, provided)}: XLA runs the "
-            f"handler on its worker threads. Leave mpi4py.rc.thread_level at its "
-            f"default ('multiple') or initialize MPI with "
-            f"MPI.Init_thread(MPI.THREAD_MULTIPLE)."
+            f"{who} needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, but MPI "
+            f"provides MPI_THREAD_{level.get(provided, provided)}: XLA runs the "
+            f"call on its worker threads. On Cray MPICH set "
+            f"MPICH_MAX_THREAD_SAFETY=serialized (or multiple) in the job script, "
+            f"and leave mpi4py.rc.thread_level (MPI4PY_RC_THREAD_LEVEL) at its "
+            f"default 'multiple' (here: {said})."
         )
+
+
+# What runs where the compiled ops have no handler, by JAX's platform name (Intel
+# GPUs are "oneapi" to jax-oneapi-plugin, "xpu" or "sycl" to Intel's extensions).
+_INTEL = (
+    "On Intel GPUs use mpi4jax.allreduce (MPI4JAX_USE_SYCL_MPI=1, with a "
+    "GPU-aware MPI such as Aurora's), or lax.psum inside shard_map."
+)
+_ELSEWHERE = {
+    "cuda": "On CUDA GPUs use the blocking mpi4jax_dist.allreduce.",
+    "rocm": "On AMD GPUs use mpi4jax.allreduce, or lax.psum inside shard_map.",
+    "oneapi": _INTEL,
+    "xpu": _INTEL,
+    "sycl": _INTEL,
+}
+_OTHER = "There use mpi4jax.allreduce, or lax.psum inside shard_map."
+
+
+def unsupported_lowering(who: str, supported: tuple[str, ...]):
+    """Return a lowering rule for the platforms without a handler: it raises
+    ``NotImplementedError`` naming them and what runs there instead (at lowering,
+    when the jitted function is first called or lowered; nothing falls back to the
+    CPU)."""
+
+    def rule(ctx, *args, **params):
+        platforms = [p for p in ctx.module_context.platforms if p not in supported]
+        names = ", ".join(platforms) or "this platform"
+        there = " ".join(dict.fromkeys(_ELSEWHERE.get(p, _OTHER) for p in platforms))
+        raise NotImplementedError(
+            f"{who} runs on {' and '.join(p.upper() for p in supported)} only: it "
+            f"has no handler for the {names} platform, and does not fall back to "
+            f"the CPU. {there or _OTHER}"
+        )
+
+    return rule
 
 
 def _communicator(comm, who: str = "mpi4jax_dist.allreduce"):
@@ -233,8 +274,11 @@ def allreduce(x, op=None, *, comm=None):
     so mpi4jax's calls and these are ordered together. Usable eagerly, in
     ``jit``, ``lax.fori_loop``/``while_loop``/``scan``, under ``vmap``, and under
     ``grad``/``jvp`` for ``MPI.SUM`` with mpi4jax's rules (the transpose of the
-    allreduce is the identity). MPI must run with ``MPI_THREAD_MULTIPLE``
-    (mpi4py's default): XLA calls the handler from its worker threads.
+    allreduce is the identity). MPI must let any thread call it: XLA calls the
+    handler from its worker threads. ``MPI_THREAD_MULTIPLE`` (mpi4py's default)
+    or ``MPI_THREAD_SERIALIZED`` (Cray MPICH's where ``MPICH_MAX_THREAD_SAFETY``
+    is unset), where the extension's MPI calls hold one process-wide lock: your
+    own mpi4py calls must then not overlap a running jitted program.
 
     Args:
         x: array or scalar: float32/64, complex64/128, (u)int8/16/32/64, or bool
@@ -251,7 +295,9 @@ def allreduce(x, op=None, *, comm=None):
     Raises:
         TypeError: a dtype, op or communicator MPI cannot reduce with, before any
             MPI call.
-        RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``.
+        RuntimeError: MPI is not initialized, or provides less than
+            ``MPI_THREAD_SERIALIZED`` (the message names
+            ``MPICH_MAX_THREAD_SAFETY``).
         ImportError: mpi4jax is not installed (a ``ModuleNotFoundError`` naming
             the ``mpi4jax`` extra), or the extension was built against another
             MPI than mpi4py's, or (on a CUDA GPU, when compiled) without CUDA,
@@ -374,13 +420,12 @@ def _primitive():
         ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
         return [result]
 
-    def rocm_lowering(ctx, x, *, op, comm, transpose):
-        if transpose:
+    refuse = unsupported_lowering("mpi4jax_dist.allreduce", ("cpu", "cuda"))
+
+    def other_lowering(ctx, x, *, op, comm, transpose):
+        if transpose:  # the transpose of the allreduce is the identity
             return [x]
-        raise NotImplementedError(
-            "mpi4jax_dist.allreduce has CPU and CUDA handlers only; on ROCm GPUs "
-            "use mpi4jax.allreduce."
-        )
+        return refuse(ctx)
 
     def batching_rule(args, dims, *, op, comm, transpose):
         # Elementwise over ranks: the batch dimension stays where it is.
@@ -408,14 +453,15 @@ def _primitive():
     prim.def_impl(impl)
     prim.def_effectful_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, lowering, platform="cpu")
-    for platform, rule in (
-        ("cuda", functools.partial(lowering, platform="cuda")),
-        ("rocm", rocm_lowering),
-    ):
-        try:
-            mlir.register_lowering(prim, rule, platform=platform)
-        except NotImplementedError:  # that platform's plugin is not installed
-            pass
+    try:
+        mlir.register_lowering(
+            prim, functools.partial(lowering, platform="cuda"), platform="cuda"
+        )
+    except NotImplementedError:  # JAX's CUDA plugin is not installed
+        pass
+    # Every other platform (rocm, oneapi, tpu, ...): a clear error when lowered,
+    # never a CPU fallback.
+    mlir.register_lowering(prim, other_lowering)
     batching.primitive_batchers[prim] = batching_rule
     ad.primitive_jvps[prim] = jvp
     ad.primitive_transposes[prim] = transpose_rule

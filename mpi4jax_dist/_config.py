@@ -38,6 +38,11 @@ PROXY = "MPI4JAX_DIST_PROXY"
 # one that exempts hosts from it (read by gRPC alone, so nothing else changes).
 PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
 NO_GRPC_PROXY = "no_grpc_proxy"
+# What decides MPI's thread level: Cray MPICH caps what MPI_Init_thread provides
+# at MPICH_MAX_THREAD_SAFETY (single, funneled, serialized or multiple; unset:
+# below multiple), and mpi4py asks for mpi4py.rc.thread_level, which
+# MPI4PY_RC_THREAD_LEVEL sets (default multiple).
+THREAD_LEVEL_VARIABLES = ("MPICH_MAX_THREAD_SAFETY", "MPI4PY_RC_THREAD_LEVEL")
 # Which accelerators this process may see, in the order we look at them.
 VISIBLE_DEVICES = (
     "CUDA_VISIBLE_DEVICES",
@@ -231,6 +236,12 @@ def visible_devices(
             entries = []
         return name, entries
     return None
+
+
+def thread_level_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return those of ``THREAD_LEVEL_VARIABLES`` that are set, with their values."""
+    env = environ() if env is None else env
+    return {name: env[name] for name in THREAD_LEVEL_VARIABLES if name in env}
 
 
 def proxies_set(env: Mapping[str, str] | None = None) -> list[str]:
@@ -675,6 +686,17 @@ VARIABLES = (
         "``64M`` (default), a size of at least 32 bytes",
         "Pinned host memory the staged CUDA ``allreduce`` uses per process, in "
         "two halves.",
+    ),
+    Variable(
+        THREAD_LEVEL_VARIABLES,
+        "package",
+        "unset; ``single``, ``funneled``, ``serialized``, ``multiple``",
+        "Read by Cray MPICH and mpi4py, not by this package: the thread level MPI "
+        "provides is at most ``MPICH_MAX_THREAD_SAFETY`` (Cray MPICH; unset: "
+        "below ``multiple``) and what mpi4py asks for (``MPI4PY_RC_THREAD_LEVEL``, "
+        "default ``multiple``). ``allreduce``, ``iallreduce`` and ``cg`` run at "
+        "``multiple`` and at ``serialized`` (their MPI calls under one lock) and "
+        "refuse below; ``--check`` prints the level and these two.",
     ),
     Variable(
         (SIMULATED_LATENCY_US,),

@@ -11,7 +11,7 @@ import subprocess
 import time
 
 from . import _config, _cpu_collectives, _failfast, _launch, _limits
-from ._mpi import abort, mpi_library, thread_level_name
+from ._mpi import abort, mpi_library, thread_level_meaning, thread_level_name
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -97,15 +97,20 @@ def diagnose(
             "(or with one this package does not know)."
         )
     nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
+    vendor = MPI.get_vendor()
     report = {
         # None where no launcher variables were seen: nothing names the launcher.
         "launcher": info.launcher if info else None,
         "launcher_variables": info.variables if info else {},
         "mpi": {
-            "vendor": list(map(str, MPI.get_vendor())),
+            # ["MPICH", "4.0.2"]: mpi4py gives the version as a tuple.
+            "vendor": [vendor[0], ".".join(map(str, vendor[1]))],
             "library": library,
             "standard": "{}.{}".format(*MPI.Get_version()),
             "thread_level": thread_level_name(MPI.Query_thread()),
+            # What the level means for the compiled ops, and what set it.
+            "thread_level_means": thread_level_meaning(MPI.Query_thread()),
+            "thread_level_settings": _config.thread_level_settings(),
             "mpiexec": mpiexec,
             "mpiexec_version": mpiexec_version,
         },

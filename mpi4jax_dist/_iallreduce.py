@@ -540,7 +540,8 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
             MPI call.
         ValueError: more than ``INT_MAX`` elements on an MPI without
             ``MPI_Iallreduce_c`` (MPI-4).
-        RuntimeError: MPI is not initialized with ``MPI_THREAD_MULTIPLE``; (at
+        RuntimeError: MPI is not initialized, or provides less than
+            ``MPI_THREAD_SERIALIZED`` (as :func:`mpi4jax_dist.allreduce`); (at
             lowering) the request was dropped without its wait.
         ImportError: mpi4jax is not installed (naming the ``mpi4jax`` extra), or the
             extension was built against another MPI than mpi4py's.
@@ -742,16 +743,6 @@ def _primitives():
 
         return rule
 
-    def gpu_lowering(platform):
-        def rule(ctx, *args, **params):
-            raise NotImplementedError(
-                f"{_WHO} (and Request.test and Request.wait) has a CPU handler "
-                f"only, none for {platform} GPUs; use the blocking "
-                f"mpi4jax_dist.allreduce (CUDA) or mpi4jax.allreduce there."
-            )
-
-        return rule
-
     def start_batching(args, dims, **params):
         # Elementwise over ranks: the batch dimension stays; the handle is one.
         return start.bind(*args, **params), [dims[0], None]
@@ -818,12 +809,12 @@ def _primitives():
         mlir.register_lowering(prim, then_lowering(prim, target), platform="cpu")
         batching.primitive_batchers[prim] = then_batching(prim)
         ad.primitive_jvps[prim] = then_jvp(prim)
+    # Every other platform (cuda, rocm, oneapi, ...): a clear error when lowered.
+    refuse = _allreduce.unsupported_lowering(
+        f"{_WHO} (and Request.test and Request.wait)", ("cpu",)
+    )
     for prim in (start, test_p, wait_p, tie):
-        for platform in ("cuda", "rocm"):
-            try:
-                mlir.register_lowering(prim, gpu_lowering(platform), platform=platform)
-            except NotImplementedError:  # that platform's plugin is not installed
-                pass
+        mlir.register_lowering(prim, refuse)
     tie.def_impl(tie_impl)
     tie.def_abstract_eval(tie_abstract)
     mlir.register_lowering(tie, tie_lowering, platform="cpu")

@@ -161,7 +161,8 @@ def mpi_library() -> str:
     """Return the first line of the MPI library's version string (no padding NULs)."""
     from mpi4py import MPI
 
-    return MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
+    first = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
+    return " ".join(first.split())  # MPICH 4.0: "MPICH Version:\t4.0.2"
 
 
 def thread_level_name(level: int) -> str:
@@ -175,3 +176,21 @@ def thread_level_name(level: int) -> str:
         MPI.THREAD_MULTIPLE: "multiple",
     }
     return names.get(level, str(level))
+
+
+def thread_level_meaning(level: int) -> str:
+    """Say what MPI's thread ``level`` means for this package's compiled ops."""
+    from mpi4py import MPI
+
+    if level >= MPI.THREAD_MULTIPLE:
+        return "allreduce, iallreduce and cg run; no lock"
+    if level == MPI.THREAD_SERIALIZED:
+        return (
+            "allreduce, iallreduce and cg run, their MPI calls under one lock; "
+            "your own mpi4py calls must not overlap a running jitted program"
+        )
+    return (
+        "allreduce, iallreduce and cg refuse to run: XLA calls them on its worker "
+        "threads; set MPICH_MAX_THREAD_SAFETY=serialized (or multiple) on Cray "
+        "MPICH, and leave mpi4py.rc.thread_level at 'multiple'"
+    )

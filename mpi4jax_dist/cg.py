@@ -127,7 +127,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _extras, _hlo, _jax_compat
+from . import _allreduce, _extras, _hlo, _jax_compat
 
 __all__ = [
     "BACKENDS",
@@ -575,6 +575,10 @@ def _check_options(backend, variant, replace_every, backends=BACKENDS):
             'mpi4jax_dist.cg\'s backend="mpi4jax"',
             'backend="psum" runs without it.',
         )
+        # Its reductions run on XLA's worker threads, as the allreduce's do.
+        from mpi4py import MPI  # noqa: F401  (initializes MPI, as mpi4jax does)
+
+        _allreduce._check_mpi('mpi4jax_dist.cg\'s backend="mpi4jax"')
 
 
 def _check_tol_maxiter(tol, maxiter, atol=0.0):

@@ -249,6 +249,31 @@ def test_chunk_setting_parsed():
             parse({CHUNK: bad})
 
 
+@pytest.mark.parametrize(
+    "platform, advice",
+    [
+        ("rocm", "On AMD GPUs use mpi4jax.allreduce"),
+        ("oneapi", "MPI4JAX_USE_SYCL_MPI=1"),
+        ("tpu", "There use mpi4jax.allreduce, or lax.psum inside shard_map"),
+    ],
+)
+def test_a_platform_without_a_handler_is_refused_by_name(platform, advice):
+    """Lowered for a platform it has no handler for (JAX lowers for a platform
+    name without its plugin), the allreduce raises naming it and what runs there:
+    no CPU fallback. CUDA lowers (its handler is tested in _gpu)."""
+    import jax
+    import jax.numpy as jnp
+
+    traced = jax.jit(mpi4jax_dist.allreduce).trace(jnp.ones(3))
+    traced.lower(lowering_platforms=("cuda",))
+    with pytest.raises(NotImplementedError) as info:
+        traced.lower(lowering_platforms=(platform,))
+    said = str(info.value)
+    assert f"no handler for the {platform} platform" in said, said
+    assert "runs on CPU and CUDA only" in said and "does not fall back" in said, said
+    assert advice in said, said
+
+
 def test_refused_before_any_mpi_call(monkeypatch):
     import jax.numpy as jnp
     from mpi4py import MPI

@@ -51,7 +51,7 @@ if [ -x "$ompi/bin/mpiexec" ]; then
     run env PATH="$ompi/bin:$PATH" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
         tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
-        tests/test_cpu_collectives.py tests/test_fail_safe.py
+        tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
     # The non-blocking and in-place allreduces built against Open MPI, whose MPI 3.1
     # has no MPI_Allreduce_c: counts above INT_MAX go in chunks there, and a
     # non-blocking one is refused. (Open MPI refuses root without the two
@@ -76,7 +76,7 @@ if [ -x "$impi/bin/mpiexec" ]; then
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
         -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py tests/test_robustness.py \
         tests/test_failfast.py tests/test_one_process.py tests/test_cpu_collectives.py \
-        tests/test_fail_safe.py
+        tests/test_fail_safe.py tests/test_thread_level.py
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
         "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
         tests/test_iallreduce.py tests/test_inplace_allreduce.py

@@ -24,12 +24,13 @@ inline PyObject* LibraryVersion(PyObject*, PyObject*) {
 inline PyObject* StatsDict() {
   const Stats& s = GetStats();
   return Py_BuildValue(
-      "{s:L,s:L,s:L,s:L,s:L}", "handler_calls",
+      "{s:L,s:L,s:L,s:L,s:L,s:L}", "handler_calls",
       static_cast<long long>(s.handler_calls.load()), "same_buffer_calls",
       static_cast<long long>(s.same_buffer_calls.load()), "mpi_calls",
       static_cast<long long>(s.mpi_calls.load()), "large_count_calls",
       static_cast<long long>(s.large_count_calls.load()), "max_call_count",
-      static_cast<long long>(s.max_call_count.load()));
+      static_cast<long long>(s.max_call_count.load()), "locked_sections",
+      static_cast<long long>(s.locked_sections.load()));
 }
 
 // register_comm(fortran_handle) -> id: see CommRegistry (mpi_helpers.h).
@@ -38,7 +39,13 @@ inline PyObject* RegisterComm(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
   int64_t id = 0;
   ffi::Error error = CheckMpiUsable("mpi4jax_dist");
-  if (error.success()) error = CommRegistry::Get().Register(handle, &id);
+  if (error.success()) {
+    // Under MPI_THREAD_SERIALIZED this waits for the MPI lock (MpiGuard),
+    // which a running program's allreduce may hold: without the GIL.
+    Py_BEGIN_ALLOW_THREADS;
+    error = CommRegistry::Get().Register(handle, &id);
+    Py_END_ALLOW_THREADS;
+  }
   if (error.failure()) {
     PyErr_SetString(PyExc_RuntimeError, error.message().c_str());
     return nullptr;

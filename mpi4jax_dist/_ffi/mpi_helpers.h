@@ -61,6 +61,9 @@ struct Stats {
   std::atomic<int64_t> large_count_calls{0};
   // Largest element count handed to one MPI call.
   std::atomic<int64_t> max_call_count{0};
+  // MPI calls (or short runs of them) made holding the MPI lock (MpiGuard):
+  // 0 under MPI_THREAD_MULTIPLE.
+  std::atomic<int64_t> locked_sections{0};
 
   void Reset() {
     handler_calls = 0;
@@ -68,6 +71,7 @@ struct Stats {
     mpi_calls = 0;
     large_count_calls = 0;
     max_call_count = 0;
+    locked_sections = 0;
   }
 };
 
@@ -75,6 +79,51 @@ inline Stats& GetStats() {
   static Stats stats;
   return stats;
 }
+
+// ---------------------------------------------------------------------------
+// The thread level. XLA runs the handlers on its worker threads, and Python
+// calls in here (register_comm, complete_pending) while a program may be
+// running. Under MPI_THREAD_MULTIPLE any thread may call MPI at any time. Under
+// MPI_THREAD_SERIALIZED (Cray MPICH's default where MPICH_MAX_THREAD_SAFETY is
+// unset) any thread may call MPI, one at a time: every MPI call of this
+// extension is then made holding one process-wide lock (MpiGuard), a blocking
+// one included. Our ops are ordered by one token, so the lock is uncontended
+// but for Python's calls beside a running program. The user's own mpi4py
+// calls do not take it: they must not overlap a running jitted program (as
+// with mpi4jax). Below SERIALIZED the Python side refuses before any call.
+//
+// The level is read once, at the first guarded call: every caller has checked
+// that MPI is initialized (CheckMpiUsable), and MPI_Query_thread may be called
+// from any thread then.
+inline bool MpiSerialized() {
+  static const bool serialized = [] {
+    int provided = MPI_THREAD_MULTIPLE;
+    return MPI_Query_thread(&provided) == MPI_SUCCESS &&
+           provided < MPI_THREAD_MULTIPLE;
+  }();
+  return serialized;
+}
+
+// Holds the MPI lock for its scope where MPI is serialized; nothing otherwise.
+// Lock order: a table's own mutex (RequestTable, CommRegistry) may be held when
+// this is taken, never the other way round.
+class MpiGuard {
+ public:
+  MpiGuard() : lock_(Mutex(), std::defer_lock) {
+    if (MpiSerialized()) {
+      lock_.lock();
+      GetStats().locked_sections.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  // Never destroyed: MPI may be called from atexit handlers.
+  static std::mutex& Mutex() {
+    static std::mutex* mutex = new std::mutex();
+    return *mutex;
+  }
+  std::unique_lock<std::mutex> lock_;
+};
 
 // Count a handler call, and whether XLA gave it one buffer (in place).
 inline void CountHandlerCall(const void* operand, const void* result) {
@@ -187,6 +236,7 @@ inline int AllreduceOnce(void* data, size_t count, MPI_Datatype dtype,
          !stats.max_call_count.compare_exchange_weak(
              seen, static_cast<int64_t>(count), std::memory_order_relaxed)) {
   }
+  MpiGuard guard;
 #if MPI4JAX_DIST_ALLREDUCE_C
   if (count > static_cast<size_t>(INT_MAX)) {
     stats.large_count_calls.fetch_add(1, std::memory_order_relaxed);
@@ -285,12 +335,13 @@ class CommRegistry {
   // first if it is new. MPI must be usable (CheckMpiUsable).
   ffi::Error Register(int64_t handle, int64_t* id,
                       const char* who = kAllreduceName) {
+    std::lock_guard<std::mutex> lock(mu_);
+    MpiGuard guard;  // after mu_: see MpiGuard's lock order
     MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(handle));
     if (comm == MPI_COMM_NULL) {
       return ffi::Error::InvalidArgument(std::string(who) +
                                          ": the communicator is MPI_COMM_NULL");
     }
-    std::lock_guard<std::mutex> lock(mu_);
     if (keyval_ == MPI_KEYVAL_INVALID) {
       int rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, OnFree, &keyval_,
                                       nullptr);
@@ -422,8 +473,12 @@ inline ffi::Error CheckAgreement(MPI_Comm comm, size_t count,
                                  int64_t chunk_bytes, const char* who) {
   int64_t mine[kAgreementValues], most[kAgreementValues];
   AgreementValues(count, dtype, op_code, chunk_bytes, mine);
-  const int rc =
-      MPI_Allreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX, comm);
+  int rc = MPI_SUCCESS;
+  {
+    MpiGuard guard;
+    rc = MPI_Allreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX,
+                       comm);
+  }
   if (rc != MPI_SUCCESS) {
     return MpiError("MPI_Allreduce (agreement check)", rc, who);
   }
@@ -678,7 +733,10 @@ class RequestTable {
     free->request = MPI_REQUEST_NULL;
     free->agreement = MPI_REQUEST_NULL;
     free->deferred = free->disagreed = false;
-    *rc = post(free);
+    {
+      MpiGuard guard;  // after mu_: see MpiGuard's lock order
+      *rc = post(free);
+    }
     if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
     free->bytes = bytes;
     free->uid = uid;
@@ -843,8 +901,12 @@ inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
                                   const char* who) {
   if (!slot->deferred) return ffi::Error::Success();
   int done = 1;
-  const int rc = block ? MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE)
-                       : MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+  int rc = MPI_SUCCESS;
+  {
+    MpiGuard guard;
+    rc = block ? MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE)
+               : MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+  }
   if (rc != MPI_SUCCESS) {
     return MpiError(block ? "MPI_Wait (agreement check)"
                           : "MPI_Test (agreement check)",
@@ -858,6 +920,7 @@ inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
     return ffi::Error::Success();
   }
   if (slot->count == 0) return ffi::Error::Success();
+  MpiGuard guard;
   const int posted = PostIallreduce(slot->data.get(), slot->count, slot->dtype,
                                     slot->op, slot->comm, &slot->request);
   if (posted != MPI_SUCCESS) {
@@ -894,13 +957,18 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
     return error;
   }
   int done = 0;
-  int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  int rc = MPI_SUCCESS;
+  {
+    MpiGuard guard;
+    rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  }
   const int64_t tested_ns = SteadyNs();
   const bool complete = rc == MPI_SUCCESS && done && tested_ns >= slot->ready_ns;
   if (complete) {
     stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
   }
   if (rc == MPI_SUCCESS && !done) {
+    MpiGuard guard;
     rc = MPI_Wait(&slot->request, MPI_STATUS_IGNORE);
   }
   // A simulated latency: the result arrives latency_ns after the post. Spin,
@@ -948,7 +1016,11 @@ inline ffi::Error IallreduceTest(int32_t handle) {
     return error;
   }
   int done = 0;
-  const int rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  int rc = MPI_SUCCESS;
+  {
+    MpiGuard guard;
+    rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+  }
   if (rc != MPI_SUCCESS) return MpiError("MPI_Test", rc, who);
   if (done && !slot->deferred && !slot->disagreed &&
       SteadyNs() >= slot->ready_ns) {
@@ -985,7 +1057,11 @@ inline std::vector<RequestTable::Info> CompletePending(
       if (table.Find(info.handle, kIallreduceName, &slot).failure()) continue;
       int done = 0;
       MPI_Request both[2] = {slot->request, slot->agreement};
-      const int rc = MPI_Testall(2, both, &done, MPI_STATUSES_IGNORE);
+      int rc = MPI_SUCCESS;
+      {
+        MpiGuard guard;
+        rc = MPI_Testall(2, both, &done, MPI_STATUSES_IGNORE);
+      }
       slot->request = both[0];
       slot->agreement = both[1];
       if (rc != MPI_SUCCESS || done) {
