@@ -71,14 +71,14 @@ class Mpi4jaxDistCluster(_jax_compat.ClusterEnv):
         # JAX turns this into local_device_ids=[value]; it is only called when the
         # user gave no local_device_ids. A block of several devices cannot pass that
         # way, so it is set directly and JAX told nothing.
+        # (JAX before 0.12 applies [value] to CUDA's and ROCm's devices, not to
+        # Intel's: set here for every platform, and JAX told the one id too.)
         topo = _bootstrapped()
         ids = _devices.local_device_ids(topo.local_rank, topo.local_size)
         if ids is None:
             return None
-        if len(ids) == 1:
-            return ids[0]
         _jax_compat.restrict_visible_devices(ids)
-        return None
+        return ids[0] if len(ids) == 1 else None
 
 
 def _bootstrapped(**settings) -> _topology.Topology:

@@ -50,6 +50,12 @@ VISIBLE_DEVICES = (
     "HIP_VISIBLE_DEVICES",
 )
 
+# Intel GPUs (Level Zero): which devices a process sees, and whether a device is a
+# tile (FLAT, the default) or a whole GPU (COMPOSITE; COMBINED as COMPOSITE here).
+ZE_AFFINITY_MASK = "ZE_AFFINITY_MASK"
+ZE_HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
+ZE_HIERARCHIES = ("FLAT", "COMPOSITE", "COMBINED")
+
 _TRUE = ("1", "true", "yes", "on", "t", "y")
 _FALSE = ("0", "false", "no", "off", "f", "n", "")
 
@@ -236,6 +242,51 @@ def visible_devices(
             entries = []
         return name, entries
     return None
+
+
+def level_zero_mask(
+    env: Mapping[str, str] | None = None,
+) -> list[tuple[int, int | None]] | None:
+    """Return ``ZE_AFFINITY_MASK`` as ``(device, tile)`` pairs (tile None for a
+    whole device), or None when unset or empty (Level Zero: every device visible).
+
+    Raises:
+        ValueError: an entry is neither a device (``3``) nor a device's tile
+            (``0.1``).
+    """
+    env = environ() if env is None else env
+    value = env.get(ZE_AFFINITY_MASK, "")
+    if not value.strip():
+        return None
+    entries = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*", part)
+        if match is None:
+            raise ValueError(
+                f"{ZE_AFFINITY_MASK}={value!r}: {part.strip()!r} is not a device "
+                f"(3) or a device's tile (0.1); expected a comma-separated list of "
+                f"them, such as 0.0 or 0.0,0.1 or 3."
+            )
+        device, tile = match.groups()
+        entries.append((int(device), None if tile is None else int(tile)))
+    return entries
+
+
+def level_zero_hierarchy(env: Mapping[str, str] | None = None) -> str:
+    """Return ``ZE_FLAT_DEVICE_HIERARCHY`` in upper case: ``FLAT`` (the default),
+    ``COMPOSITE`` or ``COMBINED``.
+
+    Raises:
+        ValueError: another value.
+    """
+    env = environ() if env is None else env
+    value = env.get(ZE_HIERARCHY, "").strip()
+    if value.upper() in ("",) + ZE_HIERARCHIES:
+        return value.upper() or "FLAT"
+    raise ValueError(
+        f"{ZE_HIERARCHY}={value!r} is not FLAT (the default: each tile of an Intel "
+        f"GPU is a device), COMPOSITE (each GPU is one device) or COMBINED."
+    )
 
 
 def thread_level_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -658,6 +709,23 @@ VARIABLES = (
         "unset, a device list",
         "Which accelerators this process sees; with one rank per GPU set by the "
         "job script, each rank gets its own device.",
+    ),
+    Variable(
+        (ZE_AFFINITY_MASK,),
+        "gpu",
+        "unset (every device), ``3``, ``0.1``, ``0,1``...",
+        "Intel GPUs (Level Zero): the devices this process sees, a GPU (``3``) or "
+        "one of its tiles (``0.1``); set per rank by the job script (Aurora: one "
+        "tile each). The device rule counts them, and sets "
+        "``jax_oneapi_visible_devices`` as it sets CUDA's and ROCm's.",
+    ),
+    Variable(
+        (ZE_HIERARCHY,),
+        "gpu",
+        "``FLAT`` (default), ``COMPOSITE``, ``COMBINED``",
+        "Level Zero's: ``FLAT``: each tile of an Intel GPU is a device (each entry "
+        "of ``ZE_AFFINITY_MASK`` one device); ``COMPOSITE``: each GPU is one device "
+        "(two tiles of one GPU in the mask are that GPU).",
     ),
     Variable(
         (PLATFORMS,),

@@ -25,6 +25,9 @@ version    change
            jax._src.monitoring's).
 0.8.2      ``jax_enable_preemption_service`` (before: ``jax.distributed.initialize``
            always started the preemption service and its SIGTERM handler).
+0.10.0     ``jax_oneapi_visible_devices``, the option of Intel GPUs' visible devices
+           (jax-oneapi-plugin); JAX's initialize applies ``local_device_ids`` to it
+           only from 0.12 (before 0.10: no such option).
 0.11.0     ``cache host callbacks``: the persistent compilation cache holds
            programs with host callbacks, and ``compiler._cache_write`` takes no
            ``host_callbacks`` (before: it took them, and wrote none of those).
@@ -70,6 +73,7 @@ CHANGES = {
     "jax_enable_preemption_service": (0, 8, 2),
     "cache host callbacks": (0, 11, 0),
     "jax.extend registers trace context": (0, 12, 0),
+    "jax_oneapi_visible_devices": (0, 10, 0),
 }
 
 
@@ -146,10 +150,15 @@ def restrict_visible_devices(device_ids) -> None:
     """Make only ``device_ids`` visible to this process, as JAX's own initialize does.
 
     JAX turns a ClusterEnv's local process id into ``local_device_ids=[id]``: a block
-    of several devices per process cannot pass that way, so it is set here.
+    of several devices per process cannot pass that way, so it is set here. JAX
+    applies ``local_device_ids`` to CUDA's and ROCm's options, and to oneAPI's
+    only from 0.12: set here for one device too.
     """
     visible = ",".join(str(i) for i in device_ids)
-    for option in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
+    options = ["jax_cuda_visible_devices", "jax_rocm_visible_devices"]
+    if since("jax_oneapi_visible_devices"):  # Intel GPUs (jax-oneapi-plugin)
+        options.append("jax_oneapi_visible_devices")
+    for option in options:
         try:
             jax.config.update(option, visible)
         except (AttributeError, KeyError, ValueError):  # option not in this jax

@@ -85,6 +85,9 @@ PROBES = {
     ),
     "cache host callbacks": _cache_write_takes_no_host_callbacks,
     "jax.extend registers trace context": _extend_adds_to_trace_context,
+    "jax_oneapi_visible_devices": lambda: (
+        "jax_oneapi_visible_devices" in jax.config.values
+    ),
 }
 
 

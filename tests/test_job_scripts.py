@@ -37,9 +37,10 @@ def _run(script: str, *args, **env) -> subprocess.CompletedProcess:
     return util.run_command(cmd, env=util.clean_env(PATH=path, **env), timeout=TIMEOUT)
 
 
-def _check_job(proc) -> None:
+def _check_job(proc, device=lambda local: {"cuda_visible_devices": str(local)}):
     """Assert: exit 0; the diagnostics (rank 0's report) before the program; one
-    line per rank, with JAX's process index the rank, the GPU of its local rank."""
+    line per rank, with JAX's process index the rank, and the device variables
+    ``device(local rank)`` gives."""
     shown = f"\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 0, f"exit status {proc.returncode}{shown}"
     out = proc.stdout
@@ -67,7 +68,7 @@ def _check_job(proc) -> None:
             len(NODES),
             local,
         ), r
-        assert r["cuda_visible_devices"] == str(local), r
+        assert {k: r[k] for k in device(local)} == device(local), r
 
 
 def test_pbs_pals(tmp_path):
@@ -84,6 +85,33 @@ def test_pbs_pals(tmp_path):
         MPIEXEC_FLAGS=f"-launcher fork -f {nodefile}",
     )
     _check_job(proc)
+
+
+def test_pbs_aurora(tmp_path):
+    """One tile per rank: one GPU of two tiles per pretend node, under FLAT (tiles
+    numbered across the node) and COMPOSITE (gpu.tile)."""
+    util.needs_pretend_nodes()
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("".join(f"{node}\n" for node in NODES))
+    for hierarchy, mask in (("FLAT", "{local}"), ("COMPOSITE", "0.{local}")):
+        proc = _run(
+            "pbs_aurora.sh",
+            "python",
+            PROGRAM,
+            PBS_NODEFILE=nodefile,
+            GPUS_PER_NODE=1,
+            TILES_PER_GPU=PER_NODE,
+            ZE_FLAT_DEVICE_HIERARCHY=hierarchy,
+            MPIEXEC=util.mpiexec(),
+            MPIEXEC_FLAGS=f"-launcher fork -f {nodefile}",
+        )
+        _check_job(
+            proc,
+            lambda local, mask=mask: {
+                "ze_affinity_mask": mask.format(local=local),
+                "cuda_visible_devices": None,
+            },
+        )
 
 
 def test_slurm(tmp_path):
@@ -128,6 +156,12 @@ CASES = {
         "MPIEXEC",
         "-n 8 --ppn 4 --depth=16 --cpu-bind depth",
         "pbs_pals.sh: the diagnostics failed",
+    ),
+    "pbs_aurora.sh": (
+        "MPIEXEC",
+        "-n 24 --ppn 12 --cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:"
+        "61-68:69-76:77-84:85-92:93-100",
+        "pbs_aurora.sh: the diagnostics failed",
     ),
     "slurm.sh": (
         "SRUN",
@@ -182,26 +216,52 @@ def test_pbs_program_variable(tmp_path):
     )
 
 
+AURORA = {"GPU_VENDOR": "intel", "GPUS_PER_NODE": 6, "TILES_PER_GPU": 2}
+SHOW = "CUDA_VISIBLE_DEVICES ROCR_VISIBLE_DEVICES ZE_AFFINITY_MASK"
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({"PALS_LOCAL_RANKID": 5}, "1"),  # 5 % GPUS_PER_NODE=4
-        ({"MPI_LOCALRANKID": 3, "SLURM_LOCALID": 0}, "3"),  # mpiexec in Slurm
-        ({"OMPI_COMM_WORLD_LOCAL_RANK": 2}, "2"),
-        ({"SLURM_LOCALID": 1}, "1"),  # srun
+        ({"PALS_LOCAL_RANKID": 5}, "1 - -"),  # 5 % GPUS_PER_NODE=4
+        ({"MPI_LOCALRANKID": 3, "SLURM_LOCALID": 0}, "3 - -"),  # mpiexec in Slurm
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": 2}, "2 - -"),
+        ({"SLURM_LOCALID": 1}, "1 - -"),  # srun
+        ({"PALS_LOCAL_RANKID": 6, "GPU_VENDOR": "nvidia"}, "2 - -"),
+        ({"PALS_LOCAL_RANKID": 6, "GPU_VENDOR": "amd"}, "- 2 -"),
+        # Aurora: 12 tiles a node; under FLAT (the default) tile 7 is device 7,
+        # under COMPOSITE it is GPU 3's tile 1.
+        ({"PALS_LOCAL_RANKID": 7, **AURORA}, "- - 7"),
+        (
+            {"PALS_LOCAL_RANKID": 7, "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", **AURORA},
+            "- - 7",
+        ),
+        (
+            {"PALS_LOCAL_RANKID": 7, "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE", **AURORA},
+            "- - 3.1",
+        ),
+        ({"PALS_LOCAL_RANKID": 11, **AURORA}, "- - 11"),
+        ({"PALS_LOCAL_RANKID": 3, "GPU_VENDOR": "intel", "GPUS_PER_NODE": 6}, "- - 3"),
     ],
 )
 def test_affinity_wrapper(env, expected):
+    """The variable of each vendor, and only that one."""
+    show = " ".join(f'"${{{v}:--}}"' for v in SHOW.split())
     proc = _run(
         "set_affinity_gpu.sh",
         "bash",
         "-c",
-        'echo "$CUDA_VISIBLE_DEVICES"',
-        GPUS_PER_NODE=4,
-        **env,
+        f"echo {show}",
+        **{"GPUS_PER_NODE": 4, **env},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{expected}\n"
+
+
+def test_affinity_wrapper_unknown_vendor():
+    proc = _run("set_affinity_gpu.sh", "true", PALS_LOCAL_RANKID=0, GPU_VENDOR="arm")
+    assert proc.returncode == 1
+    assert "GPU_VENDOR=arm is not nvidia, amd or intel" in proc.stderr
 
 
 def test_affinity_wrapper_without_launcher():

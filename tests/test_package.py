@@ -3,8 +3,10 @@
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import util
@@ -211,6 +213,31 @@ DEVICE_RULES = [
     ({"HIP_VISIBLE_DEVICES": "GPU-a,GPU-b"}, 0, 2, [0]),
     ({"JAX_LOCAL_DEVICE_IDS": "5"}, 0, 2, [5]),  # explicit wins
     ({"JAX_LOCAL_DEVICE_IDS": "1,3", "CUDA_VISIBLE_DEVICES": "0"}, 0, 2, [1, 3]),
+    # Intel GPUs: ZE_AFFINITY_MASK as Aurora's wrappers set it, one tile a rank
+    ({"ZE_AFFINITY_MASK": "7"}, 7, 12, [0]),  # FLAT (the default): tile 7
+    ({"ZE_AFFINITY_MASK": "3.1", "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"}, 7, 12, [0]),
+    ({"ZE_AFFINITY_MASK": "3"}, 3, 6, [0]),  # a whole GPU
+    ({"ZE_AFFINITY_MASK": ""}, 0, 2, None),  # empty: Level Zero shows all: none named
+    # every rank sees the node's 12 tiles (FLAT) or 6 GPUs (COMPOSITE)
+    ({"ZE_AFFINITY_MASK": ",".join(map(str, range(12)))}, 5, 12, [5]),
+    (
+        {"ZE_AFFINITY_MASK": "0.0,0.1,1.0,1.1", "ZE_FLAT_DEVICE_HIERARCHY": "FLAT"},
+        1,
+        2,
+        [2, 3],
+    ),
+    (
+        {
+            "ZE_AFFINITY_MASK": "0.0,0.1,1.0,1.1",
+            "ZE_FLAT_DEVICE_HIERARCHY": "composite",
+        },
+        1,
+        2,
+        [1],  # two tiles of one GPU are that GPU: two devices
+    ),
+    ({"ZE_AFFINITY_MASK": "0,1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 1, 2, [2, 3]),
+    ({"ZE_AFFINITY_MASK": "0.1", "JAX_PLATFORMS": "cpu"}, 0, 1, None),
+    ({"ZE_AFFINITY_MASK": "0.1", "JAX_LOCAL_DEVICE_IDS": "4"}, 0, 1, [4]),
 ]
 
 
@@ -233,6 +260,52 @@ def test_local_device_ids_count_driver_gpus(tmp_path):
     for i in range(4):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
     assert _devices.local_device_ids(3, 4, {}, str(tmp_path)) == [3]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"ZE_AFFINITY_MASK": "gpu0"},
+            "ZE_AFFINITY_MASK='gpu0': 'gpu0' is not a device",
+        ),
+        ({"ZE_AFFINITY_MASK": "0.0,,1"}, "ZE_AFFINITY_MASK='0.0,,1': '' is not"),
+        ({"ZE_AFFINITY_MASK": "0.1.2"}, "'0.1.2' is not a device"),
+        (
+            {"ZE_AFFINITY_MASK": "0", "ZE_FLAT_DEVICE_HIERARCHY": "TILES"},
+            "ZE_FLAT_DEVICE_HIERARCHY='TILES' is not FLAT",
+        ),
+    ],
+)
+def test_bad_level_zero_values_name_the_variable(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _devices.local_device_ids(0, 1, env, NO_GPU_DIR)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, (None, 0, None)),
+        ({"CUDA_VISIBLE_DEVICES": "2"}, ("CUDA_VISIBLE_DEVICES", 1, [0])),
+        ({"ZE_AFFINITY_MASK": "3.1"}, ("ZE_AFFINITY_MASK=3.1 (FLAT)", 1, [0])),
+        (
+            {"ZE_AFFINITY_MASK": " 0.0,0.1 ", "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"},
+            ("ZE_AFFINITY_MASK=0.0,0.1 (COMPOSITE)", 1, [0]),
+        ),
+        (
+            {"JAX_LOCAL_DEVICE_IDS": "1", "ZE_AFFINITY_MASK": "0,1"},
+            ("JAX_LOCAL_DEVICE_IDS=1", 2, [1]),
+        ),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, ("CUDA_VISIBLE_DEVICES", 3, None)),
+    ],
+)
+def test_describe_says_what_decided(env, expected):
+    """What --check prints per rank: the setting that decided, how many devices it
+    leaves, the ids JAX gets (the uneven case's warning is the bootstrap's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = _devices.describe(1, 2, env, NO_GPU_DIR)
+    assert (d["source"], d["visible"], d["local_device_ids"]) == expected
 
 
 def test_bad_local_device_ids_names_variable():

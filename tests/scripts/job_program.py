@@ -1,8 +1,8 @@
 """The program tests/test_job_scripts.py hands the job scripts in examples/.
 
 Like examples/hello.py, its one line for JAX is ``import mpi4jax_dist``; each rank
-prints one ``RESULT {json}`` line: its MPI rank, its local rank and the
-CUDA_VISIBLE_DEVICES that examples/set_affinity_gpu.sh gave it, and JAX's view.
+prints one ``RESULT {json}`` line: its MPI rank, its local rank and the device
+variables examples/set_affinity_gpu.sh gave it, and JAX's view.
 """
 
 import os
@@ -22,6 +22,7 @@ report(
     node_index=topo.node_index,
     num_nodes=topo.num_nodes,
     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    ze_affinity_mask=os.environ.get("ZE_AFFINITY_MASK"),
     process_index=jax.process_index(),
     process_count=jax.process_count(),
 )
