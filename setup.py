@@ -565,6 +565,20 @@ class BuildExt(build_ext):
         super().finalize_options()
         self.build_temp = os.path.join(self.build_temp, FAMILY)
 
+    def run(self):
+        # A build directory kept from a build against another MPI holds that
+        # family's modules, which an install would ship beside this one's (the
+        # package then holds two MPIs' builds). In place (editable), the source
+        # tree serves one environment per family: kept there.
+        if not self.inplace:
+            ffi = Path(self.build_lib) / FFI
+            for kind in ("cpu", "cuda", "mpiabi"):
+                for path in ffi.glob(f"_{kind}_*"):
+                    if path.name[len(kind) + 2 :].split(".")[0] != FAMILY:
+                        print(f"mpi4jax_dist: removing {path} (another MPI's build)")
+                        path.unlink()
+        super().run()
+
     def build_extension(self, ext):
         if ext.name.startswith("mpi4jax_dist._ffi._mpiabi_"):
             # The generated constants and stubs, written into the build directory

@@ -34,6 +34,27 @@ run over MPI. In a job script, before the mpiexec line:
   eval "$(python -m mpi4jax_dist env)"'''
 
 
+def _print_devices(devices: list[dict], ranks_per_node: dict) -> None:
+    """Each rank's devices for the first node's ranks, then how many other ranks
+    use what (at 10^5 ranks one line per rank would bury the rest)."""
+    if not any(d["source"] for d in devices):
+        print("devices       CPU (no accelerator visible)")
+        return
+    first = set(ranks_per_node.get("0", [d["rank"] for d in devices]))
+    print("devices       what each rank sees, and the ids JAX will use:")
+    others: dict[tuple, int] = {}
+    for d in devices:
+        ids = d["local_device_ids"]
+        use = "all" if ids is None else ",".join(map(str, ids))
+        if d["rank"] in first:
+            print(f"  rank {d['rank']}: {d['source']}, {d['visible']} visible -> {use}")
+        else:
+            key = (d["visible"], "all" if ids is None else len(ids))
+            others[key] = others.get(key, 0) + 1
+    for (visible, used), count in sorted(others.items(), key=str):
+        print(f"  {count} more rank(s): {visible} visible, {used} used")
+
+
 def _print_text(report: dict) -> None:
     mpi, topo = report["mpi"], report["topology"]
     if report["launcher"] is None:
@@ -57,9 +78,12 @@ def _print_text(report: dict) -> None:
             f"mpiexec       {mpi['mpiexec']}: "
             f"{mpi['mpiexec_version'] or 'printed no version'}"
         )
+    if mpi.get("mpiexec_note"):
+        print(f"  note: {mpi['mpiexec_note']}")
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
         print(f"  node {node}: ranks {ranks}")
+    _print_devices(report.get("devices", []), topo.get("ranks_per_node", {}))
     release = {
         "thread": "rank 0's thread releases the others",
         "probe": "the others probe its port",

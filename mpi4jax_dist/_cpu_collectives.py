@@ -224,10 +224,16 @@ def report() -> dict:
 
 
 def _not_built() -> str:
+    version = _ffi._mpi4py_library_version()
+    wanted = _ffi.family(version) if version else None
+    found = _ffi._first_line(version or "MPI (none found)")
+    mpi = f"{wanted or '<family>'}, for mpi4py's {found}"
+    there = ", ".join(sorted(_ffi.built("mpiabi"))) or "none"
     return (
         f"{_config.CPU_COLLECTIVES}=mpi needs mpi4jax_dist's MPI wrapper library "
-        f"(_ffi/_mpiabi_<family>), which is not built in "
-        f"{Path(_ffi.__file__).parent}. Rebuild mpi4jax_dist with this MPI's mpicc "
-        f"first on PATH: pip install --no-build-isolation --force-reinstall "
-        f"--no-deps <path to mpi4jax_dist>."
+        f"(_ffi/_mpiabi_{mpi}), which is not built in "
+        f"{Path(_ffi.__file__).parent} (built there: {there}). Rebuild "
+        f"mpi4jax_dist with this MPI's mpicc first on PATH: pip install "
+        f"--no-build-isolation --no-cache-dir --force-reinstall --no-deps <path to "
+        f"mpi4jax_dist>."
     )

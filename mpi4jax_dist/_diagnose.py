@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import time
 
-from . import _config, _cpu_collectives, _failfast, _launch, _limits
+from . import _config, _cpu_collectives, _devices, _failfast, _launch, _limits
 from ._mpi import abort, mpi_library, thread_level_meaning, thread_level_name
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -45,11 +45,29 @@ def _mpiexec_version() -> tuple[str | None, str | None]:
 
 
 def _family(text: str) -> str | None:
+    """The MPI family an ``mpiexec --version`` or an MPI library string names:
+    Open MPI 4's mpiexec says ``mpiexec (OpenRTE) 4.1.4``, 5's ``(Open MPI)``;
+    MPICH's says ``HYDRA build details``."""
     low = (text or "").lower()
-    for name in ("open mpi", "intel", "mvapich", "cray", "mpich", "hydra"):
+    aliases = {"hydra": "mpich", "openrte": "open mpi", "prrte": "open mpi"}
+    names = (
+        "open mpi",
+        "openrte",
+        "prrte",
+        "intel",
+        "mvapich",
+        "cray",
+        "mpich",
+        "hydra",
+    )
+    for name in names:
         if name in low:
-            return {"hydra": "mpich"}.get(name, name)
+            return aliases.get(name, name)
     return None
+
+
+# The MPI family of the launchers that belong to one (by _launch's names).
+_LAUNCHER_FAMILY = {"openmpi": "open mpi", "mpich-hydra": "mpich", "intel-mpi": "intel"}
 
 
 def diagnose(
@@ -81,22 +99,34 @@ def diagnose(
     topo = _topology.topology()
     library = mpi_library()
     mpiexec, mpiexec_version = _mpiexec_version()
+    mpiexec_note = None
     if (
         mpiexec_version
         and _family(mpiexec_version)
         and _family(library)
         and (_family(mpiexec_version) != _family(library))
     ):
-        problems.append(
+        mismatch = (
             f"mpiexec on PATH ({mpiexec}: {mpiexec_version}) looks like another MPI "
-            f"than the one mpi4py uses ({library})."
+            f"than the one mpi4py uses ({library})"
         )
+        started_by = _LAUNCHER_FAMILY.get(info.launcher if info else "")
+        if started_by == _family(library):
+            # This job's own launcher is the library's (mpiexec.mpich, say, where
+            # Debian's plain mpiexec is Open MPI's): said, not a problem of it.
+            mpiexec_note = (
+                f"{mismatch}; this job's launcher ({info.launcher}) is not it"
+            )
+        else:
+            problems.append(f"{mismatch}.")
     if info is None and comm.Get_size() == 1:
         problems.append(
             "size 1 and no launcher variables: started without mpiexec "
             "(or with one this package does not know)."
         )
     nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
+    # What each rank's devices will be (one small dict per rank, at rank 0).
+    devices = comm.gather(_devices.describe(topo.local_rank, topo.local_size, env))
     vendor = MPI.get_vendor()
     report = {
         # None where no launcher variables were seen: nothing names the launcher.
@@ -113,6 +143,8 @@ def diagnose(
             "thread_level_settings": _config.thread_level_settings(),
             "mpiexec": mpiexec,
             "mpiexec_version": mpiexec_version,
+            # The mismatch above, where the job's own launcher is the right one.
+            "mpiexec_note": mpiexec_note,
         },
         "topology": {
             "size": topo.size,
@@ -137,6 +169,8 @@ def diagnose(
         },
         "versions": versions(),
     }
+    if devices is not None:
+        report["devices"] = [{"rank": r, **d} for r, d in enumerate(devices)]
     if nodes is not None:
         per_node: dict[int, list[int]] = {}
         for node, rank, _ in sorted(nodes):
@@ -163,7 +197,9 @@ def _mpi4jax_unusable(problems: list[str]) -> str | None:
     """Return why this rank cannot compare with mpi4jax, or None when it can.
 
     Not installed is no problem (mpi4jax is an extra); installed but failing to
-    import is one, added to ``problems``.
+    import is one, added to ``problems``: an ImportError, or the RuntimeError
+    mpi4jax raises when it was built against another MPI than mpi4py's ("MPI ABI
+    incompatibility detected!"), which is reported, not raised.
     """
     from . import _extras
 
@@ -171,9 +207,14 @@ def _mpi4jax_unusable(problems: list[str]) -> str | None:
         return _extras.mpi4jax_missing("the comparison with mpi4jax.allreduce")
     try:
         import mpi4jax  # noqa: F401
-    except ImportError as err:
-        problems.append(f"mpi4jax is installed but does not import: {err}")
-        return f"mpi4jax does not import: {err}"
+    except Exception as err:  # what the import raises is what --check reports
+        error = " ".join(f"{type(err).__name__}: {err}".split())
+        problems.append(
+            f"mpi4jax is installed but does not import ({error}): rebuild it against "
+            f"this MPI (pip install --no-binary mpi4jax --no-cache-dir "
+            f"--force-reinstall --no-deps mpi4jax)"
+        )
+        return f"mpi4jax does not import: {error}"
     return None
 
 

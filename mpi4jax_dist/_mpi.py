@@ -32,24 +32,50 @@ def _two_ints(*args, **kwargs) -> int:
     return 2 * _INT
 
 
-_COMM_CREATION = (
-    "MPICH agrees on the new context id with an allreduce of a fixed-size bitmask"
-)
-_SPLIT = (
-    "MPICH allgathers every rank's (color, key) to build the groups: O(P) bytes "
-    "per rank (its MPI_Comm_split, src/mpi/comm/comm_split.c)"
-)
-_SPLIT_TYPE = (
-    "MPICH splits by node id with its Comm_split, which allgathers every rank's "
-    "(color, key): O(P) bytes per rank"
-)
+# What the MPI itself does in the calls that create communicators, by family (the
+# MPI's sources: MPICH's src/mpi/comm/, Open MPI's ompi/communicator/comm.c and
+# comm_cid.c, both in 4.x and 5.x). Intel MPI is MPICH's code; an MPI not listed
+# here gets no sentence rather than another's.
+_MPICH_ADDS = {
+    "creation": "MPICH agrees on the new context id with an allreduce of a "
+    "fixed-size bitmask",
+    "Split": "MPICH allgathers every rank's (color, key) to build the groups: O(P) "
+    "bytes per rank (its MPI_Comm_split, src/mpi/comm/comm_split.c)",
+    "Split_type": "MPICH splits by node id with its Comm_split, which allgathers "
+    "every rank's (color, key): O(P) bytes per rank",
+}
+_OPEN_MPI_ADDS = {
+    "creation": "Open MPI agrees on the new context id with allreduces of one int, "
+    "repeated until every rank offers the same free id (ompi/communicator/comm_cid.c)",
+    "Split": "Open MPI allgathers every rank's (color, key) to build the groups: "
+    "O(P) bytes per rank (ompi_comm_split, ompi/communicator/comm.c)",
+    "Split_type": "Open MPI finds the node's ranks in the locality it already "
+    "holds (a loop over the P ranks, no messages), then allreduces a few ints "
+    "and agrees on a context id: O(log P), O(1) bytes",
+}
+MPI_ADDS = {"mpich": _MPICH_ADDS, "impi": _MPICH_ADDS, "openmpi": _OPEN_MPI_ADDS}
 
-# name: (kind, payload in bytes from the call's arguments, what the MPI adds)
+
+def _adds(what: str):
+    """What the running MPI adds to a call that creates a communicator."""
+
+    def sentence() -> str:
+        from mpi4py import MPI
+
+        from ._ffi import family  # the one reading of a library's family
+
+        return MPI_ADDS.get(family(MPI.Get_library_version()), {}).get(what, "")
+
+    return sentence
+
+
+# name: (kind, payload in bytes from the call's arguments, what the MPI adds: a
+# sentence, or a function that gives the running MPI's)
 CALLS = {
-    "Idup": ("collective", _no_bytes, _COMM_CREATION),
-    "Dup": ("collective", _no_bytes, _COMM_CREATION),
-    "Split_type": ("collective", _two_ints, _SPLIT_TYPE),
-    "Split": ("collective", _two_ints, _SPLIT),
+    "Idup": ("collective", _no_bytes, _adds("creation")),
+    "Dup": ("collective", _no_bytes, _adds("creation")),
+    "Split_type": ("collective", _two_ints, _adds("Split_type")),
+    "Split": ("collective", _two_ints, _adds("Split")),
     "Ibcast": ("collective", _buffer_bytes, "a binomial tree: O(log P) steps"),
     "Iexscan": ("collective", _buffer_bytes, "O(log P) steps (recursive doubling)"),
     "Iallreduce": ("collective", _buffer_bytes, "O(log P) steps (recursive doubling)"),
@@ -92,6 +118,7 @@ class CallLog:
     def record(self, name: str, args, kwargs) -> None:
         kind, payload, adds = CALLS.get(name, ("unknown", None, ""))
         size = None if payload is None else payload(*args, **kwargs)
+        adds = adds() if callable(adds) else adds
         self.calls.append(Call(name, self.phase, kind, size, adds))
 
     def collectives(self) -> list[Call]:

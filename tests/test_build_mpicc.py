@@ -308,12 +308,19 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     )
     for name in CHOOSING[:2]:
         env.pop(name, None)
+    # A build directory kept from a build against another MPI: its modules go.
+    family = real["family"]
+    stale = lib / "mpi4jax_dist" / "_ffi"
+    stale.mkdir(parents=True)
+    other = "openmpi" if family != "openmpi" else "mpich"
+    stale = stale / f"_cpu_{other}.cpython-312-x86_64-linux-gnu.so"
+    stale.write_bytes(b"")
     cmd = [str(python), "setup.py", "build_ext", "--build-lib", str(lib)]
     cmd += ["--build-temp", str(temp)]
     proc = util.run_command(cmd, env=env, timeout=600, cwd=source)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
-    family = real["family"]
+    assert not stale.exists() and f"removing {stale}" in output, output
     assert f"building _cpu_{family} with {stand_ins['cc']}" in output, output
     assert CRAY_MARK in output  # on the compilers' command lines
     ffi = lib / "mpi4jax_dist" / "_ffi"

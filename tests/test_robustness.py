@@ -207,13 +207,58 @@ def test_diagnostics_check_under_mpiexec():
         ("topology", "Ibcast"),
         ("topology", "Ibcast"),
     ]
-    assert "O(P)" in report["bootstrap_calls"][1]["mpi_adds"]  # Split_type
+    # Split_type: what this MPI adds, in its own words (not MPICH's elsewhere)
+    adds = report["bootstrap_calls"][1]["mpi_adds"]
+    if util.mpi_family() == "openmpi":
+        assert adds.startswith("Open MPI finds the node's ranks") and "O(log P)" in adds
+    else:
+        assert adds.startswith("MPICH splits by node id") and "O(P)" in adds
     library = report["mpi"]["library"]
     assert library.startswith(
         {"mpich": "MPICH", "openmpi": "Open MPI", "impi": "Intel(R) MPI"}[
             util.mpi_family()
         ]
     )
+
+
+# What another MPI's mpiexec prints for --version (Open MPI 4's ORTE, MPICH's Hydra).
+OTHER_MPIEXEC = {
+    "openmpi": "HYDRA build details:\n    Version: 4.0.2",
+    "mpich": "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/",
+    "impi": "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/",
+}
+
+
+def test_another_mpis_mpiexec_on_path_is_named(tmp_path):
+    """An mpiexec of another MPI first on PATH (Debian's, Open MPI 4's, beside
+    mpi4py's MPICH): a problem where nothing says what started the job; a note
+    where the job's own launcher is the library's (it ran, and was the right one)."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(
+        f"#!/bin/sh\ncat <<'END'\n{OTHER_MPIEXEC[util.mpi_family()]}\nEND\n"
+    )
+    fake.chmod(0o755)
+    path = f"{tmp_path}:{util.BIN}:{util.clean_env()['PATH']}"
+    alone = util.run_command(
+        [sys.executable, "-m", "mpi4jax_dist", "--json"],
+        env=util.clean_env(PATH=path),
+        timeout=120,
+    )
+    report = json.loads(alone.stdout)
+    assert report["mpi"]["mpiexec"] == str(fake)
+    (problem,) = [p for p in report["problems"] if "mpiexec on PATH" in p]
+    assert "looks like another MPI than the one mpi4py uses" in problem, problem
+    launched = util.run_mpi(
+        ["-m", "mpi4jax_dist", "--json"], 1, env=util.clean_env(PATH=path)
+    )
+    report = json.loads(launched.stdout)
+    assert not [p for p in report["problems"] if "mpiexec on PATH" in p], report
+    if report["mpi"]["mpiexec"] != str(fake):
+        # Open MPI 4's mpiexec (ORTE) puts its own bin first on the ranks' PATH:
+        # they find it, not the fake, and nothing is amiss.
+        assert report["mpi"]["mpiexec_note"] is None, report["mpi"]
+        return
+    assert "this job's launcher" in report["mpi"]["mpiexec_note"], report["mpi"]
 
 
 @util.same_under_every_mpi

@@ -43,7 +43,12 @@ _LAUNCHER_PREFIXES = (
 
 
 def mpiexec() -> str:
-    """Return the mpiexec beside this Python (the venv's), else the one on PATH."""
+    """Return ``TEST_MPIEXEC`` where set (a site's MPI installed beside another, as
+    Debian's ``mpiexec.mpich``: tools/site_mpi.sh), else the mpiexec beside this
+    Python (the venv's), else the one on PATH."""
+    chosen = os.environ.get("TEST_MPIEXEC")
+    if chosen:
+        return shutil.which(chosen) or chosen
     here = BIN / "mpiexec"
     if here.exists():
         return str(here)
@@ -61,7 +66,7 @@ def mpi_family() -> str:
         [mpiexec(), "--version"], capture_output=True, text=True, timeout=30
     )
     text = (out.stdout + out.stderr).lower()
-    if "open mpi" in text or "prte" in text:
+    if "open mpi" in text or "prte" in text or "openrte" in text:
         return "openmpi"
     return "impi" if "intel(r) mpi" in text else "mpich"
 
@@ -131,6 +136,15 @@ _CHOICES = (
     "JAX_LOCAL_DEVICE_IDS",
     "JAX_NUM_CPU_DEVICES",
     "no_grpc_proxy",
+    # which devices a process sees: set by the tests that mean it
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ZE_AFFINITY_MASK",
+    "ZE_FLAT_DEVICE_HIERARCHY",
+    "GPU_VENDOR",
+    "GPUS_PER_NODE",
+    "TILES_PER_GPU",
 )
 
 

@@ -23,6 +23,7 @@ import ctypes
 import functools
 import importlib
 import importlib.machinery
+import importlib.util
 import os
 import pkgutil
 import re
@@ -129,7 +130,9 @@ def _mpi4py_library_version() -> str | None:
     module = sys.modules.get("mpi4py.MPI")
     if module is not None:
         return module.Get_library_version()
-    lib = None
+    lib = _linked_by_mpi4py()
+    if lib is not None:
+        return _library_version(lib)
     try:  # mpi4py's own choice of library (a private helper of mpi4py >= 4)
         from mpi4py import _mpiabi
 
@@ -145,8 +148,32 @@ def _mpi4py_library_version() -> str | None:
                 break
             except OSError:
                 continue
-    get = getattr(lib, "MPI_Get_library_version", None) if lib else None
-    if get is None:  # no library found, or not an MPI
+    return _library_version(lib) if lib else None
+
+
+def _linked_by_mpi4py():
+    """The MPI library mpi4py built from source links, or None.
+
+    A source build of mpi4py (``--no-binary mpi4py``, the way to a site's MPI)
+    links its MPI by name (``libmpich.so.12``); opening ``libmpi.so`` instead finds
+    whatever MPI the system's default is (Debian's with both installed: Open MPI's).
+    Opening mpi4py's module with ``ctypes`` loads what it links, as its import will,
+    and runs none of it. The PyPI wheel links no MPI (it chooses one when
+    imported): None, and the caller asks mpi4py's own loader.
+    """
+    try:
+        spec = importlib.util.find_spec("mpi4py.MPI")
+        module = ctypes.CDLL(spec.origin, os.RTLD_LOCAL)
+    except Exception:  # no mpi4py, or a module that does not open on its own
+        return None
+    # dlsym on the module's handle: the module and the libraries it links only.
+    return module if hasattr(module, "MPI_Get_library_version") else None
+
+
+def _library_version(lib) -> str | None:
+    """``MPI_Get_library_version`` of an opened MPI library, or None."""
+    get = getattr(lib, "MPI_Get_library_version", None)
+    if get is None:  # not an MPI
         return None
     get.restype = ctypes.c_int
     get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
