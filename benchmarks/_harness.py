@@ -25,6 +25,7 @@ and the OSU micro-benchmarks are:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -133,6 +134,28 @@ def time_rounds(
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     return slowest.tolist()
+
+
+def two_trip_counts(
+    short: Sequence[float], long: Sequence[float], k_short: int, k_long: int
+) -> tuple[list[float], list[float]]:
+    """Split timed loops into the time per trip and the fixed part, per round.
+
+    ``short[i]`` and ``long[i]`` are one round's times of the same loop run with
+    ``k_short`` and ``k_long`` trips (:func:`time_rounds` times both in each
+    round): their difference over ``k_long - k_short`` is one trip alone, without
+    the loop's dispatch and set-up, and ``short[i] - k_short * trip`` is that fixed
+    part.
+
+    Returns:
+        ``(per_trip, fixed)``, one value per round each (seconds).
+    """
+    extra = k_long - k_short
+    if extra <= 0:
+        raise ValueError(f"k_long={k_long} must exceed k_short={k_short}")
+    per_trip = [(b - a) / extra for a, b in zip(short, long, strict=True)]
+    fixed = [a - k_short * t for a, t in zip(short, per_trip, strict=True)]
+    return per_trip, fixed
 
 
 class Compiles:
@@ -290,11 +313,37 @@ class Table:
         return "  " + " ".join(c.cell(row) for c in self.columns)
 
 
+# Where say() prints by default: standard output, or inside results_on_stdout()
+# the real standard output kept apart from what libraries print.
+_results = None
+
+
 def say(comm, *lines: str, file=None) -> None:
     """Print ``lines`` on rank 0 only (flushed); every rank may call it."""
     if comm is None or comm.Get_rank() == 0:
         for line in lines:
-            print(line, file=file or sys.stdout, flush=True)
+            print(line, file=file or _results or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def results_on_stdout():
+    """Keep standard output for what :func:`say` prints, and send what else is
+    written to file descriptor 1 to standard error: jaxlib's Gloo prints ``[Gloo]
+    Rank 0 is connected to 1 peer ranks`` there from C++, into the middle of a
+    table (``python -m mpi4jax_dist --check`` does the same)."""
+    global _results
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _results = os.fdopen(os.dup(saved), "w", buffering=1)
+    try:
+        yield
+    finally:
+        _results.close()
+        _results = None
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 # ---------------------------------------------------------------------------------
@@ -361,8 +410,11 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="draw the results here")
 
 
-def save(args, meta_: dict, results: list[dict], plot=None, comm=None) -> None:
-    """Write ``--json`` and draw ``--plot`` (with ``plot(results, path)``) on rank 0."""
+def save(
+    args, meta_: dict, results: list[dict], plot=None, comm=None, extra=None
+) -> None:
+    """Write ``--json`` and draw ``--plot`` (with ``plot(results, path)``) on rank 0;
+    ``extra`` adds keys of its own to the JSON beside ``meta`` and ``results``."""
     if comm is not None and comm.Get_rank() != 0:
         return
     for path in (getattr(args, "json", None), getattr(args, "plot", None)):
@@ -370,7 +422,7 @@ def save(args, meta_: dict, results: list[dict], plot=None, comm=None) -> None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
-            json.dump({"meta": meta_, "results": results}, f, indent=1)
+            json.dump({"meta": meta_, "results": results, **(extra or {})}, f, indent=1)
     if getattr(args, "plot", None) and plot is not None:
         import matplotlib
 

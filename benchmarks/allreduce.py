@@ -16,13 +16,19 @@ the implementations in :data:`IMPLS`:
 - ``psum``: ``shard_map`` + ``lax.psum`` on the global array;
 - ``gspmd``: a ``jax.jit`` sum over the sharded axis, the collective left to XLA.
 
-Two modes, each timed on the collective alone (as nccl-tests do): ``loop``,
-``x <- allreduce(x)`` K times back to back from an all-zero input (zeros stay zeros:
-nothing overflows, nothing can be hoisted), for mpi4py a Python loop swapping two
-buffers, for JAX one jitted ``lax.fori_loop`` whose trip count is an argument; divided
-by K, the collective itself. ``call``: K separate allreduces of the held input, one
-dispatch each (for mpi4py a fresh result buffer each, as a functional API pays);
-divided by K, what a Python loop of jitted calls pays.
+Two modes. ``loop`` times the collective alone: ``x <- allreduce(x)`` back to back
+from an all-zero input (zeros stay zeros: nothing overflows, nothing can be hoisted),
+for mpi4py a Python loop swapping two buffers, for JAX one jitted ``lax.fori_loop``
+whose trip count is an argument, run with K and with 2K trips in each round; the
+difference over K is one collective (the row's times), and what is left of the K-trip
+run is the fixed part, one dispatch of the loop (the ``fixed`` column), which a
+division by K would spread over every collective (hundreds of µs with an ordered
+effect: 3.6x mpi4py at 4 B with K = 50 where the collective itself is at MPI's
+speed). ``call``: K separate allreduces of the held input, one dispatch each (for
+mpi4py a fresh result buffer each, as a functional API pays); divided by K, what a
+Python loop of jitted calls pays. After the sweep, ``dispatch`` rows time one jitted
+call at 4 B of a trivial function, of an ordered-effect op that communicates
+nothing, of mpi4jax and of mpi4jax_dist (the JSON's ``dispatch`` key).
 
 Correctness is checked outside the timing, before and after the timed samples, on
 the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,
@@ -53,6 +59,7 @@ import argparse
 import functools
 import gc
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -621,6 +628,73 @@ class Gspmd(GlobalJax):
 
 
 # ---------------------------------------------------------------------------------
+# What one dispatch costs
+
+
+class JitPlusOne(Mpi4jax):
+    """``jax.jit(lambda v: v + 1)``: one jitted call with no effect, JAX's C++
+    dispatch path."""
+
+    def reduce(self, v):
+        return v + 1
+
+
+# (name, what runs, how it is built): one jitted call each, at 4 B, blocked on.
+DISPATCH = (
+    ("mpi4py", "Comm.Allreduce, no dispatch (the floor)", Mpi4py, "world"),
+    ("jit(v + 1)", "a jitted call, no effect", JitPlusOne, "world"),
+    (
+        "ordered no-op",
+        "mpi4jax_dist.allreduce on COMM_SELF: the ordered effect, no communication",
+        Mpi4jaxDist,
+        "self",
+    ),
+    ("mpi4jax", "mpi4jax.allreduce", Mpi4jax, "world"),
+    ("mpi4jax_dist", "mpi4jax_dist.allreduce, donated", Mpi4jaxDist, "world"),
+)
+
+
+def measure_dispatch(dtype, samples: int, calls: int, comm) -> list[dict]:
+    """Time one call of each of :data:`DISPATCH` (``calls`` calls per sample, each
+    waited for, as ``call`` mode does) at one element: what a Python loop of jitted
+    calls pays per call, and what of it is JAX's path for ordered effects."""
+    from mpi4py import MPI
+
+    cases = []
+    for _, _, record, where in DISPATCH:
+        impl = record(1, dtype, comm if where == "world" else MPI.COMM_SELF)
+        impl.load(np.zeros(1, dtype))
+        cases.append(lambda impl=impl: [impl.call() for _ in range(calls)])
+    with _harness.Compiles() as compiled:
+        times = _harness.time_rounds(cases, comm, samples)
+    rows = []
+    for (name, what, _, _), sample in zip(DISPATCH, times, strict=True):
+        rows.append(
+            {
+                "impl": name,
+                "what": what,
+                "bytes": np.dtype(dtype).itemsize,
+                "calls": calls,
+                "samples": samples,
+                **_harness.summary(t / calls for t in sample),
+                "compiles": compiled.count,
+            }
+        )
+    return rows
+
+
+DISPATCH_TABLE = _harness.Table(
+    [
+        _harness.Column("impl", "one call of", "", 16, left=True),
+        _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
+        _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
+        _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
+        _harness.Column("what", "  what runs", "", 0, lambda w: f"  {w}", left=True),
+    ]
+)
+
+
+# ---------------------------------------------------------------------------------
 # The sweep
 
 
@@ -667,14 +741,18 @@ def measure(
     # collectives run within a few ms after XLA's gloo ones are slowed (256 B:
     # 13 us instead of 3), which made mpi4py and mpi4jax rows 2-15x too slow
     # when interleaved with psum and gspmd.
+    # loop: K and 2K collectives in one dispatch each, in the same round; the
+    # difference over K is the collective alone, what is left the fixed part.
     groups = {}
     for name, impl in impls.items():
         group = groups.setdefault(impl.transport, ([], []))
         for mode in modes:
-            group[0].append((name, mode))
             if mode == "loop":
-                group[1].append(lambda impl=impl: impl.loop(steps))
+                for trips in (steps, 2 * steps):
+                    group[0].append((name, mode, trips))
+                    group[1].append(lambda impl=impl, k=trips: impl.loop(k))
             else:
+                group[0].append((name, mode, steps))
                 group[1].append(lambda impl=impl: [impl.call() for _ in range(steps)])
     keys, times = [], []
     # The checks have run every executable: nothing is left to compile.
@@ -686,8 +764,20 @@ def measure(
     del impls
     gc.collect()
     procs = comm.Get_size()
+    timed = dict(zip(keys, times, strict=True))
     rows = []
-    for (name, mode), sample in zip(keys, times, strict=True):
+    for name, mode, trips in keys:
+        if trips != steps:
+            continue
+        if mode == "loop":
+            per_call, fixed = _harness.two_trip_counts(
+                timed[(name, mode, steps)],
+                timed[(name, mode, 2 * steps)],
+                steps,
+                2 * steps,
+            )
+        else:
+            per_call, fixed = [t / steps for t in timed[(name, mode, steps)]], None
         row = {
             "bytes": nbytes,
             "impl": name,
@@ -697,7 +787,9 @@ def measure(
             "dtype": np.dtype(dtype).name,
             "steps": steps,
             "samples": samples,
-            **_harness.summary(t / steps for t in sample),
+            **_harness.summary(per_call),
+            # loop: what one dispatch of the loop adds, whatever its trip count
+            "fixed_median_s": None if fixed is None else statistics.median(fixed),
         }
         row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs
@@ -722,6 +814,7 @@ TABLE = _harness.Table(
         _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
         _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
         _harness.Column("ratio", "ratio", "", 6, ".2f"),
+        _harness.Column("fixed_median_s", "fixed", "us", 9, ".1f", 1e6),
         _harness.Column("wrong", "wrong", "", 7),
     ]
 )
@@ -836,9 +929,10 @@ def main(argv=None) -> list[dict]:
         f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
-        "# time per allreduce, collectives alone: loop = x <- allreduce(x) K times "
-        "in one dispatch / K; call = K dispatches / K; slowest rank per sample; "
-        "checked outside the timing",
+        "# time per allreduce: loop = (2K trips - K trips) / K of x <- allreduce(x) "
+        "in one dispatch, the collective alone, and 'fixed' what that dispatch adds; "
+        "call = K dispatches / K; slowest rank per sample; checked outside the "
+        "timing",
         TABLE.header(),
     )
     results = []
@@ -853,10 +947,20 @@ def main(argv=None) -> list[dict]:
         )
         results += rows
         _harness.say(comm, *(TABLE.row(r) for r in rows))
+    dispatch = measure_dispatch(args.dtype, args.samples, args.iters, comm)
+    _harness.say(
+        comm,
+        "# dispatch: one jitted call at 4 B, each waited for (calls of one "
+        "compiled function in a Python loop); the loop rows above hold one such "
+        "dispatch in their 'fixed' column",
+        DISPATCH_TABLE.header(),
+        *(DISPATCH_TABLE.row(r) for r in dispatch),
+    )
     _harness.save(
         args,
         meta,
         results,
+        extra={"dispatch": dispatch},
         plot=lambda rows, path: plot(
             rows,
             path,
@@ -880,4 +984,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    with _harness.results_on_stdout():  # the table alone on stdout, no [Gloo] lines
+        main()

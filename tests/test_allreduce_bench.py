@@ -16,6 +16,32 @@ def load_benchmark():
     return util.load_benchmark("allreduce")
 
 
+def test_two_trip_counts_remove_a_known_fixed_cost(world):
+    """The loop rows' method on loops whose cost is known: each sleeps a fixed
+    30 ms, then 2 ms per trip. Timed as the benchmark times its loops (K and 2K
+    trips in each round), the time per trip is the 2 ms alone and the fixed part
+    the 30 ms; dividing the K-trip time by K, the old method, gives 2 + 30/K."""
+    import time
+
+    from mpi4py import MPI
+
+    harness = load_benchmark()._harness
+    fixed_s, trip_s, k = 0.030, 0.002, 5
+
+    def loop(trips):
+        return lambda: time.sleep(fixed_s + trips * trip_s)
+
+    short, long = harness.time_rounds([loop(k), loop(2 * k)], MPI.COMM_WORLD, 5)
+    per_trip, fixed = harness.two_trip_counts(short, long, k, 2 * k)
+    median = sorted(per_trip)[2]
+    assert median == pytest.approx(trip_s, rel=0.25), per_trip
+    assert sorted(fixed)[2] == pytest.approx(fixed_s, rel=0.15), fixed
+    divided = sorted(t / k for t in short)[2]  # what the old loop rows reported
+    assert divided > trip_s + 0.8 * fixed_s / k
+    with pytest.raises(ValueError, match="k_long=5 must exceed k_short=5"):
+        harness.two_trip_counts(short, long, 5, 5)
+
+
 def test_tiny_sweep(world, tmp_path_factory):
     from mpi4py import MPI
 
@@ -35,12 +61,18 @@ def test_tiny_sweep(world, tmp_path_factory):
     for row in results:
         assert row["wrong"] == 0, row
         assert row["compiles"] == 0, row
-        assert 0 < row["t_min_s"] <= row["t_median_s"] <= row["t_max_s"]
+        assert row["t_min_s"] <= row["t_median_s"] <= row["t_max_s"]
+        assert row["mode"] == "loop" or row["t_min_s"] > 0
         assert row["steps"] == 3 and row["samples"] == 2
         assert row["busbw_GBps"] == pytest.approx(
             row["algbw_GBps"] * 2 * (comm.Get_size() - 1) / comm.Get_size()
         )
-        assert row["ratio"] > 0
+        if row["mode"] == "loop":
+            # a difference of two timings: may come out negative at 3 trips
+            assert row["fixed_median_s"] is not None, row
+        else:
+            assert row["fixed_median_s"] is None, row
+            assert row["ratio"] > 0
         if row["impl"] == "mpi4py":
             assert row["ratio"] == 1.0
     ok = True
@@ -53,6 +85,11 @@ def test_tiny_sweep(world, tmp_path_factory):
             and data["meta"]["impls"] == bench.IMPLS.names()
             and "pattern" in data["meta"]
             and len(data["results"]) == len(results)
+            and [r["impl"] for r in data["dispatch"]]
+            == [name for name, *_ in bench.DISPATCH]
+            and all(
+                r["t_median_s"] > 0 and r["compiles"] == 0 for r in data["dispatch"]
+            )
             and os.path.exists(png)
         )
     util.all_ranks(ok, "the JSON file lacks meta or results")
@@ -136,3 +173,22 @@ def test_defaults_and_sizes(world):
     assert bench.DEFAULT_SIZES[0] == 4 and bench.DEFAULT_SIZES[-1] == 64 << 20
     with pytest.raises(SystemExit):
         bench.parse_args(["--impls", "mpi4py,nccl"])
+
+
+def test_token_reuse_benchmark_restores_jax(world):
+    """benchmarks/token_reuse.py times each case with JAX's token input as
+    installed and patched, checks the patched results (a wrong one exits 1), and
+    leaves JAX's method as it found it."""
+    from jax._src import dispatch
+
+    stock = dispatch.RuntimeTokenSet.get_token_input
+    bench = util.load_benchmark("token_reuse")
+    rows = bench.main(["--calls", "3", "--samples", "2"])
+    assert [r["impl"] for r in rows] == [
+        "jit(v + 1)",
+        "ordered no-op",
+        "mpi4jax",
+        "mpi4jax_dist",
+    ]
+    assert all(r["stock_median_s"] > 0 and r["reused_median_s"] > 0 for r in rows)
+    assert dispatch.RuntimeTokenSet.get_token_input is stock

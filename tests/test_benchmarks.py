@@ -210,3 +210,30 @@ def test_first_compile_benchmark_times_every_case():
     assert set(rows) == {"jax_cg", "dropin", "solve_normal"}, proc.stdout
     assert all(float(r[3]) > 0 for r in rows.values()), proc.stdout
     assert rows["jax_cg"][4] == "1.00", proc.stdout
+
+
+def test_allreduce_table_alone_on_stdout():
+    """The main job's stdout: its table, with no ``[Gloo] Rank N is connected``
+    line from jaxlib (sent to stderr) in it; psum's rows make Gloo connect."""
+    proc = util.run_mpi(
+        util.ROOT / "benchmarks" / "allreduce.py",
+        2,
+        "--sizes",
+        "4",
+        "--impls",
+        "mpi4py,psum",
+        "--samples",
+        "2",
+        "--iters",
+        "3",
+    )
+    assert "[Gloo]" in proc.stderr, proc.stderr[-2000:]  # they were printed
+    assert "[Gloo]" not in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    rows = [line.split() for line in lines if not line.startswith("#")]
+    assert [r[:3] for r in rows if r[0] == "4"] == [
+        ["4", "mpi4py", "loop"],
+        ["4", "mpi4py", "call"],
+        ["4", "psum", "loop"],
+        ["4", "psum", "call"],
+    ], proc.stdout
