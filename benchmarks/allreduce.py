@@ -727,13 +727,17 @@ def check(impls: dict, n: int, comm, wrong: dict) -> None:
 
 
 def measure(
-    names, nbytes: int, dtype, modes, samples: int, most: int, comm
+    names, nbytes: int, dtype, modes, samples: int, most: int, comm, loop_most=None
 ) -> list[dict]:
-    """Build every implementation at one size, check, time, check; return rows."""
+    """Build every implementation at one size, check, time, check; return rows.
+
+    ``most`` is ``call``'s K, ``loop_most`` ``loop``'s (default ``most``), each
+    fewer for large messages (:func:`_harness.steps_for`)."""
     itemsize = np.dtype(dtype).itemsize
     n = max(1, nbytes // itemsize)
     nbytes = n * itemsize
     steps = _harness.steps_for(nbytes, most)
+    loop_steps = _harness.steps_for(nbytes, loop_most or most)
     impls = {name: IMPLS[name](n, dtype, comm) for name in names}
     wrong = {(name, mode): 0 for name in names for mode in MODES}
     check(impls, n, comm, wrong)
@@ -748,7 +752,7 @@ def measure(
         group = groups.setdefault(impl.transport, ([], []))
         for mode in modes:
             if mode == "loop":
-                for trips in (steps, 2 * steps):
+                for trips in (loop_steps, 2 * loop_steps):
                     group[0].append((name, mode, trips))
                     group[1].append(lambda impl=impl, k=trips: impl.loop(k))
             else:
@@ -767,14 +771,14 @@ def measure(
     timed = dict(zip(keys, times, strict=True))
     rows = []
     for name, mode, trips in keys:
-        if trips != steps:
-            continue
+        if trips != (loop_steps if mode == "loop" else steps):
+            continue  # the 2K-trip loop, taken with the K-trip one
         if mode == "loop":
             per_call, fixed = _harness.two_trip_counts(
-                timed[(name, mode, steps)],
-                timed[(name, mode, 2 * steps)],
-                steps,
-                2 * steps,
+                timed[(name, mode, loop_steps)],
+                timed[(name, mode, 2 * loop_steps)],
+                loop_steps,
+                2 * loop_steps,
             )
         else:
             per_call, fixed = [t / steps for t in timed[(name, mode, steps)]], None
@@ -785,7 +789,7 @@ def measure(
             "transport": IMPLS[name].transport,
             "count": n,
             "dtype": np.dtype(dtype).name,
-            "steps": steps,
+            "steps": loop_steps if mode == "loop" else steps,
             "samples": samples,
             **_harness.summary(per_call),
             # loop: what one dispatch of the loop adds, whatever its trip count
@@ -868,12 +872,23 @@ def parse_args(argv):
         "--iters",
         type=int,
         default=50,
-        help="K, allreduces per timed sample (fewer for large messages, "
-        "about 16 MiB moved per sample, at least 3)",
+        help="K of call mode: dispatches per timed sample (fewer for large "
+        "messages, about 16 MiB moved per sample, at least 3)",
+    )
+    parser.add_argument(
+        "--loop-iters",
+        type=int,
+        default=500,
+        help="K of loop mode: each sample runs K and 2K trips (fewer for large "
+        "messages, as --iters); K times a small allreduce must exceed the "
+        "dispatch's jitter (tens to hundreds of us) for the difference to show it",
     )
     parser.add_argument("--samples", type=int, default=10, help="timed samples")
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
+    for flag, value in (("--iters", args.iters), ("--loop-iters", args.loop_iters)):
+        if value < 1:
+            parser.error(f"{flag} {value}: expected 1 or more")
     try:
         args.impls = IMPLS.choose(args.impls, "--impls")
     except ValueError as err:
@@ -919,6 +934,7 @@ def main(argv=None) -> list[dict]:
         impls=args.impls,
         modes=args.modes,
         iters=args.iters,
+        loop_iters=args.loop_iters,
         samples=args.samples,
         pattern="e_r(i) = a(i) + c(i) r + r^2, a and c in [0, "
         f"{pattern_bound(comm.Get_size(), args.dtype)}] from a hash of i",
@@ -943,7 +959,14 @@ def main(argv=None) -> list[dict]:
             file=sys.stderr,
         )
         rows = measure(
-            args.impls, nbytes, args.dtype, args.modes, args.samples, args.iters, comm
+            args.impls,
+            nbytes,
+            args.dtype,
+            args.modes,
+            args.samples,
+            args.iters,
+            comm,
+            loop_most=args.loop_iters,
         )
         results += rows
         _harness.say(comm, *(TABLE.row(r) for r in rows))

@@ -51,7 +51,7 @@ def test_tiny_sweep(world, tmp_path_factory):
     png = path[: -len(".json")] + ".png"
     # 4100 bytes: a count that is not a power of two.
     results = bench.main(
-        ["--sizes", "4,4100", "--samples", "2", "--iters", "3"]
+        ["--sizes", "4,4100", "--samples", "2", "--iters", "3", "--loop-iters", "3"]
         + ["--json", path, "--plot", png]
     )
     keys = {(r["impl"], r["mode"], r["bytes"]) for r in results}
@@ -173,6 +173,11 @@ def test_defaults_and_sizes(world):
     assert bench.DEFAULT_SIZES[0] == 4 and bench.DEFAULT_SIZES[-1] == 64 << 20
     with pytest.raises(SystemExit):
         bench.parse_args(["--impls", "mpi4py,nccl"])
+    args = bench.parse_args([])
+    assert (args.iters, args.loop_iters) == (50, 500)
+    for flag in ("--iters", "--loop-iters"):
+        with pytest.raises(SystemExit):
+            bench.parse_args([flag, "0"])
 
 
 def test_token_reuse_benchmark_restores_jax(world):
@@ -192,3 +197,10 @@ def test_token_reuse_benchmark_restores_jax(world):
     ]
     assert all(r["stock_median_s"] > 0 and r["reused_median_s"] > 0 for r in rows)
     assert dispatch.RuntimeTokenSet.get_token_input is stock
+
+
+def test_loop_rate_runs_for_its_seconds(world):
+    """benchmarks/loop_rate.py, the steady load docs/benchmarks.rst profiles."""
+    row = util.load_benchmark("loop_rate").main(["mpi4jax_dist", "4096", "0.2"])
+    assert row["bytes"] == 4096 and row["allreduces"] >= 40
+    assert row["us_per_allreduce"] > 0

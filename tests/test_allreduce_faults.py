@@ -104,6 +104,8 @@ def test_injected_permutations_fail_the_run():
         "1",
         "--iters",
         "3",
+        "--loop-iters",
+        "3",
         timeout=180,
         check=False,
     )

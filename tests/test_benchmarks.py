@@ -226,6 +226,8 @@ def test_allreduce_table_alone_on_stdout():
         "2",
         "--iters",
         "3",
+        "--loop-iters",
+        "3",
     )
     assert "[Gloo]" in proc.stderr, proc.stderr[-2000:]  # they were printed
     assert "[Gloo]" not in proc.stdout, proc.stdout

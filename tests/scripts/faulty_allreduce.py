@@ -38,5 +38,14 @@ class Reversed(bench.Mpi4jax):
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:] or ["--sizes", "4096", "--samples", "1", "--iters", "3"]
+    args = sys.argv[1:] or [
+        "--sizes",
+        "4096",
+        "--samples",
+        "1",
+        "--iters",
+        "3",
+        "--loop-iters",
+        "3",
+    ]
     bench.main(["--impls", "mpi4jax,mpi4jax_rolled,mpi4jax_reversed", *args])
