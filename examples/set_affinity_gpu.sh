@@ -38,7 +38,7 @@ case "$GPU_VENDOR" in
         gpu=$((tile / TILES_PER_GPU))
         if [ "$TILES_PER_GPU" -eq 1 ]; then
             export ZE_AFFINITY_MASK=$gpu
-        elif [ "${ZE_FLAT_DEVICE_HIERARCHY:-FLAT}" = FLAT ]; then
+        elif [ "$(tr '[:lower:]' '[:upper:]' <<<"${ZE_FLAT_DEVICE_HIERARCHY:-FLAT}")" = FLAT ]; then
             export ZE_AFFINITY_MASK=$tile
         else
             export ZE_AFFINITY_MASK=$gpu.$((tile % TILES_PER_GPU))

@@ -241,6 +241,10 @@ SHOW = "CUDA_VISIBLE_DEVICES ROCR_VISIBLE_DEVICES ZE_AFFINITY_MASK"
             "- - 3.1",
         ),
         ({"PALS_LOCAL_RANKID": 11, **AURORA}, "- - 11"),
+        (
+            {"PALS_LOCAL_RANKID": 7, "ZE_FLAT_DEVICE_HIERARCHY": "flat", **AURORA},
+            "- - 7",
+        ),
         ({"PALS_LOCAL_RANKID": 3, "GPU_VENDOR": "intel", "GPUS_PER_NODE": 6}, "- - 3"),
     ],
 )
