@@ -220,6 +220,13 @@ def parser() -> argparse.ArgumentParser:
         help="with --check: how long the ranks wait for each other after JAX's psum "
         f"before the job ends, saying that it hangs (default: {CHECK_TIMEOUT_S})",
     )
+    cli.add_argument(
+        "--hangs",
+        metavar="DIR",
+        help="group the ranks of a hung job by their stacks, from the rank-N.txt "
+        "files its ranks wrote to DIR (MPI4JAX_DIST_HANG_DIR) on SIGUSR1 or at "
+        "MPI4JAX_DIST_COLLECTIVE_TIMEOUT; starts no MPI",
+    )
     return cli
 
 
@@ -230,6 +237,15 @@ def main(argv=None) -> int:
         cli.error(f"--procs {args.procs}: expected a process count of 1 or more")
     if args.timeout is not None and not args.timeout > 0:
         cli.error(f"--timeout {args.timeout:g}: expected seconds, more than 0")
+    if args.hangs is not None:
+        from ._hangs import summarize
+
+        try:
+            print(summarize(args.hangs))
+        except (FileNotFoundError, NotADirectoryError) as err:
+            print(f"python -m mpi4jax_dist --hangs: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "env":
         from ._cpu_collectives import env_lines
 

@@ -34,7 +34,7 @@ import functools
 
 import numpy as np
 
-from . import _config, _extras
+from . import _config, _extras, _hangs
 
 # Ops by the code the handler knows them by (OpFromCode in _ffi/mpi_helpers.h).
 OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
@@ -226,6 +226,7 @@ class _Comm:
         self.key = cpu.register_comm(self.handle)
         # The id in each platform's extension (its own registry), by module name.
         self._ids = {cpu.__name__: self.key}
+        _hangs.note_comm(self)  # for a collective timeout's report
 
     def id_in(self, module) -> int:
         """The communicator's id in ``module`` (the CPU or CUDA extension),

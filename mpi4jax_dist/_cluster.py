@@ -14,6 +14,7 @@ from . import (
     _cpu_collectives,
     _devices,
     _failfast,
+    _hangs,
     _jax_compat,
     _launch,
     _network,
@@ -88,6 +89,14 @@ def _bootstrapped(**settings) -> _topology.Topology:
     _cpu_collectives.settle()
     _cpu_collectives.use_private_world()
     _failfast.install(topo.rank, topo.size)
+    # Stacks on SIGUSR1 and the collective timeout's watchdog (whose Dup every
+    # rank makes here, or none does).
+    _hangs.install(
+        topo.rank,
+        topo.size,
+        _topology.current().collective_timeout_s,
+        _topology.watchdog_comm(),
+    )
     _silence_false_proxy_alarm(topo)
     _choose_gloo_address(topo)
     if _config.cache_every_process():

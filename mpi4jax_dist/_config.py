@@ -576,6 +576,54 @@ def simulated_latency_us(env: Mapping[str, str] | None = None) -> float | None:
 # ``1`` turns that on and ``0`` turns it off; the default is given for each.
 
 
+# --- hangs: stacks on demand and the collective timeout (_hangs.py) ----------------
+
+STACKS = "MPI4JAX_DIST_STACKS"
+HANG_DIR = "MPI4JAX_DIST_HANG_DIR"
+COLLECTIVE_TIMEOUT = "MPI4JAX_DIST_COLLECTIVE_TIMEOUT"
+
+
+def stacks_on_signal(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether ``SIGUSR1`` makes each rank print its threads' Python stacks
+    (default on; ``MPI4JAX_DIST_STACKS=0`` leaves the signal alone)."""
+    return get_bool(STACKS, True, env)
+
+
+def hang_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """Return the folder each rank writes its stacks to (``rank-N.txt``), or None
+    (``MPI4JAX_DIST_HANG_DIR`` unset or empty: stderr, each line prefixed with the
+    rank)."""
+    env = environ() if env is None else env
+    return env.get(HANG_DIR, "").strip() or None
+
+
+def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
+    """Return ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` in seconds, or None (off).
+
+    The longest any of the package's collectives (``allreduce``, ``iallreduce``'s
+    wait, the bootstrap's) waits; past it the job ends with a report of who was
+    missing. Unset, empty or ``0``: off.
+
+    Raises:
+        ValueError: the value is not a non-negative number of seconds.
+    """
+    env = environ() if env is None else env
+    value = env.get(COLLECTIVE_TIMEOUT, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(
+            f"{COLLECTIVE_TIMEOUT}={value!r} is not a number of seconds. Set it to "
+            f"how long a collective may wait (longer than the slowest rank's work "
+            f"between two collectives, e.g. 600), or 0 or nothing to turn it off."
+        )
+    return seconds or None
+
+
 @dataclass(frozen=True)
 class Variable:
     """One row of the documented table."""
@@ -609,6 +657,34 @@ VARIABLES = (
         "``1``: a rank that raises, exits or gets SIGTERM ends the whole job at "
         "once (``MPI_Abort``). ``0``: JAX's behaviour (the others wait for their "
         "timeouts; JAX's preemption service catches SIGTERM).",
+    ),
+    Variable(
+        (STACKS,),
+        "package",
+        "``1`` (default), ``0``",
+        "``1``: once JAX's world is bootstrapped, ``SIGUSR1`` (``scancel "
+        "--signal=USR1``, ``qsig -s USR1``, ``kill -USR1`` to ``mpiexec``) makes "
+        "every rank write all its threads' Python stacks and go on "
+        "(:doc:`troubleshooting`, *A job hangs*). ``0``: the signal is left alone.",
+    ),
+    Variable(
+        (HANG_DIR,),
+        "package",
+        "unset (default), a folder",
+        "Where each rank writes its stacks, ``rank-N.txt`` (on ``SIGUSR1`` or a "
+        "collective timeout), for ``python -m mpi4jax_dist --hangs DIR`` to group; "
+        "unset: stderr, each line prefixed with ``[rank N]``. Use it past a few "
+        "hundred ranks.",
+    ),
+    Variable(
+        (COLLECTIVE_TIMEOUT,),
+        "package",
+        "unset (default: off), seconds",
+        "The longest ``allreduce``, ``iallreduce``'s wait and the bootstrap's "
+        "collectives wait (rank 0's value, for every rank); past it every rank "
+        "writes its stacks, one line names the call and the ranks that had not "
+        "entered it, and ``MPI_Abort`` ends the job. Set it well above the longest "
+        "work between two collectives (and the slowest rank's start-up).",
     ),
     Variable(
         (CACHE_EVERY_PROCESS,),

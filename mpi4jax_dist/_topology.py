@@ -123,6 +123,9 @@ class Bootstrap:
         released: whether :meth:`release` has run.
         file_limit_raised: on rank 0, ``(old, new)`` soft open-file limit when the
             bootstrap raised it for the coordination service, else None.
+        collective_timeout_s: ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` (None: off), this
+            process's until rank 0's arrives with the coordinator address, rank
+            0's after: no wait here lasts longer.
         log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
         timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
             rank 0's ``service_listening``; the others' ``released``).
@@ -136,6 +139,9 @@ class Bootstrap:
     release_mode: str | None = None
     released: bool = False
     file_limit_raised: tuple | None = None
+    collective_timeout_s: float | None = field(
+        default_factory=_config.collective_timeout
+    )
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
     # Kept from run() for release(): the private communicator (thread mode), the
@@ -233,15 +239,23 @@ class Bootstrap:
                 status, text = self._choose_coordinator(
                     explicit_address, num_nodes, size
                 )
-                _encode(message, status, RELEASE_MODES.index(mode), text)
+                _encode(
+                    message,
+                    status,
+                    RELEASE_MODES.index(mode),
+                    text,
+                    self.collective_timeout_s or 0.0,
+                )
             self._wait(
                 comm.Ibcast(message, root=0),
                 deadline,
                 "rank 0 to send the coordinator address",
             )
-            status, mode_index, text = _decode(message)
+            status, mode_index, text, timeout = _decode(message)
             if status != _OK:
                 raise RuntimeError(text)
+            # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
+            self.collective_timeout_s = timeout or None
             if size > 1:
                 self.release_mode = RELEASE_MODES[mode_index]
             # Kept for the release: the private communicator in thread mode; in
@@ -477,10 +491,16 @@ class Bootstrap:
     # --- waiting and failing --------------------------------------------------------
 
     def _wait(self, request, deadline: float, what: str) -> None:
-        """Wait for ``request`` until ``deadline`` (monotonic); abort past it."""
+        """Wait for ``request`` until ``deadline`` (monotonic), or for the
+        collective timeout where it comes first; abort past it."""
         pause = 1e-5
+        limit = self.collective_timeout_s
+        collective = None if limit is None else time.monotonic() + limit
         while not request.Test():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if collective is not None and now > collective and collective < deadline:
+                self._timed_out(what)
+            if now > deadline:
                 self._give_up(what)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -490,6 +510,14 @@ class Bootstrap:
         self._abort(
             f"gave up after {self.timeout_s:g} s waiting for {what}. "
             f"Raise initialization_timeout if the job is just slow."
+        )
+
+    def _timed_out(self, what: str) -> typing.NoReturn:
+        """Abort the job: this rank waited the collective timeout for ``what``."""
+        self._abort(
+            f"gave up after {self.collective_timeout_s:g} s "
+            f"({_config.COLLECTIVE_TIMEOUT}) waiting for {what} in the bootstrap. "
+            f"Raise {_config.COLLECTIVE_TIMEOUT} if the job is just slow."
         )
 
     def _abort(self, message: str) -> typing.NoReturn:
@@ -524,15 +552,24 @@ def _check_launch_size(base, info) -> None:
         )
 
 
-def _encode(buffer: np.ndarray, status: int, mode: int, text: str) -> None:
-    data = text.encode()[: buffer.size - 2]
+# Rank 0's message: status, release mode, the collective timeout (float64
+# seconds, 0: off), then the text.
+_TEXT_AT = 10
+
+
+def _encode(
+    buffer: np.ndarray, status: int, mode: int, text: str, timeout_s: float = 0.0
+) -> None:
+    data = text.encode()[: buffer.size - _TEXT_AT]
     buffer[0], buffer[1] = status, mode
-    buffer[2 : 2 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    buffer[2:_TEXT_AT] = np.frombuffer(np.float64(timeout_s).tobytes(), np.uint8)
+    buffer[_TEXT_AT : _TEXT_AT + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _decode(buffer: np.ndarray) -> tuple[int, int, str]:
-    text = bytes(buffer[2:]).rstrip(b"\0").decode(errors="replace")
-    return int(buffer[0]), int(buffer[1]), text
+def _decode(buffer: np.ndarray) -> tuple[int, int, str, float]:
+    text = bytes(buffer[_TEXT_AT:]).rstrip(b"\0").decode(errors="replace")
+    timeout_s = float(np.frombuffer(bytes(buffer[2:_TEXT_AT]), np.float64)[0])
+    return int(buffer[0]), int(buffer[1]), text, timeout_s
 
 
 # --- the process's one bootstrap ------------------------------------------------------
@@ -630,6 +667,31 @@ def world_for_xla():
 
 
 _xla_world = None  # world_for_xla's duplicate, kept until MPI is finalized
+
+
+def watchdog_comm():
+    """Return a duplicate of the job's communicator for the collective timeout's
+    watchdog (``_hangs``), made once (``Dup``, recorded in the bootstrap's calls),
+    or None where there is to be none: no timeout (rank 0's setting), one rank, or
+    MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release mode says so alike on
+    every rank). Collective where it is not None: call it right after the
+    bootstrap."""
+    global _watchdog_comm
+    with _lock:
+        bootstrap = _current
+        if bootstrap is None:
+            raise RuntimeError("mpi4jax_dist: watchdog_comm() before the bootstrap ran")
+        if bootstrap.collective_timeout_s is None or bootstrap.release_mode != "thread":
+            return None
+        if _watchdog_comm is None:
+            bootstrap.log.phase = "watchdog"
+            _watchdog_comm = (
+                _mpi.RecordingComm(bootstrap.comm, bootstrap.log).Dup().comm
+            )
+        return _watchdog_comm
+
+
+_watchdog_comm = None
 
 
 def collectives() -> list[_mpi.Call]:

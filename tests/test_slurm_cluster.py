@@ -683,3 +683,82 @@ def test_diagnostics_report_a_collective_that_fails():
     assert "some rank was still in JAX's psum across the processes after 10 s" in line
     assert took < 90, f"{took:.0f} s"
     print(f"ended in {took:.1f} s: {line}")
+
+
+# --- a hung job (mpi4jax_dist._hangs) ------------------------------------------------
+
+STALL = "tests/scripts/stall.py"
+STALL_ENV = {"MPI4JAX_NO_WARN_JAX_VERSION": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def test_a_rank_stalled_on_one_node_is_named_by_the_timeout():
+    """Rank 3 (node2) sleeps while the others wait in a jitted allreduce: the job
+    ends MPI4JAX_DIST_COLLECTIVE_TIMEOUT later, naming it, with its stacks."""
+    env = _env(**STALL_ENV, MPI4JAX_DIST_COLLECTIVE_TIMEOUT=10)
+    cmd = ["srun", "--time=5", "--nodes=2", "--ntasks-per-node=2", "--mpi=pmi2"]
+    with _running([*cmd, "python", STALL], env) as proc:
+        stalled = _wait_for_line(proc, "STALL", 120)
+        assert stalled, "the job never stalled"
+        since = time.time() - float(stalled.split()[1])
+        output, _ = proc.communicate(timeout=120)
+        ended = time.time() - float(stalled.split()[1])
+    assert proc.returncode != 0, output
+    line = next(x for x in output.splitlines() if "waited" in x and "call 4" in x)
+    assert "in mpi4jax_dist.allreduce, call 4 on communicator 'MPI_COMM_WORLD'" in line
+    assert "not entered by rank 3 (their last call there: 3)" in line, line
+    assert re.search(
+        r"^\[rank 3\] .*stall\.py\", line \d+ in stalled_compute$", output, re.M
+    ), output
+    assert 10 < ended < 60, ended
+    print(
+        f"ended {ended:.1f} s after rank 3 stalled ({since:.1f} s seen at once): "
+        f"{line}"
+    )
+
+
+def test_scancel_signal_usr1_gives_every_rank_stacks(tmp_path):
+    """``scancel --signal=USR1`` while rank 3 stalls: each rank writes rank-N.txt
+    and the job goes on; ``--hangs`` names rank 3 apart."""
+    name = f"stall-{os.getpid()}"
+    env = _env(**STALL_ENV, MPI4JAX_DIST_HANG_DIR=tmp_path, STALL_S=200)
+    cmd = [
+        "srun",
+        "--time=5",
+        f"--job-name={name}",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--mpi=pmi2",
+        "python",
+        STALL,
+    ]
+    with _running(cmd, env) as proc:
+        assert _wait_for_line(proc, "STALL", 120), "the job never stalled"
+        time.sleep(2)  # the others are in the 4th call
+        subprocess.run(
+            ["scancel", "--signal=USR1", f"--name={name}", f"--user={os.getuid()}"],
+            env=env,
+            timeout=60,
+            check=True,
+        )
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank-*.txt"))) < 4:
+            assert time.monotonic() < deadline, list(tmp_path.iterdir())
+            time.sleep(0.2)
+        assert proc.poll() is None, "the signal ended the job"
+    summary = util.run_command(
+        [sys.executable, "-m", "mpi4jax_dist", "--hangs", str(tmp_path)],
+        env=env,
+        timeout=60,
+    )
+    lines = summary.stdout.splitlines()
+    assert lines[0] == f"mpi4jax_dist: stacks of 4 of 4 ranks in {tmp_path}", lines
+    assert lines[1].startswith("3 ranks at stall.py:") and lines[1].endswith(
+        ": ranks 0-2"
+    ), lines
+    assert "in stalled_compute" in lines[2] and lines[2].endswith(": rank 3"), lines
+    hosts = {
+        re.search(r"^# host (\S+)", p.read_text(), re.M).group(1)
+        for p in tmp_path.glob("rank-*.txt")
+    }
+    assert hosts == {"node1", "node2"}, hosts
+    print("\n".join(lines[:3]))

@@ -374,6 +374,9 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
         raise ImportError(problem)
     if prepare is not None:
         prepare(module, builds[wanted])
+    from .. import _hangs
+
+    _hangs.configure(module)  # the collective timeout, where one is set
     jax.ffi.register_ffi_target(
         ALLREDUCE_TARGET, module.allreduce_handler(), platform=platform
     )

@@ -546,6 +546,7 @@ PyObject* ResetStats(PyObject*, PyObject*) {
 }
 
 PyMethodDef kMethods[] = {
+    MPI4JAX_DIST_TIMEOUT_METHODS
     {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
      "register_comm(fortran_handle): the communicator's id for compiled calls "
      "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},

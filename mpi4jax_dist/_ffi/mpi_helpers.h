@@ -15,14 +15,18 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <csignal>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -124,6 +128,165 @@ class MpiGuard {
   }
   std::unique_lock<std::mutex> lock_;
 };
+
+// Nanoseconds on the steady clock: the collective timeout's deadlines, the
+// simulated latency and the wait's counts of time.
+inline int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// ---------------------------------------------------------------------------
+// The collective timeout (MPI4JAX_DIST_COLLECTIVE_TIMEOUT; Python sets it with
+// set_collective_timeout, mpi4jax_dist/_hangs.py). Off (0), the calls block
+// in MPI as before. On, every wait of ours (the allreduce and its agreement
+// check, the non-blocking wait) is a non-blocking MPI call polled with
+// MPI_Test against a deadline. Past it the call raises the process's alarm
+// (the first one wins) and goes on polling: Python's watchdog thread reads
+// the alarm, has every rank dump its stacks, names the ranks that had not
+// entered the call and ends the job. Where no watchdog runs (below
+// MPI_THREAD_MULTIPLE no second thread may call MPI), or it has not ended the
+// job kAlarmGraceS after the alarm, the call prints its own line and calls
+// MPI_Abort: a timed-out call never returns, since MPI may still write into
+// XLA's buffer.
+struct TimeoutSettings {
+  std::atomic<int64_t> timeout_ns{0};
+  std::atomic<bool> watchdog{false};
+  // SIGUSR1 dumps this process's stacks (Python's faulthandler is registered).
+  std::atomic<bool> stacks_on_signal{false};
+};
+
+inline TimeoutSettings& GetTimeoutSettings() {
+  static TimeoutSettings settings;
+  return settings;
+}
+
+constexpr int64_t kAlarmGraceS = 60;
+
+// The call this thread is in (XLA runs a handler on one thread from entry to
+// return): what a timeout names.
+struct CallContext {
+  const char* who = "mpi4jax_dist.allreduce";
+  int64_t comm_id = 0;
+  // This call's number among the calls on its communicator in this process
+  // (1 for the first); the watchdog compares it with the other ranks' counts.
+  int64_t call = 0;
+  int64_t deadline_ns = 0;  // 0: no timeout
+  bool alarmed = false;
+};
+
+inline CallContext& CurrentCall() {
+  thread_local CallContext context;
+  return context;
+}
+
+// Start the deadline of the call this thread enters now.
+inline void EnterCall(const char* who, int64_t comm_id, int64_t call) {
+  CallContext& context = CurrentCall();
+  const int64_t timeout = GetTimeoutSettings().timeout_ns.load();
+  context.who = who;
+  context.comm_id = comm_id;
+  context.call = call;
+  context.deadline_ns = timeout > 0 ? SteadyNs() + timeout : 0;
+  context.alarmed = false;
+}
+
+// The first timed-out call of this process, for the watchdog.
+struct Alarm {
+  std::mutex mu;
+  bool raised = false;
+  std::string who;
+  int64_t comm_id = 0;
+  int64_t call = 0;
+  double waited_s = 0;
+};
+
+inline Alarm& GetAlarm() {
+  static Alarm* alarm = new Alarm();  // never destroyed, as the MPI lock
+  return *alarm;
+}
+
+inline int WorldRank() {
+  int rank = -1;
+  MpiGuard guard;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+// No watchdog, or none that ended the job in time: say so and end the job.
+[[noreturn]] inline void AbortTimedOut(const CallContext& context,
+                                       const char* why) {
+  const double timeout_s =
+      GetTimeoutSettings().timeout_ns.load() / 1e9;
+  if (GetTimeoutSettings().stacks_on_signal.load()) {
+    // Python's faulthandler prints this process's stacks (mpi4jax_dist/_hangs.py);
+    // its reader thread needs a moment.
+    std::raise(SIGUSR1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  std::fprintf(stderr,
+               "mpi4jax_dist: rank %d: %s (call %lld on communicator id %lld) "
+               "waited %g s (MPI4JAX_DIST_COLLECTIVE_TIMEOUT); %s; MPI_Abort "
+               "ends the job.\n",
+               WorldRank(), context.who, static_cast<long long>(context.call),
+               static_cast<long long>(context.comm_id), timeout_s, why);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+// Past the deadline: raise the alarm once (or end the job where no watchdog
+// will); kAlarmGraceS later, end the job here.
+inline void CheckDeadline(CallContext& context) {
+  if (context.deadline_ns == 0) return;
+  const int64_t now = SteadyNs();
+  if (now <= context.deadline_ns) return;
+  const TimeoutSettings& settings = GetTimeoutSettings();
+  if (!context.alarmed) {
+    context.alarmed = true;
+    if (!settings.watchdog.load()) {
+      AbortTimedOut(context,
+                    "no watchdog asks the other ranks (it needs "
+                    "MPI_THREAD_MULTIPLE and more than one rank)");
+    }
+    Alarm& alarm = GetAlarm();
+    std::lock_guard<std::mutex> lock(alarm.mu);
+    if (!alarm.raised) {
+      alarm.raised = true;
+      alarm.who = context.who;
+      alarm.comm_id = context.comm_id;
+      alarm.call = context.call;
+      alarm.waited_s = (now - context.deadline_ns) / 1e9 +
+                       settings.timeout_ns.load() / 1e9;
+    }
+    return;
+  }
+  if (now > context.deadline_ns + kAlarmGraceS * 1000000000LL) {
+    AbortTimedOut(context, "the watchdog did not end the job in time");
+  }
+}
+
+// Complete `request`: MPI_Wait without a timeout; with one, MPI_Test polled
+// (each test under the MPI lock where MPI is serialized) and the deadline
+// checked every 64 tests.
+inline int WaitRequest(MPI_Request* request) {
+  CallContext& context = CurrentCall();
+  if (context.deadline_ns == 0) {
+    MpiGuard guard;
+    return MPI_Wait(request, MPI_STATUS_IGNORE);
+  }
+  for (uint32_t i = 1;; ++i) {
+    int done = 0, rc = MPI_SUCCESS;
+    {
+      MpiGuard guard;
+      rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS || done) return rc;
+    if (i % 64 == 0) CheckDeadline(context);
+  }
+}
 
 // Count a handler call, and whether XLA gave it one buffer (in place).
 inline void CountHandlerCall(const void* operand, const void* result) {
@@ -236,6 +399,24 @@ inline int AllreduceOnce(void* data, size_t count, MPI_Datatype dtype,
          !stats.max_call_count.compare_exchange_weak(
              seen, static_cast<int64_t>(count), std::memory_order_relaxed)) {
   }
+  if (CurrentCall().deadline_ns != 0) {  // the collective timeout: polled
+    MPI_Request request = MPI_REQUEST_NULL;
+    int rc = MPI_SUCCESS;
+    {
+      MpiGuard guard;
+#if MPI4JAX_DIST_ALLREDUCE_C
+      if (count > static_cast<size_t>(INT_MAX)) {
+        stats.large_count_calls.fetch_add(1, std::memory_order_relaxed);
+        rc = MPI_Iallreduce_c(MPI_IN_PLACE, data,
+                              static_cast<MPI_Count>(count), dtype, op, comm,
+                              &request);
+      } else
+#endif
+        rc = MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), dtype,
+                            op, comm, &request);
+    }
+    return rc == MPI_SUCCESS ? WaitRequest(&request) : rc;
+  }
   MpiGuard guard;
 #if MPI4JAX_DIST_ALLREDUCE_C
   if (count > static_cast<size_t>(INT_MAX)) {
@@ -322,6 +503,9 @@ class CommRegistry {
     std::atomic<bool> freed{false};
     // Whether a call on it has checked the ranks' agreement already.
     std::atomic<bool> checked{false};
+    // The calls entered on it in this process (allreduce, iallreduce's
+    // start), for the collective timeout's report.
+    std::atomic<int64_t> calls{0};
   };
 
   // Never destroyed: MPI may call the delete callback at MPI_Finalize, from
@@ -395,6 +579,20 @@ class CommRegistry {
     *comm = entry.comm;
     *first = !entry.checked.exchange(true);
     return ffi::Error::Success();
+  }
+
+  // Count a call entered on `id` (found live by Find); return its number.
+  int64_t CountCall(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_[id - 1]->calls.fetch_add(1) + 1;
+  }
+
+  // Every registered communicator's count of calls, by id (index id - 1).
+  std::vector<int64_t> CallCounts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> counts;
+    for (const auto& entry : entries_) counts.push_back(entry->calls.load());
+    return counts;
   }
 
  private:
@@ -474,7 +672,15 @@ inline ffi::Error CheckAgreement(MPI_Comm comm, size_t count,
   int64_t mine[kAgreementValues], most[kAgreementValues];
   AgreementValues(count, dtype, op_code, chunk_bytes, mine);
   int rc = MPI_SUCCESS;
-  {
+  if (CurrentCall().deadline_ns != 0) {  // the collective timeout: polled
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      MpiGuard guard;
+      rc = MPI_Iallreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX,
+                          comm, &request);
+    }
+    if (rc == MPI_SUCCESS) rc = WaitRequest(&request);
+  } else {
     MpiGuard guard;
     rc = MPI_Allreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX,
                        comm);
@@ -527,6 +733,7 @@ inline ffi::Error CheckAllreduce(const ffi::AnyBuffer& x,
       error.failure()) {
     return error;
   }
+  EnterCall(who, comm_id, CommRegistry::Get().CountCall(comm_id));
   const bool check = agreement == Agreement::kEveryCall || first;
   if (deferred != nullptr) {
     *deferred = check;
@@ -564,14 +771,6 @@ inline ffi::Error TokenAfterImpl(ffi::AnyBuffer, ffi::Result<ffi::Token>) {
 
 constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
 
-// Nanoseconds on the steady clock, for the simulated latency and the wait's
-// counts of time.
-inline int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 // One request in flight.
 struct PendingRequest {
   MPI_Request request = MPI_REQUEST_NULL;
@@ -596,6 +795,10 @@ struct PendingRequest {
   // in Python it was made, for the messages.
   int64_t uid = 0;
   std::string site;
+  // The communicator's id and the start's number among its calls (see
+  // CallContext), for a wait that times out.
+  int64_t comm_id = 0;
+  int64_t call = 0;
   // When the start posted it (steady clock, ns; see SteadyNs).
   int64_t posted_ns = 0;
   // Simulated latency: the wait holds the result until this time (steady
@@ -739,6 +942,8 @@ class RequestTable {
     }
     if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
     free->bytes = bytes;
+    free->comm_id = CurrentCall().comm_id;
+    free->call = CurrentCall().call;
     free->uid = uid;
     free->posted_ns = posted_ns;
     free->ready_ns = ready_ns;
@@ -902,10 +1107,11 @@ inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
   if (!slot->deferred) return ffi::Error::Success();
   int done = 1;
   int rc = MPI_SUCCESS;
-  {
+  if (block) {
+    rc = WaitRequest(&slot->agreement);
+  } else {
     MpiGuard guard;
-    rc = block ? MPI_Wait(&slot->agreement, MPI_STATUS_IGNORE)
-               : MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+    rc = MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
   }
   if (rc != MPI_SUCCESS) {
     return MpiError(block ? "MPI_Wait (agreement check)"
@@ -942,6 +1148,9 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
       error.failure()) {
     return error;
   }
+  // The deadline of a wait starts when it is entered (the start returned at
+  // once); the call it names is the start's.
+  EnterCall(who, slot->comm_id, slot->call);
   RequestStats& stats = GetRequestStats();
   stats.waits.fetch_add(1, std::memory_order_relaxed);
   const int64_t entered_ns = SteadyNs();
@@ -967,10 +1176,7 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   if (complete) {
     stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
   }
-  if (rc == MPI_SUCCESS && !done) {
-    MpiGuard guard;
-    rc = MPI_Wait(&slot->request, MPI_STATUS_IGNORE);
-  }
+  if (rc == MPI_SUCCESS && !done) rc = WaitRequest(&slot->request);
   // A simulated latency: the result arrives latency_ns after the post. Spin,
   // as MPI_Wait polls (a sleep overshoots by the timer slack, ~50 us).
   while (slot->ready_ns > 0 && SteadyNs() < slot->ready_ns) {

@@ -1,0 +1,596 @@
+"""A hung job says which rank and where: stacks on demand, and the collective timeout.
+
+**Stacks on demand.** Once this package has bootstrapped JAX's world, ``SIGUSR1``
+(``scancel --signal=USR1 JOB``, PBS's ``qsig -s USR1``, ``kill -USR1`` to
+``mpiexec``, which forwards it) makes every rank write all its threads' Python
+stacks and go on running: to stderr, each line prefixed with ``[rank N]``, or with
+``MPI4JAX_DIST_HANG_DIR`` set to ``DIR/rank-N.txt``, which ``python -m mpi4jax_dist
+--hangs DIR`` groups by stack (:func:`summarize`). Python's :mod:`faulthandler`
+writes the stacks from its C signal handler into a pipe, whatever the main thread
+is doing (in MPI, in XLA, in a C call holding the GIL); a thread of ours reads the
+pipe and writes the lines out, prefixed. ``MPI4JAX_DIST_STACKS=0`` leaves
+``SIGUSR1`` alone, as does a handler the program set itself.
+
+**The collective timeout** (``MPI4JAX_DIST_COLLECTIVE_TIMEOUT=SECONDS``, rank 0's
+value for every rank). The compiled ops then poll non-blocking MPI calls against a
+deadline (``_ffi/mpi_helpers.h``: ``WaitRequest``), and count the calls they enter
+on each communicator. Past the deadline an op raises its process's alarm and goes
+on waiting. A watchdog thread on every rank, on a duplicate of the job's
+communicator made by the bootstrap, polls for the alarm and for messages every
+:data:`POLL_S`:
+
+1. the rank whose call timed out sends rank 0's watchdog the call, its
+   communicator (the world ranks of its group) and the call's number there;
+2. rank 0's watchdog takes the first such alarm, asks every rank for its stacks
+   and its count of calls on that communicator, and waits :data:`REPLY_S` for the
+   answers; each rank writes its stacks (as for ``SIGUSR1``) and answers;
+3. rank 0 prints one line: the call, the communicator, the ranks that had not
+   entered it (their count is below the call's number) and the ranks that did not
+   answer (a thread holding the GIL, a stopped process); then ``MPI_Abort``.
+
+Messages go point to point, rank 0 to each rank and back: O(P) small messages at
+rank 0, once, on the way to ``MPI_Abort``; the watchdog sends nothing before an
+alarm (its polls are local). No second thread may call MPI below
+``MPI_THREAD_MULTIPLE``: there the timed-out op prints its own line and aborts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import linecache
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import _config
+
+logger = logging.getLogger("mpi4jax_dist")
+
+# How often the watchdog looks for an alarm or a message (local calls only).
+POLL_S = 0.02
+# How long rank 0 waits for every rank's stacks and count, once it asked.
+REPLY_S = 10.0
+# The pipe faulthandler writes into: a dump of all threads is a few KiB; the
+# write end does not block, so that a full pipe cannot stall the signal handler.
+_PIPE_BYTES = 1 << 20
+# A dump is complete once its pipe has been quiet this long.
+_QUIET_S = 0.05
+_TAG = 31_415  # on the watchdog's own communicator: no user message meets it
+
+
+@dataclass
+class _State:
+    rank: int = 0
+    size: int = 1
+    stacks: bool = False  # SIGUSR1 registered
+    timeout_s: float | None = None  # the job's (rank 0's) once bootstrapped
+    bootstrapped: bool = False
+    watchdog: _Watchdog | None = None
+    # The communicators the compiled ops know (mpi4jax_dist._allreduce._Comm), in
+    # order of registration.
+    comms: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_state = _State()
+
+
+def timeout_s() -> float | None:
+    """The collective timeout in force: the job's once bootstrapped (rank 0's
+    setting), this process's ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` before."""
+    if _state.bootstrapped:
+        return _state.timeout_s
+    return _config.collective_timeout()
+
+
+def install(rank: int, size: int, timeout: float | None, comm=None) -> None:
+    """Install what this module does in a bootstrapped process (once): the stacks
+    on ``SIGUSR1``, the job's collective timeout, and with ``comm`` (the watchdog's
+    communicator, from the bootstrap) the watchdog thread."""
+    with _state.lock:
+        if _state.bootstrapped:
+            return
+        _state.rank, _state.size = rank, size
+        _state.timeout_s, _state.bootstrapped = timeout, True
+    if _config.stacks_on_signal():
+        _state.stacks = _install_signal()
+    if timeout is not None and comm is not None:
+        _state.watchdog = _Watchdog(comm)
+        _state.watchdog.start()
+        atexit.register(_state.watchdog.stop)
+    configure_loaded_modules()
+
+
+def configure(module) -> None:
+    """Give an extension module the collective timeout (``_ffi`` calls it when it
+    loads one; :func:`install` for the ones loaded before the bootstrap)."""
+    seconds = timeout_s()
+    module.set_collective_timeout(
+        seconds or 0.0, _state.watchdog is not None, _state.stacks
+    )
+
+
+def configure_loaded_modules() -> None:
+    for module in _loaded_modules():
+        configure(module)
+
+
+def _loaded_modules() -> list:
+    prefix = __package__ + "._ffi._"
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith(prefix)
+        and hasattr(module, "set_collective_timeout")
+        and module is not None
+    ]
+
+
+def note_comm(comm) -> None:
+    """Remember a communicator the compiled ops were given (an ``_allreduce._Comm``),
+    so that a timeout's report can name it and find its count on every rank."""
+    with _state.lock:
+        _state.comms.append(comm)
+
+
+# --- stacks ---------------------------------------------------------------------------
+
+
+def _install_signal() -> bool:
+    """Register faulthandler on SIGUSR1, writing into a pipe a thread drains."""
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        logger.info(
+            "mpi4jax_dist: SIGUSR1 has a handler of the program's own: no stacks "
+            "on SIGUSR1 (%s=0 silences this).",
+            _config.STACKS,
+        )
+        return False
+    read_fd, write_fd = os.pipe()
+    try:
+        import fcntl
+
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass  # the default 64 KiB pipe still holds a dump of a few threads
+    os.set_blocking(write_fd, False)
+    threading.Thread(
+        target=_drain, args=(read_fd,), name="mpi4jax_dist-stacks", daemon=True
+    ).start()
+    # MPICH's MPI_Init installs a C handler of its own for SIGUSR1 (its process
+    # failure notices): called after the dump. Chaining to the default action
+    # instead would end the process.
+    chain = _caught_in_c(signal.SIGUSR1)
+    faulthandler.register(signal.SIGUSR1, file=write_fd, all_threads=True, chain=chain)
+    return True
+
+
+def _caught_in_c(signum: int) -> bool:
+    """Whether a handler not Python's catches ``signum`` (Linux's SigCgt)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _drain(read_fd: int) -> None:
+    """The stacks thread: each burst of faulthandler's output is one dump."""
+    while True:
+        chunks = [os.read(read_fd, 65536)]
+        while select.select([read_fd], [], [], _QUIET_S)[0]:
+            chunks.append(os.read(read_fd, 65536))
+        try:
+            write_stacks(b"".join(chunks).decode(errors="replace"), "SIGUSR1")
+        except Exception as err:  # never let the thread die: the next signal
+            logger.warning("mpi4jax_dist: could not write the stacks: %s", err)
+
+
+def dump(reason: str) -> str:
+    """Write this process's stacks now (all threads), as ``SIGUSR1`` does; return
+    where they went."""
+    with tempfile.TemporaryFile() as file:
+        faulthandler.dump_traceback(file=file, all_threads=True)
+        file.seek(0)
+        text = file.read().decode(errors="replace")
+    return write_stacks(text, reason)
+
+
+def write_stacks(text: str, reason: str) -> str:
+    """Write ``text`` (faulthandler's dump) to ``MPI4JAX_DIST_HANG_DIR/rank-N.txt``
+    or to stderr, each line prefixed with the rank; return where."""
+    rank, size = _state.rank, _state.size
+    main = threading.main_thread().ident or 0
+    header = [
+        f"mpi4jax_dist stacks: rank {rank} of {size}",
+        f"host {socket.gethostname()} pid {os.getpid()} "
+        f"time {time.strftime('%Y-%m-%dT%H:%M:%S%z')} reason {reason}",
+        f"main thread 0x{main:016x}",
+    ]
+    directory = _config.hang_dir()
+    if directory is not None:
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank-{rank}.txt"
+        partial = folder / f".rank-{rank}.txt.{os.getpid()}"
+        partial.write_text("".join(f"# {h}\n" for h in header) + text)
+        partial.replace(path)  # a reader sees a whole dump or the one before
+        return str(folder)
+    prefix = f"[rank {rank}] "
+    lines = [f"{header[0]} ({header[1]}; {header[2]}):", *text.splitlines()]
+    data = "".join(prefix + line + "\n" for line in lines).encode()
+    while data:  # one write where the pipe to the launcher takes it
+        data = data[os.write(2, data) :]
+    return "stderr"
+
+
+# --- the watchdog ---------------------------------------------------------------------
+
+
+class _Watchdog(threading.Thread):
+    """Every rank's thread for the collective timeout (see the module docstring)."""
+
+    def __init__(self, comm):
+        super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._stopping = threading.Event()
+        self._alarm_sent = False
+        self._reporting = False
+
+    def stop(self) -> None:
+        """Stop polling before MPI is finalized (an atexit handler)."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2 * POLL_S + 1)
+
+    def run(self) -> None:
+        from mpi4py import MPI
+
+        while not self._stopping.wait(POLL_S):
+            try:
+                message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
+                while message is not None:
+                    self._handle(message.recv())
+                    message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
+                if not self._alarm_sent:
+                    alarm = _local_alarm()
+                    if alarm is not None:
+                        self._alarm_sent = True
+                        alarm["rank"] = self.rank
+                        if self.rank == 0:
+                            self._report(alarm)
+                        else:
+                            self.comm.send(alarm, dest=0, tag=_TAG)
+            except Exception as err:  # a watchdog that dies says why
+                if not self._stopping.is_set():
+                    logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
+                return
+
+    def _handle(self, message: dict) -> None:
+        kind = message.get("kind")
+        if kind == "alarm" and self.rank == 0 and not self._reporting:
+            self._report(message)
+        elif kind == "dump":
+            where = dump(message["reason"])
+            reply = {
+                "kind": "reply",
+                "rank": self.rank,
+                "count": _count_of(message["group"]),
+                "where": where,
+            }
+            self.comm.send(reply, dest=0, tag=_TAG)
+
+    def _report(self, alarm: dict) -> None:
+        """Rank 0: ask every rank for its stacks and count, say who is missing, and
+        end the job (never returns)."""
+        from . import _mpi
+
+        self._reporting = True
+        reason = (
+            f"rank {alarm['rank']}'s {alarm['who']} waited {alarm['waited_s']:.3g} s "
+            f"({_config.COLLECTIVE_TIMEOUT})"
+        )
+        ask = {"kind": "dump", "reason": reason, "group": alarm["group"]}
+        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
+        counts = {0: _count_of(alarm["group"])}
+        where = {dump(reason)}
+        deadline = time.monotonic() + REPLY_S
+        while len(counts) < self.size and time.monotonic() < deadline:
+            message = self.comm.improbe()
+            if message is None:
+                time.sleep(1e-3)
+                continue
+            reply = message.recv()
+            if reply.get("kind") == "reply":
+                counts[reply["rank"]] = reply["count"]
+                where.add(reply["where"])
+        logger.critical("%s", report_line(alarm, counts, self.size, where))
+        del requests  # eager sends; MPI_Abort ends them
+        _mpi.abort(self.comm, 1)
+
+
+def _local_alarm() -> dict | None:
+    """This process's first timed-out call (from any loaded extension), as the
+    message for rank 0, or None."""
+    for module in _loaded_modules():
+        alarm = module.alarm()
+        if alarm is None:
+            continue
+        who, comm_id, call, waited_s = alarm
+        comm = _comm_of(module, comm_id)
+        group = _group_of(comm) if comm is not None else None
+        return {
+            "kind": "alarm",
+            "who": who,
+            "call": call,
+            "waited_s": waited_s,
+            "group": group,
+            "comm": _describe(comm),
+        }
+    return None
+
+
+def _comm_of(module, comm_id: int):
+    with _state.lock:
+        comms = list(_state.comms)
+    for comm in comms:
+        if comm._ids.get(module.__name__) == comm_id:
+            return comm
+    return None
+
+
+def _group_of(comm) -> tuple:
+    """A communicator as every rank can name it: (CRC of its group's world ranks,
+    its size, its place among the noted communicators of that group)."""
+    ranks = _world_ranks(comm.comm)
+    crc = zlib.crc32(b"".join(r.to_bytes(4, "little") for r in ranks))
+    with _state.lock:
+        comms = list(_state.comms)
+    same = [c for c in comms if c.comm.Get_size() == len(ranks)]
+    place = 0
+    for other in same:
+        if other is comm:
+            break
+        if _world_ranks(other.comm) == ranks:
+            place += 1
+    return (crc, len(ranks), place, ranks if len(ranks) < _state.size else None)
+
+
+def _world_ranks(comm) -> list[int]:
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in group.Translate_ranks(None, world)]
+    finally:
+        group.Free()
+        world.Free()
+
+
+def _count_of(group) -> int | None:
+    """This rank's count of calls entered on the communicator ``group`` names (0
+    where it has none, or never called on it; None when the alarm named none)."""
+    if group is None:
+        return None
+    crc, size, place = group[:3]
+    with _state.lock:
+        comms = list(_state.comms)
+    matches = []
+    for comm in comms:
+        try:
+            ranks = _world_ranks(comm.comm)
+        except Exception:  # freed since
+            continue
+        if (
+            len(ranks) == size
+            and zlib.crc32(b"".join(r.to_bytes(4, "little") for r in ranks)) == crc
+        ):
+            matches.append(comm)
+    if place >= len(matches):
+        return 0
+    comm = matches[place]
+    total = 0
+    for module in _loaded_modules():
+        comm_id = comm._ids.get(module.__name__)
+        if comm_id is not None:
+            counts = module.call_counts()
+            if 0 < comm_id <= len(counts):
+                total += counts[comm_id - 1]
+    return total
+
+
+def _describe(comm) -> str:
+    if comm is None:
+        return "a communicator"
+    name = comm.comm.Get_name()
+    size = comm.comm.Get_size()
+    return (
+        f"communicator {name!r} ({size} ranks)"
+        if name
+        else (f"a communicator of {size} ranks")
+    )
+
+
+def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
+    """The one line of a timeout: the call, its communicator, the ranks that had not
+    entered it and those that did not answer."""
+    group = alarm.get("group")
+    members = range(size) if group is None or group[3] is None else group[3]
+    call = alarm["call"]
+    missing = [r for r in members if counts.get(r) is not None and counts[r] < call]
+    silent = [r for r in range(size) if r not in counts]
+    line = (
+        f"mpi4jax_dist: rank {alarm['rank']} of {size} waited "
+        f"{alarm['waited_s']:.3g} s in {alarm['who']}, call {call} on "
+        f"{alarm['comm']} ({_config.COLLECTIVE_TIMEOUT}); "
+    )
+    if missing:
+        last = sorted({counts[r] for r in missing})
+        line += (
+            f"not entered by {_ranks_text(missing)} (their last call there: "
+            f"{', '.join(str(c) for c in last[:5])})"
+        )
+    else:
+        line += "every rank that answered had entered it"
+    if silent:
+        line += (
+            f"; no answer from {_ranks_text(silent)} in {REPLY_S:g} s (a thread "
+            f"holding Python's GIL, or a stopped process)"
+        )
+    places = sorted(w for w in where if w)
+    if places == ["stderr"]:
+        line += "; every rank's stacks: on stderr, as [rank N] lines"
+    elif places:
+        shown = [p for p in places if p != "stderr"]
+        line += (
+            f"; every rank's stacks: in {', '.join(shown)} "
+            f"(python -m mpi4jax_dist --hangs {shown[0]})"
+        )
+    return line + ". MPI_Abort ends the job."
+
+
+def _ranks_text(ranks, limit: int = 8) -> str:
+    """``rank 3``, ``ranks 0-2, 7`` (runs of consecutive ranks; at most ``limit``
+    runs, then how many more ranks)."""
+    ranks = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    rest = sum(b - a + 1 for a, b in runs[limit:])
+    if rest:
+        text += f" and {rest} more"
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+# --- python -m mpi4jax_dist --hangs DIR -----------------------------------------------
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_HEADER = re.compile(r"^# mpi4jax_dist stacks: rank (\d+) of (\d+)")
+_MAIN = re.compile(r"^# main thread (0x[0-9a-fA-F]+)")
+# Paths of code that is not the user's: what a stack's summary looks past.
+_LIBRARY = re.compile(
+    r"(site-packages|dist-packages|/lib/python\d|[\\/](jax|jaxlib|mpi4jax|"
+    r"mpi4jax_dist|mpi4py|numpy)[\\/]|^<frozen )"
+)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+
+def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
+    """Return (rank, size, {thread id: [frames, innermost first]}) of one file, and
+    the main thread's stack under the key ``"main"``."""
+    rank = size = main = None
+    threads: dict = {}
+    current = None
+    for line in text.splitlines():
+        if m := _HEADER.match(line):
+            rank, size = int(m.group(1)), int(m.group(2))
+        elif m := _MAIN.match(line):
+            main = int(m.group(1), 16)
+        elif m := _THREAD.match(line):
+            current = threads.setdefault(int(m.group(1), 16), [])
+        elif (m := _FRAME.match(line)) and current is not None:
+            current.append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+    if main in threads:
+        threads["main"] = threads[main]
+    return rank, size, threads
+
+
+def where(frames: list[Frame]) -> str:
+    """``at cg.py:123 in solve: `r = allreduce(r)`, inside jax (pxla.py:413)``: the
+    innermost frame of the user's code (its source line where this machine has the
+    file) and, where library code runs inside it, the innermost library frame."""
+    if not frames:
+        return "with no Python frames"
+    user = next((f for f in frames if not _LIBRARY.search(f.file)), None)
+    text = ""
+    if user is not None:
+        text = f"at {Path(user.file).name}:{user.line} in {user.function}"
+        source = linecache.getline(user.file, user.line).strip()
+        if source:
+            text += f": `{source}`"
+    inner = frames[0]
+    if inner is not user:
+        package = _package(inner.file)
+        text += (", inside " if text else "inside ") + (
+            f"{package} ({Path(inner.file).name}:{inner.line} in {inner.function})"
+        )
+    return text
+
+
+def _package(path: str) -> str:
+    """The package a library file belongs to (``jax``), or its folder's name."""
+    parts = Path(path).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts) - 1:
+            return parts[parts.index(marker) + 1]
+    match = _LIBRARY.search(path)
+    if match and match.group(2):
+        return match.group(2)
+    return Path(path).parent.name or path
+
+
+def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
+    """Group the ranks of ``directory``'s ``rank-N.txt`` files by their main
+    thread's stack: one line per group, the largest first, then up to ``stacks``
+    groups' stacks in full (the smallest first: the odd ones out)."""
+    folder = Path(directory)
+    files = sorted(folder.glob("rank-*.txt"))
+    if not files:
+        raise FileNotFoundError(
+            f"no rank-N.txt in {folder}: set {_config.HANG_DIR}={folder} for the "
+            f"job, then send its ranks SIGUSR1 (or let "
+            f"{_config.COLLECTIVE_TIMEOUT} expire)."
+        )
+    groups: dict = defaultdict(list)
+    sizes = set()
+    unreadable = []
+    for path in files:
+        rank, size, threads = parse_stacks(path.read_text(errors="replace"))
+        if rank is None:
+            unreadable.append(path.name)
+            continue
+        sizes.add(size)
+        groups[tuple(threads.get("main", []))].append(rank)
+    seen = sorted(r for ranks in groups.values() for r in ranks)
+    size = max(sizes) if sizes else len(seen)
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), min(item[1])))
+    lines = [f"mpi4jax_dist: stacks of {len(seen)} of {size} ranks in {folder}"]
+    for frames, ranks in ordered:
+        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
+        lines.append(f"{count} {where(list(frames))}: {_ranks_text(ranks)}")
+    absent = sorted(set(range(size)) - set(seen))
+    if absent:
+        lines.append(f"no stacks from {_ranks_text(absent)}")
+    if unreadable:
+        lines.append(f"not a stacks file: {', '.join(unreadable)}")
+    for frames, ranks in sorted(ordered, key=lambda item: len(item[1]))[:stacks]:
+        lines.append("")
+        lines.append(f"{_ranks_text(ranks)}, main thread (most recent call first):")
+        lines += [f"  {f.file}:{f.line} in {f.function}" for f in frames]
+    return "\n".join(lines)

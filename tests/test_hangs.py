@@ -1,0 +1,289 @@
+"""A hung job says which rank and where (``mpi4jax_dist._hangs``).
+
+4-rank jobs of ``tests/scripts/stall.py``: rank 3 stalls (sleeps, or holds the GIL)
+while the others wait in a jitted ``mpi4jax_dist.allreduce`` or an
+``iallreduce``'s wait. With ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` the job ends with
+one line naming the call and rank 3, and every rank's stacks; ``SIGUSR1`` to
+``mpiexec`` makes every rank write its stacks and go on; ``--hangs`` groups them.
+Without the timeout the same job waits out the stall (the fault the timeout
+guards against).
+"""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import util
+
+from mpi4jax_dist import _config, _hangs
+
+pytestmark = util.skip_in_mpi_job
+
+TIMEOUT_S = 4
+QUIET = {"MPI4JAX_NO_WARN_JAX_VERSION": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+LINE = re.compile(
+    r"mpi4jax_dist: rank (\d) of 4 waited [\d.]+ s in (\S+), call 4 on "
+    r"communicator 'MPI_COMM_WORLD' \(4 ranks\) \(MPI4JAX_DIST_COLLECTIVE_TIMEOUT\); "
+    r"(.*)\. MPI_Abort ends the job\."
+)
+
+
+def stall(timeout=TIMEOUT_S, limit=120, **env):
+    env = util.clean_env(**QUIET, **env)
+    if timeout is not None:
+        env[_config.COLLECTIVE_TIMEOUT] = str(timeout)
+    proc = util.run_mpi("stall.py", 4, check=False, timeout=limit, env=env)
+    return proc, time.time()
+
+
+def stalled_at(proc) -> float:
+    return float(re.search(r"^STALL ([\d.]+)$", proc.stdout, re.M).group(1))
+
+
+def show(proc) -> str:
+    return f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def stack_headers(stderr: str) -> set:
+    return set(
+        re.findall(r"^\[rank (\d+)\] mpi4jax_dist stacks: rank \1 of \d+", stderr, re.M)
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, who",
+    [
+        ("allreduce", "mpi4jax_dist.allreduce"),
+        ("iallreduce", "mpi4jax_dist.Request.wait"),
+    ],
+)
+def test_the_timeout_names_the_rank_that_never_entered(mode, who):
+    proc, ended = stall(MODE=mode)
+    assert proc.returncode != 0, show(proc)
+    found = LINE.search(proc.stderr)
+    assert found, show(proc)
+    assert found.group(1) != "3" and found.group(2) == who, found.group(0)
+    assert found.group(3).startswith(
+        "not entered by rank 3 (their last call there: 3); every rank's stacks: on "
+        "stderr, as [rank N] lines"
+    ), found.group(0)
+    assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
+    # Rank 3's main thread is where the script stalls.
+    assert re.search(
+        r'^\[rank 3\]   File ".*stall\.py", line \d+ in stalled_compute$',
+        proc.stderr,
+        re.M,
+    ), show(proc)
+    took = ended - stalled_at(proc)
+    assert TIMEOUT_S < took < TIMEOUT_S + 30, took
+
+
+def test_without_the_timeout_the_job_waits_out_the_stall():
+    proc, ended = stall(timeout=None, STALL_S=10)
+    assert proc.returncode == 0, show(proc)
+    assert ended - stalled_at(proc) > 10
+    assert "MPI4JAX_DIST_COLLECTIVE_TIMEOUT" not in proc.stderr
+    assert proc.stdout.count("DONE") == 4
+
+
+def test_a_rank_holding_the_gil_is_named_as_not_answering():
+    proc, _ = stall(GIL=1)
+    assert proc.returncode != 0, show(proc)
+    found = LINE.search(proc.stderr)
+    assert found, show(proc)
+    assert "no answer from rank 3 in" in found.group(3), found.group(0)
+    assert stack_headers(proc.stderr) == {"0", "1", "2"}, show(proc)
+
+
+def test_below_thread_multiple_the_rank_that_timed_out_ends_the_job():
+    proc, _ = stall(MPI4PY_RC_THREAD_LEVEL="serialized")
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"mpi4jax_dist: rank [012]: mpi4jax_dist\.allreduce \(call 4 on communicator "
+        r"id \d+\) waited 4 s \(MPI4JAX_DIST_COLLECTIVE_TIMEOUT\); no watchdog asks "
+        r"the other ranks",
+        proc.stderr,
+    ), show(proc)
+
+
+def test_the_bootstrap_waits_at_most_the_timeout():
+    env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "3"})
+    # MPI_Init is where MPICH's ranks first meet (a PMI fence, no deadline of ours):
+    # rank 1 stalls after it, before the bootstrap's first collective.
+    code = (
+        "import time, jax, mpi4jax_dist\n"
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "    time.sleep(30)\n"
+        "jax.distributed.initialize()\n"
+    )
+    start = time.monotonic()
+    proc = util.run_mpi(["-c", code], 2, check=False, timeout=60, env=env)
+    assert proc.returncode != 0, show(proc)
+    assert (
+        "gave up after 3 s (MPI4JAX_DIST_COLLECTIVE_TIMEOUT) waiting for all 2 ranks"
+        in proc.stderr
+    ), show(proc)
+    assert time.monotonic() - start < 25
+
+
+def launch(**env):
+    env = util.clean_env(**{**QUIET, "STALL_S": 30, **env})
+    cmd = [util.mpiexec()]
+    if util.mpi_family() == "openmpi":
+        cmd += ["--oversubscribe"]
+    cmd += ["-n", "4", sys.executable, str(util.SCRIPTS / "stall.py")]
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=util.ROOT,
+    )
+
+
+def wait_for_stall(job, limit=90):
+    deadline = time.monotonic() + limit
+    lines = []
+    while time.monotonic() < deadline:
+        line = job.stdout.readline()
+        lines.append(line)
+        if line.startswith("STALL"):
+            time.sleep(1)  # the others are in the 4th call
+            return lines
+    job.kill()
+    pytest.fail("the job never stalled: " + "".join(lines))
+
+
+def test_sigusr1_writes_every_rank_stacks_and_the_job_goes_on(tmp_path):
+    job = launch(STALL_S=8)
+    try:
+        wait_for_stall(job)
+        job.send_signal(signal.SIGUSR1)  # mpiexec forwards it to every rank
+        out, err = job.communicate(timeout=90)
+    finally:
+        job.kill()
+    assert job.returncode == 0, f"{out}\n{err}"
+    assert out.count("DONE") == 4, out
+    assert stack_headers(err) == {"0", "1", "2", "3"}, err
+    assert "reason SIGUSR1" in err
+
+
+def test_hangs_groups_the_ranks_by_stack(tmp_path):
+    job = launch(**{_config.HANG_DIR: str(tmp_path)})
+    try:
+        wait_for_stall(job)
+        job.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while (
+            len(list(tmp_path.glob("rank-*.txt"))) < 4 and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert job.poll() is None  # still running
+    finally:
+        job.kill()
+        job.communicate()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpi4jax_dist", "--hangs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"mpi4jax_dist: stacks of 4 of 4 ranks in {tmp_path}"
+    assert re.fullmatch(
+        r"3 ranks at stall\.py:\d+ in <module>: `x = later\(x\)\.block_until_ready\(\)`"
+        r", inside jax \(.*\): ranks 0-2",
+        lines[1],
+    ), lines
+    assert re.fullmatch(
+        r"1 rank at stall\.py:\d+ in stalled_compute: `time\.sleep\(seconds\)`: rank 3",
+        lines[2],
+    ), lines
+
+
+def test_stacks_off_leaves_sigusr1_alone():
+    code = (
+        "import os, signal, time, jax, mpi4jax_dist\n"
+        "jax.distributed.initialize()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.5)\n"
+        "print('ALIVE', flush=True)\n"
+    )
+    on = util.run_mpi(["-c", code], 2, timeout=60, env=util.clean_env(**QUIET))
+    assert on.stdout.count("ALIVE") == 2 and stack_headers(on.stderr) == {"0", "1"}
+    env = util.clean_env(**QUIET, **{_config.STACKS: "0"})
+    off = util.run_mpi(["-c", code], 2, timeout=60, env=env, check=False)
+    # What the MPI does with SIGUSR1 then: MPICH's handler takes note, else the
+    # default action ends the process.
+    assert not stack_headers(off.stderr), show(off)
+
+
+# --- no MPI ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["ten", "-1", "inf", "nan"])
+def test_a_bad_timeout_names_the_variable(value):
+    with pytest.raises(ValueError, match="MPI4JAX_DIST_COLLECTIVE_TIMEOUT='.*' is not"):
+        _config.collective_timeout({_config.COLLECTIVE_TIMEOUT: value})
+
+
+def test_timeout_values():
+    assert _config.collective_timeout({}) is None
+    assert _config.collective_timeout({_config.COLLECTIVE_TIMEOUT: "0"}) is None
+    assert _config.collective_timeout({_config.COLLECTIVE_TIMEOUT: " 90 "}) == 90.0
+
+
+def test_rank_lists():
+    assert _hangs._ranks_text([3]) == "rank 3"
+    assert _hangs._ranks_text([0, 1, 2, 7, 9, 10]) == "ranks 0-2, 7, 9-10"
+    many = list(range(0, 40, 2))
+    assert _hangs._ranks_text(many, limit=3) == "ranks 0, 2, 4 and 17 more"
+
+
+def fake_stacks(folder, rank, size, frames):
+    lines = [
+        f"# mpi4jax_dist stacks: rank {rank} of {size}",
+        "# host h pid 1 time t reason SIGUSR1",
+        "# main thread 0x00000000000000aa",
+        "Thread 0x00000000000000bb (most recent call first):",
+        '  File "/x/threading.py", line 1 in run',
+        "",
+        "Current thread 0x00000000000000aa (most recent call first):",
+        *(f'  File "{f}", line {n} in {fn}' for f, n, fn in frames),
+    ]
+    (folder / f"rank-{rank}.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
+    size = 2000
+    common = [
+        ("/v/site-packages/jax/_src/pxla.py", 413, "__call__"),
+        ("/home/u/cg.py", 123, "solve"),
+    ]
+    odd = [("/home/u/io.py", 88, "read_chunk"), ("/home/u/cg.py", 40, "load")]
+    for rank in range(size):
+        if rank in (17, 1500):
+            fake_stacks(tmp_path, rank, size, odd)
+        elif rank != 999:
+            fake_stacks(tmp_path, rank, size, common)
+    lines = _hangs.summarize(tmp_path).splitlines()
+    assert (
+        lines[0] == f"mpi4jax_dist: stacks of {size - 1} of {size} ranks in {tmp_path}"
+    )
+    assert lines[1] == (
+        "1997 ranks at cg.py:123 in solve, inside jax (pxla.py:413 in __call__): "
+        "ranks 0-16, 18-998, 1000-1499, 1501-1999"
+    )
+    assert lines[2] == "2 ranks at io.py:88 in read_chunk: ranks 17, 1500"
+    assert lines[3] == "no stacks from rank 999"
+
+
+def test_summarize_without_files_says_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="MPI4JAX_DIST_HANG_DIR="):
+        _hangs.summarize(tmp_path)
