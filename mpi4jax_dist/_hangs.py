@@ -45,7 +45,6 @@ import re
 import select
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -81,6 +80,8 @@ class _State:
     # The communicators the compiled ops know (mpi4jax_dist._allreduce._Comm), in
     # order of registration.
     comms: list = field(default_factory=list)
+    # The extension modules loaded (_ffi's CPU and CUDA ones), as configured.
+    modules: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -115,7 +116,10 @@ def install(rank: int, size: int, timeout: float | None, comm=None) -> None:
 
 def configure(module) -> None:
     """Give an extension module the collective timeout (``_ffi`` calls it when it
-    loads one; :func:`install` for the ones loaded before the bootstrap)."""
+    loads one; :func:`install` again for the ones loaded before the bootstrap)."""
+    with _state.lock:
+        if module not in _state.modules:
+            _state.modules.append(module)
     seconds = timeout_s()
     module.set_collective_timeout(
         seconds or 0.0, _state.watchdog is not None, _state.stacks
@@ -128,14 +132,9 @@ def configure_loaded_modules() -> None:
 
 
 def _loaded_modules() -> list:
-    prefix = __package__ + "._ffi._"
-    return [
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith(prefix)
-        and hasattr(module, "set_collective_timeout")
-        and module is not None
-    ]
+    """The extension modules ``_ffi`` has loaded (each passed to :func:`configure`)."""
+    with _state.lock:
+        return list(_state.modules)
 
 
 def note_comm(comm) -> None:
