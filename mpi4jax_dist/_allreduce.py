@@ -201,6 +201,17 @@ def _communicator(comm, who: str = "mpi4jax_dist.allreduce"):
     return comm
 
 
+def extension(platform: str = "cpu"):
+    """Return the compiled ops' extension module for ``platform`` (``"cpu"`` or
+    ``"cuda"``), loaded on first use and given the collective timeout
+    (:func:`mpi4jax_dist._hangs.configure`)."""
+    from . import _ffi
+
+    module = _ffi.load_cuda() if platform == "cuda" else _ffi.load()
+    _hangs.configure(module)
+    return module
+
+
 class _Comm:
     """A communicator as a primitive parameter: hashable, equal by its
     registration in the extension (``register_comm``), not by its handle.
@@ -216,13 +227,11 @@ class _Comm:
     __slots__ = ("comm", "handle", "key", "_ids")
 
     def __init__(self, comm):
-        from . import _ffi
-
         self.comm = comm
         # The Fortran handle: one integer, the same for MPICH's int handles and
         # Open MPI's pointers; MPI_Comm_f2c turns it back in the extension.
         self.handle = int(comm.py2f())
-        cpu = _ffi.load()
+        cpu = extension()
         self.key = cpu.register_comm(self.handle)
         # The id in each platform's extension (its own registry), by module name.
         self._ids = {cpu.__name__: self.key}
@@ -396,7 +405,7 @@ def _primitive():
     def lowering(ctx, x, *, op, comm, transpose, platform="cpu"):
         if transpose:
             return [x]
-        module = _ffi.load_cuda() if platform == "cuda" else _ffi.load()
+        module = extension(platform)
         attributes = {
             "comm": np.int64(comm.id_in(module)),
             "op": np.int32(op),

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import _config, _ffi
+from . import _config, _ffi, _mpi
 
 # The modules whose import loads libjax_common (and with it MPItrampoline): before
 # and since jax 0.6.1. Not in _jax_compat, which imports jax: this runs before it.
@@ -225,7 +225,7 @@ def report() -> dict:
 
 def _not_built() -> str:
     version = _ffi._mpi4py_library_version()
-    wanted = _ffi.family(version) if version else None
+    wanted = _mpi.family(version) if version else None
     found = _ffi._first_line(version or "MPI (none found)")
     mpi = f"{wanted or '<family>'}, for mpi4py's {found}"
     there = ", ".join(sorted(_ffi.built("mpiabi"))) or "none"

@@ -115,20 +115,25 @@ def install(rank: int, size: int, timeout: float | None, comm=None) -> None:
 
 
 def configure(module) -> None:
-    """Give an extension module the collective timeout (``_ffi`` calls it when it
-    loads one; :func:`install` again for the ones loaded before the bootstrap)."""
+    """Give an extension module the collective timeout, once (the compiled ops call
+    it when they load one; :func:`install` sets it again for the ones loaded
+    before the bootstrap)."""
     with _state.lock:
-        if module not in _state.modules:
-            _state.modules.append(module)
-    seconds = timeout_s()
+        if module in _state.modules:
+            return
+        _state.modules.append(module)
+    _apply(module)
+
+
+def _apply(module) -> None:
     module.set_collective_timeout(
-        seconds or 0.0, _state.watchdog is not None, _state.stacks
+        timeout_s() or 0.0, _state.watchdog is not None, _state.stacks
     )
 
 
 def configure_loaded_modules() -> None:
     for module in _loaded_modules():
-        configure(module)
+        _apply(module)
 
 
 def _loaded_modules() -> list:

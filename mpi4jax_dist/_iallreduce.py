@@ -431,9 +431,7 @@ def _check_request(req, who: str) -> Request:
 def _eager_dropped(handle, site) -> None:
     """Finalizer of an eager request dropped without its wait: complete it."""
     try:
-        from . import _ffi
-
-        left = _ffi.load().complete_pending([int(handle)], DROP_TIMEOUT_S)
+        left = _allreduce.extension().complete_pending([int(handle)], DROP_TIMEOUT_S)
     except Exception:  # MPI gone: the exit report has it
         left = [None]
     warnings.warn(
@@ -459,8 +457,6 @@ def _report_pending_at_exit() -> None:
     """Name the requests still pending at exit, give MPI :data:`EXIT_TIMEOUT_S` to
     complete them, and end the job with :data:`EXIT_STATUS` (before mpi4py
     finalizes MPI, after atexit's callbacks)."""
-    from . import _ffi
-
     try:
         import jax
 
@@ -469,7 +465,7 @@ def _report_pending_at_exit() -> None:
     except Exception:  # a run that failed: the program was told already
         pass
     try:
-        ext = _ffi.load()
+        ext = _allreduce.extension()
         pending = ext.pending_requests()
     except Exception:
         return
@@ -499,9 +495,7 @@ def _report_pending_at_exit() -> None:
 
 def _load_extension():
     """The CPU extension, with the non-blocking handlers registered."""
-    from . import _ffi
-
-    ext = _ffi.load()
+    ext = _allreduce.extension()
     if not hasattr(ext, "iallreduce_handlers"):
         raise ImportError(
             f"{_WHO}: the extension {ext.__file__} has no non-blocking handlers: "

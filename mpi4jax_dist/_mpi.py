@@ -56,13 +56,28 @@ _OPEN_MPI_ADDS = {
 MPI_ADDS = {"mpich": _MPICH_ADDS, "impi": _MPICH_ADDS, "openmpi": _OPEN_MPI_ADDS}
 
 
+def family(library_version: str) -> str | None:
+    """Return the ABI family of an ``MPI_Get_library_version`` string.
+
+    ``openmpi``, ``impi`` (Intel MPI: MPICH's ABI, but its own library, built
+    apart), ``mpich`` (MPICH and the derivatives that share its ABI: MVAPICH, Cray
+    MPICH), or None for an MPI we do not know.
+    """
+    text = library_version.lower()
+    if "open mpi" in text:
+        return "openmpi"
+    if "intel(r) mpi" in text:
+        return "impi"
+    if any(name in text for name in ("mpich", "mvapich")):
+        return "mpich"
+    return None
+
+
 def _adds(what: str):
     """What the running MPI adds to a call that creates a communicator."""
 
     def sentence() -> str:
         from mpi4py import MPI
-
-        from ._ffi import family  # the one reading of a library's family
 
         return MPI_ADDS.get(family(MPI.Get_library_version()), {}).get(what, "")
 

@@ -40,7 +40,9 @@ def stall(timeout=TIMEOUT_S, limit=120, **env):
 
 
 def stalled_at(proc) -> float:
-    return float(re.search(r"^STALL ([\d.]+)$", proc.stdout, re.M).group(1))
+    # Anywhere in the output: mpiexec forwards each rank's stdout as it reads it,
+    # so another rank's line can stand on either side ("STALL 1796409711.435READY 2").
+    return float(re.search(r"STALL (\d+\.\d{3})", proc.stdout).group(1))
 
 
 def show(proc) -> str:

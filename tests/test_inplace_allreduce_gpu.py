@@ -29,7 +29,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _config, _ffi, _jax_compat
+from mpi4jax_dist import _config, _ffi, _jax_compat, _mpi
 
 # Ranks sharing one GPU must not each take 75% of its memory up front (XLA's
 # default); set before any test makes a GPU backend, and ignored on the CPU.
@@ -365,7 +365,7 @@ print("after", module.mpi_cuda_support(), flush=True)
 @util.serial_only
 def test_mpi_cuda_support_none_outside_mpi():
     version = _ffi._mpi4py_library_version()
-    family = _ffi.family(version) if version else None
+    family = _mpi.family(version) if version else None
     builds = _ffi.built("cuda")
     if family not in builds:
         pytest.skip(

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import _mpi
+
 # The names XLA knows the handlers by, on every platform.
 ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
 TOKEN_AFTER_TARGET = "mpi4jax_dist_token_after"
@@ -44,27 +46,6 @@ IALLREDUCE_TARGETS = (
 )
 
 _HERE = Path(__file__).resolve().parent
-
-
-def family(library_version: str) -> str | None:
-    """Return the ABI family of an ``MPI_Get_library_version`` string.
-
-    ``openmpi``, ``impi`` (Intel MPI: MPICH's ABI, but its own library, built
-    apart), ``mpich`` (MPICH and the derivatives that share its ABI: MVAPICH, Cray
-    MPICH), or None for an MPI we do not know.
-    """
-    text = library_version.lower()
-    if "open mpi" in text:
-        return "openmpi"
-    if "intel(r) mpi" in text:
-        return "impi"
-    if any(name in text for name in ("mpich", "mvapich")):
-        return "mpich"
-    return None
-
-
-# family() under another name, for functions with an argument called family.
-_family = family
 
 
 def built(kind: str = "cpu") -> dict[str, Path]:
@@ -96,7 +77,8 @@ def mpiabi_library(family: str | None = None) -> Path | None:
 
     1. ``family`` given (``mpich``, ``openmpi``, ``impi``): that build, or None.
     2. Else the family of the MPI library mpi4py loads, by its
-       ``MPI_Get_library_version`` (:func:`family`; MPI lets that be called before
+       ``MPI_Get_library_version`` (:func:`~mpi4jax_dist._mpi.family`; MPI lets
+       that be called before
        ``MPI_Init``): mpi4py's own if ``mpi4py.MPI`` is already imported, else the
        library mpi4py's loader picks (``MPI4PY_LIBMPI``, then this environment's
        ``lib``, then the system's), opened with ``ctypes``. That family's build,
@@ -118,7 +100,7 @@ def mpiabi_library(family: str | None = None) -> Path | None:
     if not builds:
         return None
     version = _mpi4py_library_version()
-    wanted = _family(version) if version else None
+    wanted = _mpi.family(version) if version else None
     if wanted is not None:
         return builds.get(wanted)
     return next(iter(builds.values())) if len(builds) == 1 else None
@@ -199,7 +181,7 @@ def mismatch(ours: str, header: str, theirs: str, path) -> str | None:
         theirs: ``MPI.Get_library_version()`` as mpi4py calls it.
         path: the extension's file, for the message.
     """
-    if ours == theirs and family(header) in (None, family(theirs)):
+    if ours == theirs and _mpi.family(header) in (None, _mpi.family(theirs)):
         return None
     return (
         f"mpi4jax_dist's extension {path} was built against {header} and calls "
@@ -353,7 +335,7 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
     from mpi4py import MPI
 
     theirs = MPI.Get_library_version()
-    wanted = family(theirs)
+    wanted = _mpi.family(theirs)
     if wanted is None and len(builds) == 1:
         # An MPI we cannot name: try the one build; the check below still holds.
         wanted = next(iter(builds))
@@ -374,9 +356,6 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
         raise ImportError(problem)
     if prepare is not None:
         prepare(module, builds[wanted])
-    from .. import _hangs
-
-    _hangs.configure(module)  # the collective timeout, where one is set
     jax.ffi.register_ffi_target(
         ALLREDUCE_TARGET, module.allreduce_handler(), platform=platform
     )
