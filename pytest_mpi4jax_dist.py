@@ -89,9 +89,9 @@ def _jax_world_before_any_test(request):
         return
     import os
 
-    from mpi4jax_dist import _launch
+    from mpi4jax_dist.launch import detect
 
-    if _launch.detect(os.environ) is not None:
+    if detect.detect(os.environ) is not None:
         request.getfixturevalue(FIXTURE)
 
 

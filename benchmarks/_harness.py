@@ -189,9 +189,9 @@ class Compiles:
         return self
 
     def __exit__(self, *exc):
-        from mpi4jax_dist import _jax_compat
+        from mpi4jax_dist import _compat
 
-        _jax_compat.unregister_event_duration_listener(self._listen)
+        _compat.unregister_event_duration_listener(self._listen)
         return False
 
 
@@ -373,7 +373,8 @@ def meta(comm=None, **extra) -> dict:
     With ``comm`` (inside an MPI job with JAX initialized) also the MPI library,
     the world size and nodes, JAX's backend, devices and CPU collectives.
     """
-    from mpi4jax_dist import _diagnose, _mpi
+    from mpi4jax_dist import _mpi
+    from mpi4jax_dist.diagnostics import check as diagnostics
 
     info = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -382,14 +383,14 @@ def meta(comm=None, **extra) -> dict:
         "machine": platform.machine(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "versions": _diagnose.versions(),
+        "versions": diagnostics.versions(),
     }
     if comm is not None:
         import jax
         from mpi4py import MPI
 
         import mpi4jax_dist
-        from mpi4jax_dist import _jax_compat
+        from mpi4jax_dist import _compat
 
         info.update(
             mpi_library=_mpi.mpi_library(),
@@ -398,7 +399,7 @@ def meta(comm=None, **extra) -> dict:
             num_nodes=mpi4jax_dist.topology().num_nodes,
             backend=jax.default_backend(),
             devices=[str(d) for d in jax.devices()],
-            cpu_collectives=_jax_compat.cpu_collectives(),
+            cpu_collectives=_compat.cpu_collectives(),
         )
     info.update(extra)
     return info

@@ -210,10 +210,10 @@ def device_pattern(n: int, rank: int, procs: int, dtype):
     (equal to NumPy's, element for element)."""
     import jax
 
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
     dtype = np.dtype(dtype).name
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         make = jax.jit(lambda r: _device_values(0, n, r, procs, dtype, 0))
         return make(np.int64(rank))
 
@@ -225,13 +225,13 @@ def count_wrong_blocks(result, n: int, procs: int, dtype) -> int:
     elements costs one block of memory."""
     import jax.numpy as jnp
 
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
     result = np.asarray(result)
     if result.shape != (n,):
         return n
     wrong = 0
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         for start in range(0, n, BLOCK):
             block = result[start : start + BLOCK]
             wrong += int(
@@ -559,15 +559,13 @@ class Psum(GlobalJax):
     def wrap(self, f, arity):
         from jax.sharding import PartitionSpec as P
 
-        from mpi4jax_dist import _jax_compat
+        from mpi4jax_dist import _compat
 
         # check=False: a fori_loop carrying psum's result fails the varying-
         # manual-axes check of current JAX (DESIGN.md section 6).
         specs = (P(self.axis), P())[:arity]
         return self.jax.jit(
-            _jax_compat.shard_map(
-                f, mesh=self.mesh, in_specs=specs, out_specs=P(self.axis)
-            )
+            _compat.shard_map(f, mesh=self.mesh, in_specs=specs, out_specs=P(self.axis))
         )
 
     def input_spec(self):

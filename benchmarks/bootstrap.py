@@ -8,7 +8,8 @@ For each P, starts ``mpiexec -n P`` jobs, ``--repeat`` of each method, alternati
 methods: ``jax-mpi4py`` (``cluster_detection_method="mpi4py"``, JAX's opt-in env)
 and ``mpi4jax_dist/<level>``, our env at each MPI thread level (mpi4py's
 ``MPI4PY_RC_THREAD_LEVEL``): at ``multiple`` the other ranks wait for rank 0's
-release thread, below it they probe rank 0's port (see ``_topology.py``).
+release thread, below it they probe rank 0's port (see
+``mpi4jax_dist/launch/bootstrap.py``).
 
 In every job MPI is initialized first (``from mpi4py import MPI``, timed as "MPI
 init"); then ``jax.distributed.initialize()`` is timed on every rank after a barrier
@@ -43,7 +44,7 @@ def worker(method: str) -> None:
     import jax
 
     import mpi4jax_dist
-    from mpi4jax_dist import _topology
+    from mpi4jax_dist.launch import bootstrap
 
     t_mpi0 = time.perf_counter()
     from mpi4py import MPI
@@ -59,8 +60,8 @@ def worker(method: str) -> None:
         jax.distributed.initialize()
     t1 = time.perf_counter()
     assert jax.process_index() == comm.rank and jax.process_count() == comm.size
-    bootstrap = None if detection else _topology.current()
-    stamps = bootstrap.timestamps if bootstrap else {}
+    current = None if detection else bootstrap.current()
+    stamps = current.timestamps if current else {}
 
     def since(name):
         return stamps[name] - t0 if name in stamps else None
@@ -83,9 +84,9 @@ def worker(method: str) -> None:
             method=method,
             procs=comm.size,
             thread_level=MPI.Query_thread(),
-            release=bootstrap.release_mode if bootstrap else None,
+            release=current.release_mode if current else None,
             coordinator=(
-                mpi4jax_dist.topology().coordinator_address if bootstrap else None
+                mpi4jax_dist.topology().coordinator_address if current else None
             ),
             listening_s=rows[0]["listening_s"],
             **{k: slowest(k) for k in PHASES if k != "listening_s"},

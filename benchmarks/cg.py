@@ -26,9 +26,11 @@ solve's time is the slowest rank's; t/iter is the median over rounds divided by 
 iterations made (set-up and the final residual check included). Residual and error
 are recomputed here in NumPy for every method alike.
 
-Reductions per iteration, counted from what ran: for ``mpi4jax_dist.cg``,
-``info.reductions`` (the reductions in its compiled loop body, the matvec's
-included, times the iterations; see :mod:`mpi4jax_dist._hlo`); for the references,
+Reductions per iteration, counted from what ran: for ``mpi4jax_dist.cg``, the
+reductions in the compiled loop of the solve (called inside a ``jit`` compiled for
+the count; ``benchmarks/_hlo.py``), the matvec's included, times the iterations
+(``info.reductions``, counted in the traced program, is in the JSON beside it as
+``reductions_counted_traced``); for the references,
 the reductions in the one while loop of their compiled program times their
 iterations (counted by a debug callback in an untimed run); for the floor, a counter
 in the communicator it calls. "design" is what the algorithm needs.
@@ -318,11 +320,27 @@ def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
     return x, k, comm.reductions - before, np.sqrt(rr / (bb if bb > 0 else 1.0))
 
 
+def compiled_solver_loop(jitted, args):
+    """Return the reductions of the CG loop of ``mpi4jax_dist.cg``'s solve, as
+    ``jitted`` compiles it for ``args`` (the solver called inside a ``jit``; the
+    loop is the one marked by the solver's named scope), or None where it is not
+    found. Compiles a program of its own: for the benchmark's figure only."""
+    import _hlo
+
+    from mpi4jax_dist.solvers.core import LOOP_SCOPE, REPLACE_SCOPE
+
+    text = jitted.lower(*args).compile().as_text()
+    try:
+        return _hlo.loop_reductions(text, LOOP_SCOPE, REPLACE_SCOPE)
+    except LookupError:
+        return None
+
+
 def compiled_loop(jitted, args):
     """Return the reductions of the one while loop that ``jitted`` compiles to for
     ``args`` (None when there is not exactly one); compiles it, so that the next call
     finds the executable in jit's cache."""
-    from mpi4jax_dist import _hlo
+    import _hlo
 
     text = jitted.lower(*args).compile().as_text()
     try:
@@ -382,7 +400,7 @@ class ReductionTimer:
         from jax import lax
         from jax.sharding import PartitionSpec
 
-        from mpi4jax_dist import _jax_compat
+        from mpi4jax_dist import _compat
 
         axis, size = self.mesh.axis_names[0], self.mesh.devices.size
 
@@ -392,7 +410,7 @@ class ReductionTimer:
             )
 
         loop = jax.jit(
-            _jax_compat.shard_map(
+            _compat.shard_map(
                 body,
                 mesh=self.mesh,
                 in_specs=PartitionSpec(),
@@ -576,12 +594,26 @@ class Bench:
         design,
         nbytes,
         payload_dtype,
+        program,
         extra=None,
     ):
+        """Queue a solve of mpi4jax_dist.cg. ``program`` is ``(jitted, args)``: the
+        solver called inside a ``jit``, whose compiled loop the reductions are
+        counted in (``info.reductions`` counts the traced one, before XLA could
+        combine psums: in the JSON as ``reductions_counted_traced``)."""
         from mpi4jax_dist import to_local
+
+        loop = compiled_solver_loop(*program)
 
         def finish(samples, output):
             x, info = output
+            k, matvecs = int(info.iterations), int(info.matvecs)
+            counted = None
+            if loop is not None and loop.exact:
+                # Each residual replacement makes four matvecs beside the
+                # iteration's one (pipelined variants).
+                counted = int(loop.total(k, (matvecs - k) // 4))
+            traced = int(info.reductions)
             self.record(
                 problem,
                 backend,
@@ -591,7 +623,7 @@ class Bench:
                 x_local=to_local(x) if backend == "psum" else x,
                 check=check,
                 design=design,
-                counted=None if int(info.reductions) < 0 else int(info.reductions),
+                counted=counted,
                 bytes_per_iter=nbytes,
                 mechanism=backend,
                 payload_dtype=payload_dtype,
@@ -599,7 +631,8 @@ class Bench:
                 extra={
                     "rel_residual_info": float(info.rel_residual),
                     "converged": bool(info.converged),
-                    "matvecs": int(info.matvecs),
+                    "matvecs": matvecs,
+                    "reductions_counted_traced": None if traced < 0 else traced,
                     **(extra or {}),
                 },
             )
@@ -694,6 +727,7 @@ class Bench:
                     replace_every=args.replace_every,
                 )
                 solve = functools.partial(solver, b, tol=tol, maxiter=maxiter)
+                program = jax.jit(functools.partial(solver, tol=tol, maxiter=maxiter))
                 self.add_ours(
                     "A",
                     backend,
@@ -703,6 +737,7 @@ class Bench:
                     record.reductions_by_design,
                     8 * record.scalars,
                     np.float64,
+                    (program, (b,)),
                     extra={"replace_every": solver.replace_every},
                 )
 
@@ -784,6 +819,11 @@ class Bench:
                 )
                 payload = np.dtype(narrow or np.float64)
                 solve = functools.partial(solver, J, f, eps, tol=tol, maxiter=maxiter)
+                program = jax.jit(
+                    lambda J, f, solver=solver: solver(
+                        J, f, eps, tol=tol, maxiter=maxiter
+                    )
+                )
                 self.add_ours(
                     "B",
                     backend,
@@ -793,6 +833,7 @@ class Bench:
                     B_DESIGN,
                     payload.itemsize * P,
                     payload,
+                    (program, (J, f)),
                     extra={
                         "reduce_dtype": payload.name,
                         "replace_every": solver.replace_every,
@@ -952,9 +993,10 @@ def metadata(args, comm, notes) -> dict:
         timing="median over --repeat solves (round-robin) of the slowest rank's "
         "wall time, compilation and one warm-up solve excluded; t_iter_s = that / "
         "iterations",
-        reductions_counted="mpi4jax_dist.cg: info.reductions (compiled loop body x "
-        "iterations); jax.scipy references: their compiled while body x "
-        "iterations; floor: a counter in the communicator",
+        reductions_counted="mpi4jax_dist.cg: its compiled loop (body x iterations "
+        "+ replacement branch x replacements; reductions_counted_traced: "
+        "info.reductions, from the traced loop); jax.scipy references: their "
+        "compiled while body x iterations; floor: a counter in the communicator",
         reduce_share=f"counted reductions/iter x median time of one reduction of "
         f"the same payload in a jitted loop of {args.reduce_loop}, / t_iter",
         **notes,
@@ -1055,7 +1097,7 @@ def main(argv=None) -> list[dict]:
     import jax
 
     import mpi4jax_dist
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
@@ -1068,7 +1110,7 @@ def main(argv=None) -> list[dict]:
         bench.say(
             f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
             f"({jax.default_backend()}, CPU collectives "
-            f"{_jax_compat.cpu_collectives()}), float64, no preconditioner; "
+            f"{_compat.cpu_collectives()}), float64, no preconditioner; "
             f"replace_every {args.replace_every} (pipelined)",
             "# "
             + ", ".join(

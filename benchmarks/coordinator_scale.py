@@ -66,12 +66,12 @@ as JAX does for each backend it starts (the CPU one first): ``cpu:88,cuda:110`` 
 GPU process without ``JAX_PLATFORMS``. Each platform's figures are kept under
 ``<platform>.<key>``, their sums under the plain keys. A GPU process's local topology
 is an estimate (no GPU here): about 40 B and 70 B per GPU
-(``mpi4jax_dist._limits.GPU_LOCAL_TOPOLOGY_BYTES``). ``benchmarks/topology_model.py``
-fits a model to these runs.
+(``mpi4jax_dist.launch.limits.GPU_LOCAL_TOPOLOGY_BYTES``).
+``benchmarks/topology_model.py`` fits a model to these runs.
 
 File limits: ``--soft-limit N`` lowers this process's soft RLIMIT_NOFILE to N before
 anything starts. With ``--protection on`` the run then calls the package's
-protection, :func:`mpi4jax_dist._limits.ensure_file_limit`, before the service
+protection, :func:`mpi4jax_dist.launch.limits.ensure_file_limit`, before the service
 starts; ``off`` does not. The protection's rule is one file per process of the job
 plus a margin, for a rank 0 that holds the service's ends of the connections; this
 emulation also holds the clients' ends, one more file per client, so it asks for
@@ -101,7 +101,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 
-from mpi4jax_dist import _limits  # noqa: E402
+from mpi4jax_dist.launch import limits  # noqa: E402
 
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
@@ -260,13 +260,13 @@ def worker(config: dict) -> None:
 
 
 def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
-    runtime = _jax_compat.distributed_runtime()
+    runtime = _compat.distributed_runtime()
 
     if config["protection"] == "on":
         # Both ends of every connection are in this process: 2 files per client.
-        raised = _limits.ensure_file_limit(2 * procs)
+        raised = limits.ensure_file_limit(2 * procs)
         row["raised_from"] = raised[0] if raised else None
     row["soft_limit_run"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     threading.stack_size(256 * 1024)
@@ -277,7 +277,7 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     service = runtime.get_distributed_runtime_service(
         f"0.0.0.0:{port}",
         procs,
-        **_jax_compat.runtime_heartbeat(100),
+        **_compat.runtime_heartbeat(100),
         shutdown_timeout=int(config["shutdown_timeout"]),
     )
     # JAX's default for a client that hears of a fatal error (a failed peer, a
@@ -297,7 +297,7 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
             i,
             init_timeout=init_timeout,
             shutdown_timeout=int(config["shutdown_timeout"]),
-            **_jax_compat.runtime_heartbeat(100),
+            **_compat.runtime_heartbeat(100),
             missed_heartbeat_callback=on_fatal,
             shutdown_on_destruction=False,
             use_compression=True,
@@ -474,7 +474,7 @@ def parse_exchange(value) -> list[tuple[str, int]]:
 
 # The global topology's size, as the package's model counts it; the exchange checks
 # it against the one it builds with frame().
-global_size = _limits.global_topology_bytes
+global_size = limits.global_topology_bytes
 
 
 def frame(value: bytes) -> bytes:

@@ -176,12 +176,12 @@ def run_case(name: str, n: int, dtype: str) -> None:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from mpi4jax_dist import _jax_compat
+        from mpi4jax_dist import _compat
 
         mesh = mpi4jax_dist.global_mesh()
         axis = mesh.axis_names[0]
         reduce = jax.jit(
-            _jax_compat.shard_map(
+            _compat.shard_map(
                 lambda v: lax.psum(v, axis),
                 mesh=mesh,
                 in_specs=P(axis),
@@ -456,9 +456,9 @@ def main(argv=None) -> list[dict]:
         name, n, dtype = args.case.split(":")
         run_case(name, int(n), dtype)
         return []
-    from mpi4jax_dist import _launch
+    from mpi4jax_dist.launch import detect
 
-    if _launch.detect(os.environ) is not None:
+    if detect.detect(os.environ) is not None:
         sys.exit(
             "gpu_allreduce.py starts its own mpiexec jobs: run it as `python "
             "benchmarks/gpu_allreduce.py`, not under mpiexec"

@@ -489,9 +489,9 @@ def main(argv=None) -> list[dict]:
         name, _, nbytes = args.case.partition(":")
         run_case(name, int(nbytes), args.dtype, args.warm)
         return []
-    from mpi4jax_dist import _launch
+    from mpi4jax_dist.launch import detect
 
-    if _launch.detect(os.environ) is not None:
+    if detect.detect(os.environ) is not None:
         sys.exit(
             "memory.py starts its own mpiexec jobs: run it as `python "
             "benchmarks/memory.py`, not under mpiexec"

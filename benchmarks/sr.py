@@ -427,7 +427,7 @@ def chunks(s_bytes: int) -> int:
 def loop_allreduces(jitted, args) -> int | None:
     """The reductions per iteration of the one while loop ``jitted`` compiles to
     (None when not exactly one, or the count is in doubt)."""
-    from mpi4jax_dist import _hlo
+    import _hlo
 
     text = jitted.lower(*args).compile().as_text()
     try:
@@ -1209,9 +1209,9 @@ def memory_skip(route, params, walkers, args) -> str | None:
 def memory_main(args) -> list[dict]:
     import memory
 
-    from mpi4jax_dist import _launch
+    from mpi4jax_dist.launch import detect
 
-    if _launch.detect(os.environ) is not None:
+    if detect.detect(os.environ) is not None:
         sys.exit(
             "sr.py --memory starts its own mpiexec jobs: run it as `python "
             "benchmarks/sr.py --memory`, not under mpiexec"

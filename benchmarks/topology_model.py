@@ -26,7 +26,7 @@ same run follows the first one's, whose keys the service still holds, and is not
 used for the fit). ``put_gather`` is until process 0 holds every local topology
 (what JAX's "local" timeout bounds); it moves only P * L bytes.
 
-The package's own model (``mpi4jax_dist._limits.TOPOLOGY_FIT``, behind the
+The package's own model (``mpi4jax_dist.launch.limits.TOPOLOGY_FIT``, behind the
 timeouts ``initialize()`` sets and ``python -m mpi4jax_dist --procs N``) holds these
 coefficients; a test refits them from the committed runs.
 
@@ -34,7 +34,8 @@ Then the scenarios (:data:`SCENARIOS`) for a job of N GPUs: one process per GPU 
 one per node with all its GPUs, with and without ``JAX_PLATFORMS`` (without it, JAX
 also starts its CPU backend, which exchanges a topology of its own, first). A GPU
 process's local topology is an estimate
-(``mpi4jax_dist._limits.GPU_LOCAL_TOPOLOGY_BYTES``); the CPU client's was measured.
+(``mpi4jax_dist.launch.limits.GPU_LOCAL_TOPOLOGY_BYTES``); the CPU client's was
+measured.
 Printed per scenario: the processes, the bytes through rank 0, the model's seconds
 and a floor, the bytes at 25 GB/s (one 200 Gb/s NIC). The model comes from one
 2-core host holding the service and every client, so it is an upper bound for a
@@ -54,7 +55,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 
-from mpi4jax_dist import _limits  # noqa: E402
+from mpi4jax_dist.launch import limits  # noqa: E402
 
 #: Bytes per second of one 200 Gb/s NIC: the floor's rate.
 NIC_BYTES_PER_S = 25e9
@@ -115,10 +116,7 @@ def fit(pts: list[dict], key: str) -> dict[str, float]:
     relative error (each equation divided by its measured time)."""
     names = FITTED[key]
     x = np.array(
-        [
-            [_limits.exchange_terms(p["procs"], p["local"])[n] for n in names]
-            for p in pts
-        ]
+        [[limits.exchange_terms(p["procs"], p["local"])[n] for n in names] for p in pts]
     )
     t = np.array([p[f"{key}_s"] for p in pts], float)
     coef, *_ = np.linalg.lstsq(x / t[:, None], np.ones(len(t)), rcond=None)
@@ -126,7 +124,7 @@ def fit(pts: list[dict], key: str) -> dict[str, float]:
 
 
 def model_s(coef: dict[str, float], procs: int, local: int) -> float:
-    values = _limits.exchange_terms(procs, local)
+    values = limits.exchange_terms(procs, local)
     return sum(c * values[name] for name, c in coef.items())
 
 
@@ -135,15 +133,15 @@ def scenario(name: str, per_process: int, platforms, gpus: int, coefs) -> dict:
     summed) the bytes, the model's seconds and the floor."""
     procs = max(1, gpus // per_process)
     sizes = {
-        "cpu": _limits.CPU_LOCAL_TOPOLOGY_BYTES,
-        "cuda": _limits.gpu_local_topology_bytes(per_process),
+        "cpu": limits.CPU_LOCAL_TOPOLOGY_BYTES,
+        "cuda": limits.gpu_local_topology_bytes(per_process),
     }
     row = {"scenario": name, "gpus": gpus, "procs": procs, "platforms": {}}
     for platform in platforms:
         local = sizes[platform]
         row["platforms"][platform] = {
             "local_bytes": local,
-            "payload_bytes": _limits.exchange_payload(procs, local),
+            "payload_bytes": limits.exchange_payload(procs, local),
             "whole_s": model_s(coefs["whole"], procs, local),
             "put_gather_s": model_s(coefs["put_gather"], procs, local),
         }
@@ -152,7 +150,7 @@ def scenario(name: str, per_process: int, platforms, gpus: int, coefs) -> dict:
     row["whole_s"] = sum(p["whole_s"] for p in parts)
     row["floor_s"] = row["payload_bytes"] / NIC_BYTES_PER_S
     cuda = row["platforms"]["cuda"]
-    limit = _limits.GPU_TOPOLOGY_TIMEOUTS_MINUTES["global"]
+    limit = limits.GPU_TOPOLOGY_TIMEOUTS_MINUTES["global"]
     row["cuda_within_xla_limit"] = cuda["whole_s"] <= 60 * limit
     return row
 
@@ -226,13 +224,13 @@ def main(argv=None) -> dict:
         p["ratio"] = p["whole_s"] / p["model_s"]
         line = dict(p, platform=p["platform"] + ("*" if p["after"] else ""))
         print(POINTS.row(line))
-    gpu = _limits.GPU_LOCAL_TOPOLOGY_BYTES
+    gpu = limits.GPU_LOCAL_TOPOLOGY_BYTES
     print(
-        f"# jobs of N GPUs; local topologies: cpu {_limits.CPU_LOCAL_TOPOLOGY_BYTES} B "
+        f"# jobs of N GPUs; local topologies: cpu {limits.CPU_LOCAL_TOPOLOGY_BYTES} B "
         f"(measured), cuda {gpu['process']} + {gpu['device']} B per GPU (estimated); "
         f"model: the fit above, an upper bound; floor: the bytes at "
         f"{NIC_BYTES_PER_S / 1e9:g} GB/s; XLA's GPU client allows "
-        f"{_limits.GPU_TOPOLOGY_TIMEOUTS_MINUTES['global']} min for the whole "
+        f"{limits.GPU_TOPOLOGY_TIMEOUTS_MINUTES['global']} min for the whole "
         "exchange, which JAX cannot change"
     )
     print(SCENARIO_TABLE.header())

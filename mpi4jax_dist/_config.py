@@ -5,7 +5,7 @@ Values that make no sense raise a ``ValueError`` naming the variable, the value 
 the fix; where ignoring a value is safe, a ``RuntimeWarning`` says so instead.
 
 Launcher variables (``PMI_RANK`` and friends) are read through :func:`environ` and
-interpreted in ``_launch.py``; this module only owns the ones that configure us.
+interpreted in ``launch/detect.py``; this module only owns the ones that configure us.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 DISABLE = "MPI4JAX_DIST_DISABLE"
 ONE_PROCESS = "MPI4JAX_DIST_ONE_PROCESS"
@@ -133,7 +132,7 @@ def cache_every_process(env: Mapping[str, str] | None = None) -> bool:
     """Return True unless ``MPI4JAX_DIST_CACHE_EVERY_PROCESS=0`` keeps JAX's rule
     for the persistent compilation cache: only process 0 writes entries, also for
     the programs no other process compiles (see
-    ``_jax_compat.cache_on_every_process``)."""
+    ``_compat.cache_on_every_process``)."""
     return get_bool(CACHE_EVERY_PROCESS, True, env)
 
 
@@ -570,13 +569,7 @@ def simulated_latency_us(env: Mapping[str, str] | None = None) -> float | None:
     return latency
 
 
-# The table of every variable above, for the documentation (docs/configuration.rst
-# renders it; tests/test_docs.py checks that every name this module defines is in
-# it). Switches follow one rule: each is named after what ``1`` does, so that
-# ``1`` turns that on and ``0`` turns it off; the default is given for each.
-
-
-# --- hangs: stacks on demand and the collective timeout (_hangs.py) ----------------
+# --- hangs: stacks on demand and the collective timeout (faults/hangs.py) ----------
 
 STACKS = "MPI4JAX_DIST_STACKS"
 HANG_DIR = "MPI4JAX_DIST_HANG_DIR"
@@ -622,263 +615,3 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
             f"between two collectives, e.g. 600), or 0 or nothing to turn it off."
         )
     return seconds or None
-
-
-@dataclass(frozen=True)
-class Variable:
-    """One row of the documented table."""
-
-    names: tuple[str, ...]
-    group: str  # "package", "jax", "network", "gpu", "benchmark" or "build"
-    values: str  # what it takes, the default first (reStructuredText)
-    meaning: str  # what it does (reStructuredText)
-
-
-VARIABLES = (
-    Variable(
-        (DISABLE,),
-        "package",
-        "``0`` (default), ``1``",
-        "``1``: a plain ``jax.distributed.initialize()`` does not use this package "
-        "(JAX's own detectors decide); an explicit ``mpi4jax_dist.initialize()`` "
-        "still does.",
-    ),
-    Variable(
-        (ONE_PROCESS,),
-        "package",
-        "``1`` (default), ``0``",
-        "``1``: ``python script.py`` without a launcher is a one-process JAX world "
-        'on loopback. ``0``: JAX\'s own "coordinator_address should be defined".',
-    ),
-    Variable(
-        (FAIL_FAST,),
-        "package",
-        "``1`` (default), ``0``",
-        "``1``: a rank that raises, exits or gets SIGTERM ends the whole job at "
-        "once (``MPI_Abort``). ``0``: JAX's behaviour (the others wait for their "
-        "timeouts; JAX's preemption service catches SIGTERM).",
-    ),
-    Variable(
-        (STACKS,),
-        "package",
-        "``1`` (default), ``0``",
-        "``1``: once JAX's world is bootstrapped, ``SIGUSR1`` (``scancel "
-        "--signal=USR1``, ``qsig -s USR1``, ``kill -USR1`` to ``mpiexec``) makes "
-        "every rank write all its threads' Python stacks and go on "
-        "(:doc:`troubleshooting`, *A job hangs*). ``0``: the signal is left alone.",
-    ),
-    Variable(
-        (HANG_DIR,),
-        "package",
-        "unset (default), a folder",
-        "Where each rank writes its stacks, ``rank-N.txt`` (on ``SIGUSR1`` or a "
-        "collective timeout), for ``python -m mpi4jax_dist --hangs DIR`` to group; "
-        "unset: stderr, each line prefixed with ``[rank N]``. Use it past a few "
-        "hundred ranks.",
-    ),
-    Variable(
-        (COLLECTIVE_TIMEOUT,),
-        "package",
-        "unset (default: off), seconds",
-        "The longest ``allreduce``, ``iallreduce``'s wait and the bootstrap's "
-        "collectives wait (rank 0's value, for every rank); past it every rank "
-        "writes its stacks, one line names the call and the ranks that had not "
-        "entered it, and ``MPI_Abort`` ends the job. Set it well above the longest "
-        "work between two collectives (and the slowest rank's start-up).",
-    ),
-    Variable(
-        (CACHE_EVERY_PROCESS,),
-        "package",
-        "``1`` (default), ``0``",
-        "``1``: every process writes its own programs to JAX's persistent "
-        "compilation cache. ``0``: JAX's rule (only process 0 writes, so the other "
-        "ranks' per-rank programs are never cached).",
-    ),
-    Variable(
-        (CPU_COLLECTIVES,),
-        "package",
-        "unset (JAX's default), ``mpi``, ``gloo``",
-        "``mpi``: JAX's cross-process collectives on CPU (``psum`` and friends) run "
-        "over MPI instead of Gloo's TCP. Must be set before ``jax`` is imported, or "
-        'use ``eval "$(python -m mpi4jax_dist env)"`` in the job script.',
-    ),
-    Variable(
-        (TRAMPOLINE_LIB, JAX_CPU_COLLECTIVES),
-        "package",
-        "set for you",
-        f"Set by ``{CPU_COLLECTIVES}=mpi`` (or ``python -m mpi4jax_dist env``): the "
-        "MPI wrapper jaxlib loads, and JAX's choice of CPU collectives.",
-    ),
-    Variable(
-        (JAX_PREEMPTION,),
-        "package",
-        "``0`` (default), ``1``",
-        "JAX's own. ``1``: keep JAX's preemption service and its SIGTERM handler "
-        "under this package's fail-fast.",
-    ),
-    Variable(
-        (ALLREDUCE_CHUNK_BYTES,),
-        "package",
-        "``64M`` (default), a size (``16M``, ``1GiB``, ``67108864``), ``0``",
-        "The most bytes ``mpi4jax_dist.allreduce`` hands to one MPI call; bounds "
-        "MPI's scratch memory. ``0``: one call per message. Same on every rank.",
-    ),
-    Variable(
-        (DEBUG_CHECKS,),
-        "package",
-        "``0`` (default), ``1``",
-        "``1``: every ``allreduce``/``iallreduce`` checks that the ranks agree on "
-        "count, dtype, op and chunks (default: the first call on each "
-        "communicator). Same on every rank.",
-    ),
-    Variable(
-        (INTERFACE,),
-        "network",
-        "unset (default), an interface name (``hsn0``, ``ib0``)",
-        "The network interface whose address the coordinator uses on multi-node "
-        "jobs, and each process's for JAX's Gloo collectives (like "
-        "``NCCL_SOCKET_IFNAME``).",
-    ),
-    Variable(
-        (COORDINATOR_ADDRESS,),
-        "network",
-        "unset (default), ``host:port``",
-        "JAX's own. The coordinator's address; wins over the one rank 0 chooses.",
-    ),
-    Variable(
-        (COORDINATOR_PORT,),
-        "network",
-        "unset (default: a free port), ``1``-``65535``",
-        "JAX's own. The coordinator's port.",
-    ),
-    Variable(
-        (BIND_ADDRESS,),
-        "network",
-        "unset (default: the coordinator's address), ``host:port``",
-        "JAX's own. Where rank 0's coordination service listens. JAX's default is "
-        "every interface; this package binds it to the coordinator's address "
-        "unless you set one.",
-    ),
-    Variable(
-        (PROXY,),
-        "network",
-        "``exempt`` (default), ``keep``",
-        "``exempt``: where a proxy variable is set, the coordinator's host is added "
-        "to ``no_grpc_proxy`` so that gRPC does not send the bootstrap through the "
-        "proxy. ``keep``: leave the proxy variables alone.",
-    ),
-    Variable(
-        PROXY_VARIABLES,
-        "network",
-        "unset, a proxy URL",
-        "Read to decide whether to exempt the coordinator (any case).",
-    ),
-    Variable(
-        (LOCAL_DEVICE_IDS,),
-        "gpu",
-        "unset (default), ``0`` or ``0,1``...",
-        "JAX's own. The local devices of this process; wins over the device rule.",
-    ),
-    Variable(
-        VISIBLE_DEVICES,
-        "gpu",
-        "unset, a device list",
-        "Which accelerators this process sees; with one rank per GPU set by the "
-        "job script, each rank gets its own device.",
-    ),
-    Variable(
-        (ZE_AFFINITY_MASK,),
-        "gpu",
-        "unset (every device), ``3``, ``0.1``, ``0,1``...",
-        "Intel GPUs (Level Zero): the devices this process sees, a GPU (``3``) or "
-        "one of its tiles (``0.1``); set per rank by the job script (Aurora: one "
-        "tile each). The device rule counts them, and sets "
-        "``jax_oneapi_visible_devices`` as it sets CUDA's and ROCm's.",
-    ),
-    Variable(
-        (ZE_HIERARCHY,),
-        "gpu",
-        "``FLAT`` (default), ``COMPOSITE``, ``COMBINED``",
-        "Level Zero's: ``FLAT``: each tile of an Intel GPU is a device (each entry "
-        "of ``ZE_AFFINITY_MASK`` one device); ``COMPOSITE``: each GPU is one device "
-        "(two tiles of one GPU in the mask are that GPU).",
-    ),
-    Variable(
-        (PLATFORMS,),
-        "gpu",
-        "unset, ``cpu``, ``cuda``...",
-        "JAX's own. ``cpu``: no accelerator rule applies.",
-    ),
-    Variable(
-        (CUDA_AWARE_MPI,),
-        "gpu",
-        "``0`` (default), ``1``, ``force``",
-        "On CUDA GPUs, ``1``: ``allreduce`` hands MPI the device buffer where "
-        "``MPIX_Query_cuda_support`` says the MPI reads device memory; ``force``: "
-        "also where the MPI cannot say. ``0``: stage through pinned host memory. "
-        f"Unset: mpi4jax's ``{MPI4JAX_CUDA_AWARE_MPI}`` decides.",
-    ),
-    Variable(
-        (MPI4JAX_CUDA_AWARE_MPI,),
-        "gpu",
-        "``0`` (default), ``1``",
-        f"mpi4jax's own; read when ``{CUDA_AWARE_MPI}`` is unset.",
-    ),
-    Variable(
-        (STAGING_BYTES,),
-        "gpu",
-        "``64M`` (default), a size of at least 32 bytes",
-        "Pinned host memory the staged CUDA ``allreduce`` uses per process, in "
-        "two halves.",
-    ),
-    Variable(
-        THREAD_LEVEL_VARIABLES,
-        "package",
-        "unset; ``single``, ``funneled``, ``serialized``, ``multiple``",
-        "Read by Cray MPICH and mpi4py, not by this package: the thread level MPI "
-        "provides is at most ``MPICH_MAX_THREAD_SAFETY`` (Cray MPICH; unset: "
-        "below ``multiple``) and what mpi4py asks for (``MPI4PY_RC_THREAD_LEVEL``, "
-        "default ``multiple``). ``allreduce``, ``iallreduce`` and ``cg`` run at "
-        "``multiple`` and at ``serialized`` (their MPI calls under one lock) and "
-        "refuse below; ``--check`` prints the level and these two.",
-    ),
-    Variable(
-        (SIMULATED_LATENCY_US,),
-        "benchmark",
-        "unset (default), microseconds (``50``)",
-        "For benchmarks: every ``iallreduce`` (and ``cg``'s mpi4jax-backend "
-        "reductions) completes no sooner than that many µs after its start, as on "
-        "a large machine. ``0``: no delay, but the same code path.",
-    ),
-    Variable(
-        ("MPICC", "MPI4PY_BUILD_MPICC"),
-        "build",
-        "unset, a compiler wrapper (``mpicc``, ``cc``, ``/path/to/mpicc``)",
-        "Read by ``setup.py`` when the extension is built: the MPI compiler "
-        "wrapper whose flags it compiles with (mpi4py's variables; "
-        "``MPI4PY_BUILD_MPICC`` wins). Arguments after the command "
-        "(``cc -shared``) are ignored. Set but not found: the build fails.",
-    ),
-    Variable(
-        ("PE_ENV", "CRAYPE_VERSION"),
-        "build",
-        "set by Cray's modules",
-        "Read by ``setup.py``: the Cray Programming Environment is loaded, so "
-        "Cray's ``cc`` is the wrapper when no ``mpicc`` is found.",
-    ),
-    Variable(
-        ("MPI4JAX_DIST_BUILD_CUDA",),
-        "build",
-        "``auto`` (default), ``1``, ``0``",
-        "Read by ``setup.py``: ``auto`` builds the CUDA handler where a CUDA "
-        "runtime is found (``CUDA_HOME``/``CUDA_PATH``, around ``nvcc``, "
-        "``/usr/local/cuda``, JAX's nvidia wheels); ``1``: fail without one; "
-        "``0``: never.",
-    ),
-    Variable(
-        ("CUDA_HOME", "CUDA_PATH"),
-        "build",
-        "unset, a CUDA toolkit",
-        "Read by ``setup.py``: the CUDA runtime to build the CUDA handler against.",
-    ),
-)

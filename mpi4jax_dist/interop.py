@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _jax_compat, _topology
+from . import _compat
+from .launch import bootstrap
 
 DEFAULT_AXIS = "ranks"
 
@@ -35,7 +36,7 @@ def global_mesh(axis_name: str = DEFAULT_AXIS, axis_type: str = "auto"):
             f"shard_map and psum refer to); got {axis_name!r}."
         )
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return _jax_compat.make_mesh(devices, axis_name, axis_type)
+    return _compat.make_mesh(devices, axis_name, axis_type)
 
 
 def _local_devices(mesh):
@@ -121,9 +122,9 @@ def _check_same_everywhere(local) -> None:
 def _world_comm():
     """The communicator of JAX's world: the bootstrap's, else COMM_WORLD when it
     matches JAX's process count, else None (nothing to check against)."""
-    bootstrap = _topology.current()
-    if bootstrap is not None:
-        return bootstrap.comm
+    current = bootstrap.current()
+    if current is not None:
+        return current.comm
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return None

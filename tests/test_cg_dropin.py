@@ -15,7 +15,8 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _hlo, cg
+from mpi4jax_dist import cg
+from mpi4jax_dist.solvers import counting
 
 mpi = pytest.mark.mpi(min_size=2)
 # Every variant on 2 ranks; on 4, classic (JAX's) alone, to keep CI's time.
@@ -305,7 +306,7 @@ def test_traced_reductions_are_those_that_communicate():
     many = world.Get_size() > 1
 
     def count(fn):
-        return _hlo.jaxpr_reductions(jax.make_jaxpr(fn)(jnp.ones(3)))
+        return counting.reductions(jax.make_jaxpr(fn)(jnp.ones(3)))
 
     def two(v):  # two allreduces over the world, one over COMM_SELF
         v = mpi4jax.allreduce(v, op=MPI.SUM, comm=world)

@@ -35,7 +35,7 @@ def test_version():
 def test_version_touches_neither_mpi_nor_jax_backend():
     code = (
         "import sys\n"
-        "from mpi4jax_dist.__main__ import main\n"
+        "from mpi4jax_dist.diagnostics.cli import main\n"
         "try:\n"
         "    main(['--version'])\n"
         "except SystemExit as e:\n"

@@ -3,7 +3,7 @@
 
 JAX writes cache entries on process 0 only, and a per-rank program's key holds its
 device (another key on every rank, except on GPU): without
-``_jax_compat.cache_on_every_process`` rank 1 never finds one. Serial session only.
+``_compat.cache_on_every_process`` rank 1 never finds one. Serial session only.
 """
 
 from __future__ import annotations

@@ -117,11 +117,11 @@ def test_more_than_one_device_says_what_to_do():
 
 
 def test_not_built_says_what_to_do(monkeypatch):
-    from mpi4jax_dist import _cpu_collectives
+    from mpi4jax_dist import xla_mpi
 
     monkeypatch.setattr(_ffi, "mpiabi_library", lambda: None)
     with pytest.raises(RuntimeError, match="needs mpi4jax_dist's MPI wrapper"):
-        _cpu_collectives.env_lines()
+        xla_mpi.env_lines()
 
 
 @util.same_under_every_mpi

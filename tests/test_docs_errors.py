@@ -62,8 +62,10 @@ EXCLUDED_FILES = {
 # Each entry must still match a message (test_allow_list_is_current).
 EXCLUDED = {
     ("mpi4jax_dist/__init__.py", "has no attribute"): "Python's own AttributeError",
-    ("mpi4jax_dist/_topology.py", "before the bootstrap ran"): "call order, internal",
-    ("mpi4jax_dist/_hlo.py", "no ENTRY computation"): "cg passes XLA's own text",
+    (
+        "mpi4jax_dist/launch/bootstrap.py",
+        "before the bootstrap ran",
+    ): "call order, internal",
     ("mpi4jax_dist/_ffi/cpu.cc", "the tie has"): "overlap binds equal arity",
     ("mpi4jax_dist/_ffi/mpi_helpers.h", "operand and result differ"): "XLA aliases",
     ("mpi4jax_dist/_ffi/mpi_helpers.h", "unknown op code"): "Python checks first",
@@ -78,9 +80,9 @@ EXCLUDED = {
 RELAYS = {
     # Rank 0's error, broadcast and raised on every rank: the (_ERROR, text) that
     # Bootstrap._choose_coordinator returns.
-    ("mpi4jax_dist/_topology.py", "raise RuntimeError(text)"),
-    # _limits.ensure_file_limit's RuntimeError, quoted from there.
-    ("mpi4jax_dist/_topology.py", "return (_ERROR, str(err))"),
+    ("mpi4jax_dist/launch/bootstrap.py", "raise RuntimeError(text)"),
+    # limits.ensure_file_limit's RuntimeError, quoted from there.
+    ("mpi4jax_dist/launch/bootstrap.py", "return (_ERROR, str(err))"),
 }
 
 # How deep a message is followed through function calls, and how many variants

@@ -1,4 +1,5 @@
-"""When one rank fails, the whole job ends in seconds (``mpi4jax_dist._failfast``).
+"""When one rank fails, the whole job ends in seconds
+(``mpi4jax_dist.faults.failfast``).
 
 Each test launches ``benchmarks/rank_failure.py --worker CASE`` on 2 ranks (the
 scenarios the benchmark times), in which rank 1 fails

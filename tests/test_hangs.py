@@ -1,4 +1,4 @@
-"""A hung job says which rank and where (``mpi4jax_dist._hangs``).
+"""A hung job says which rank and where (``mpi4jax_dist.faults.hangs``).
 
 4-rank jobs of ``tests/scripts/stall.py``: rank 3 stalls (sleeps, or holds the GIL)
 while the others wait in a jitted ``mpi4jax_dist.allreduce`` or an
@@ -18,7 +18,9 @@ import time
 import pytest
 import util
 
-from mpi4jax_dist import _config, _hangs
+from mpi4jax_dist import _config
+from mpi4jax_dist.diagnostics import hangs as diagnostics_hangs
+from mpi4jax_dist.faults import hangs
 
 pytestmark = util.skip_in_mpi_job
 
@@ -242,10 +244,10 @@ def test_timeout_values():
 
 
 def test_rank_lists():
-    assert _hangs._ranks_text([3]) == "rank 3"
-    assert _hangs._ranks_text([0, 1, 2, 7, 9, 10]) == "ranks 0-2, 7, 9-10"
+    assert hangs.ranks_text([3]) == "rank 3"
+    assert hangs.ranks_text([0, 1, 2, 7, 9, 10]) == "ranks 0-2, 7, 9-10"
     many = list(range(0, 40, 2))
-    assert _hangs._ranks_text(many, limit=3) == "ranks 0, 2, 4 and 17 more"
+    assert hangs.ranks_text(many, limit=3) == "ranks 0, 2, 4 and 17 more"
 
 
 def fake_stacks(folder, rank, size, frames):
@@ -274,7 +276,7 @@ def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
             fake_stacks(tmp_path, rank, size, odd)
         elif rank != 999:
             fake_stacks(tmp_path, rank, size, common)
-    lines = _hangs.summarize(tmp_path).splitlines()
+    lines = diagnostics_hangs.summarize(tmp_path).splitlines()
     assert (
         lines[0] == f"mpi4jax_dist: stacks of {size - 1} of {size} ranks in {tmp_path}"
     )
@@ -288,4 +290,4 @@ def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
 
 def test_summarize_without_files_says_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="MPI4JAX_DIST_HANG_DIR="):
-        _hangs.summarize(tmp_path)
+        diagnostics_hangs.summarize(tmp_path)

@@ -1,4 +1,5 @@
-"""The HLO reader that counts a loop's reductions: python -m pytest tests/test_hlo.py.
+"""The benchmarks' HLO reader (benchmarks/_hlo.py), which counts a loop's
+reductions in compiled programs: python -m pytest tests/test_hlo.py.
 
 Small programs compiled here (one process; mpi4jax on COMM_SELF, which its custom
 calls keep in the program) and HLO text fixtures for the forms this machine's XLA
@@ -13,7 +14,7 @@ import textwrap
 import pytest
 import util
 
-from mpi4jax_dist import _hlo
+_hlo = util.load_benchmark("_hlo")
 
 # One process each (compiling, or a fresh interpreter): the serial session's.
 pytestmark = util.serial_only
@@ -309,7 +310,10 @@ PSUM_PROGRAM = """
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
-from mpi4jax_dist import _hlo, _jax_compat
+import sys
+sys.path.insert(0, "benchmarks")
+import _hlo
+from mpi4jax_dist import _compat
 
 mesh = Mesh(jax.devices(), ("i",))
 
@@ -322,7 +326,7 @@ def local(x, n):
     with jax.named_scope("loop"):
         return lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
 
-f = jax.jit(_jax_compat.shard_map(
+f = jax.jit(_compat.shard_map(
     local, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"), check=False))
 text = f.lower(jnp.ones(8), 3).compile().as_text()
 assert " all-reduce(" in text and "collective-permute" in text, text

@@ -20,7 +20,9 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _allreduce, _ffi, _iallreduce, _jax_compat
+from mpi4jax_dist import _compat, _ffi
+from mpi4jax_dist.ops import common
+from mpi4jax_dist.ops import iallreduce as iallreduce_ops
 
 mpi = pytest.mark.mpi(min_size=2)
 INT_MAX = 2**31 - 1
@@ -76,8 +78,8 @@ def test_every_dtype_and_op_against_mpi4py(world):
         if not math.isclose(float(b), work, rel_tol=1e-5):
             wrong.append(f"{dtype} {op} {how}: work {b} != {work}")
 
-    with _jax_compat.enable_x64(True):
-        for dtype, allowed in _allreduce.OPS_BY_DTYPE.items():
+    with _compat.enable_x64(True):
+        for dtype, allowed in common.OPS_BY_DTYPE.items():
             # Per op: this rank's input, the MPI op, and mpi4py's reduction of it.
             cases = {}
             for op in allowed:
@@ -512,7 +514,7 @@ def test_count_above_2_31(world):
         return head, tail, jnp.all(lax.slice(a, (16,), (LARGE - 16,)) == 3)
 
     reduce = jax.jit(lambda a: mpi4jax_dist.iallreduce(a).wait(), donate_argnums=0)
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         x = make()
     ext.reset_stats()
     head, tail, middle = check(reduce(x))
@@ -693,8 +695,7 @@ def test_overlapped_work_runs_once_when_its_result_is_used_after_the_wait():
 
 def loop_body(text: str, scope: str) -> str:
     """The name of the body computation of the while loop marked ``scope``."""
-    from mpi4jax_dist import _hlo
-
+    _hlo = util.load_benchmark("_hlo")
     (loop,) = [
         ins for ins in _hlo._top_level_loops(_hlo.parse(text)) if ins.scope() == scope
     ]
@@ -712,6 +713,7 @@ def test_cg_reduction_overlaps_the_matvec_in_the_compiled_loop():
     from mpi4py import MPI
 
     from mpi4jax_dist import cg
+    from mpi4jax_dist.solvers.core import LOOP_SCOPE
 
     n = 4096
     d = 2.0 + jnp.arange(n) / n
@@ -724,7 +726,7 @@ def test_cg_reduction_overlaps_the_matvec_in_the_compiled_loop():
         solver = cg.make_solver(matvec, variant=variant, comm=MPI.COMM_SELF)
         args = (jnp.ones(n), None, diag, 1e-5, 100, 0, 0, 0)
         text = solver._solve._jitted.lower(*args).compile().as_text()
-        return text, loop_body(text, cg._LOOP_SCOPE)
+        return text, loop_body(text, LOOP_SCOPE)
 
     def vector_copies(variant):
         """Copies of whole vectors in the loop body, without a preconditioner
@@ -816,7 +818,7 @@ def test_request_kept_out_of_its_function_fails_the_next_run_and_exit_reports_it
     report = r"at exit, the request started at <string>:\d+ in leaks \(handle"
     assert re.search(report, proc.stderr), proc.stderr
     assert "1 request(s) left pending at exit (1 completed since" in proc.stderr
-    assert proc.returncode == _iallreduce.EXIT_STATUS, proc.stderr
+    assert proc.returncode == iallreduce_ops.EXIT_STATUS, proc.stderr
 
 
 @pytest.mark.mpi_skip
@@ -955,60 +957,8 @@ def test_simulated_latency_rejects_what_is_not_a_latency(value):
 
 def test_api_is_exported():
     assert {"iallreduce", "Request"} <= set(mpi4jax_dist.__all__)
-    assert mpi4jax_dist.iallreduce is _iallreduce.iallreduce
-    assert mpi4jax_dist.Request is _iallreduce.Request
+    assert mpi4jax_dist.iallreduce is iallreduce_ops.iallreduce
+    assert mpi4jax_dist.Request is iallreduce_ops.Request
     for name in ("overlap", "test", "wait"):
         assert callable(getattr(mpi4jax_dist.Request, name))
         assert getattr(mpi4jax_dist.Request, name).__doc__
-
-
-@pytest.mark.parametrize(
-    "name, replacement",
-    [
-        ("wait", r"mpi4jax_dist\.wait\(req\) is deprecated: use req\.wait\(\)"),
-        ("test", r"mpi4jax_dist\.test\(req\) is deprecated: use req\.test\(\)"),
-        (
-            "overlap",
-            r"mpi4jax_dist\.overlap\(req, fn, \*args\) is deprecated: use "
-            r"req\.overlap\(fn, \*args\)",
-        ),
-    ],
-    ids=["wait", "test", "overlap"],
-)
-def test_the_old_functions_still_work_and_warn(name, replacement):
-    """mpi4jax_dist.wait, .test and .overlap (before the Request methods): out of
-    __all__ and dir(), but still there, with a DeprecationWarning that names the
-    method, once per access (``from mpi4jax_dist import wait`` too)."""
-    assert name not in mpi4jax_dist.__all__ and name not in dir(mpi4jax_dist)
-    with pytest.warns(DeprecationWarning, match=replacement) as caught:
-        old = getattr(mpi4jax_dist, name)
-    assert len(caught) == 1 and caught[0].filename == __file__
-    with pytest.warns(DeprecationWarning, match=replacement) as caught:
-        exec(f"from mpi4jax_dist import {name}", {})
-    assert len(caught) == 1, [str(w.message) for w in caught]
-    assert old is getattr(_iallreduce, name)
-    # Misused, they fail as the methods do.
-    with pytest.raises(TypeError, match=f"Request.{name}: req must be the"):
-        old(None, abs, 1.0) if name == "overlap" else old(None)
-
-
-@pytest.mark.mpi_skip
-def test_the_old_functions_reduce_as_the_methods_do():
-    import jax
-    import jax.numpy as jnp
-    from mpi4py import MPI
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from mpi4jax_dist import overlap, test, wait
-
-    def f(x, w):
-        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        req, y = overlap(req, jnp.sin, w)
-        return wait(test(req)), y
-
-    x, w = jnp.arange(3.0), jnp.ones(2)
-    for run in (f, jax.jit(f)):
-        y, s = run(x, w)
-        np.testing.assert_array_equal(np.asarray(y), np.arange(3.0))
-        np.testing.assert_allclose(np.asarray(s), np.sin(np.ones(2)))

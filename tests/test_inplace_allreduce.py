@@ -17,7 +17,9 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _allreduce, _config, _ffi, _jax_compat
+from mpi4jax_dist import _compat, _config, _ffi
+from mpi4jax_dist.ops import allreduce as allreduce_ops
+from mpi4jax_dist.ops import common
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -50,9 +52,9 @@ def test_every_dtype_and_op_against_mpi4py():
 
     comm = world()
     wrong, refused = [], []
-    with _jax_compat.enable_x64(True):
-        for dtype, allowed in _allreduce.OPS_BY_DTYPE.items():
-            for op in _allreduce.OPS:
+    with _compat.enable_x64(True):
+        for dtype, allowed in common.OPS_BY_DTYPE.items():
+            for op in common.OPS:
                 x = values(dtype, op, comm.rank)
                 mpi_op = getattr(MPI, op)
                 if op not in allowed:
@@ -281,8 +283,8 @@ def test_refused_before_any_mpi_call(monkeypatch):
     def no_mpi(*args, **kwargs):
         raise AssertionError("MPI was reached")
 
-    monkeypatch.setattr(_allreduce, "_check_mpi", no_mpi)
-    monkeypatch.setattr(_allreduce, "_communicator", no_mpi)
+    monkeypatch.setattr(allreduce_ops, "check_mpi", no_mpi)
+    monkeypatch.setattr(allreduce_ops, "communicator", no_mpi)
     monkeypatch.setattr(_ffi, "load", no_mpi)
     problems = []
     cases = (
@@ -528,7 +530,7 @@ def test_count_above_2_31(monkeypatch):
     ):
         monkeypatch.setenv(CHUNK, setting)
         reduce = jax.jit(lambda a: mpi4jax_dist.allreduce(a), donate_argnums=0)
-        with _jax_compat.enable_x64(True):  # int64 indices for the update at the end
+        with _compat.enable_x64(True):  # int64 indices for the update at the end
             x = make()
         ext.reset_stats()
         y = reduce(x)

@@ -29,7 +29,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _config, _ffi, _jax_compat, _mpi
+from mpi4jax_dist import _compat, _config, _ffi, _mpi
 
 # Ranks sharing one GPU must not each take 75% of its memory up front (XLA's
 # default); set before any test makes a GPU backend, and ignored on the CPU.
@@ -426,7 +426,7 @@ def check_against_mpi4py(device, chunk: str) -> list[str]:
 
     comm = world()
     wrong = []
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         for dtype, op in CASES:
             x = values(dtype, op, comm.rank)
             mpi_op = getattr(MPI, op)
@@ -668,7 +668,7 @@ def test_gpu_count_above_2_31(staged):
         middle = jnp.all(lax.slice(a, (16,), (LARGE - 16,)) == total)
         return head, tail, middle
 
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         x = make()
     ext.reset_stats()
     y = jax.jit(mpi4jax_dist.allreduce, donate_argnums=0)(x)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import util
 
-from mpi4jax_dist import _jax_compat
+from mpi4jax_dist import _compat
 
 pytestmark = util.skip_in_mpi_job
 
@@ -40,7 +40,7 @@ def test_each_rank_gets_its_tile(hierarchy, mask):
         assert (r["process_index"], r["process_count"]) == (r["rank"], 2), r
         assert r["platforms"] == ["cpu"], r  # no Intel GPU on this machine
         assert r["options"]["jax_cuda_visible_devices"] == "0", r
-        if _jax_compat.since("jax_oneapi_visible_devices"):
+        if _compat.since("jax_oneapi_visible_devices"):
             assert r["options"]["jax_oneapi_visible_devices"] == "0", r
         else:
             assert "jax_oneapi_visible_devices" not in r["options"], r

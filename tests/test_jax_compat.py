@@ -18,7 +18,7 @@ import pytest
 import util
 from jax._src import config as jax_config
 
-from mpi4jax_dist import _jax_compat
+from mpi4jax_dist import _compat
 
 # JAX in this process alone: before any JAX world of an mpiexec session exists.
 pytestmark = util.serial_only
@@ -30,13 +30,13 @@ def _has_shard_map() -> bool:
 
 
 def _has_heartbeat_timeout() -> bool:
-    client = _jax_compat.distributed_runtime().get_distributed_runtime_client
+    client = _compat.distributed_runtime().get_distributed_runtime_client
     takes = "heartbeat_timeout:" in (client.__doc__ or "")
-    return takes and _jax_compat.initialize_accepts("heartbeat_timeout_seconds")
+    return takes and _compat.initialize_accepts("heartbeat_timeout_seconds")
 
 
 def _has_coordinator_port() -> bool:
-    method = _jax_compat.ClusterEnv.get_coordinator_address
+    method = _compat.ClusterEnv.get_coordinator_address
     return "override_coordinator_port" in inspect.signature(method).parameters
 
 
@@ -92,13 +92,13 @@ PROBES = {
 
 
 def test_every_row_has_a_probe():
-    assert PROBES.keys() == _jax_compat.CHANGES.keys()
+    assert PROBES.keys() == _compat.CHANGES.keys()
 
 
-@pytest.mark.parametrize("change", sorted(_jax_compat.CHANGES))
+@pytest.mark.parametrize("change", sorted(_compat.CHANGES))
 def test_row_is_true_of_this_jax(change):
-    first = ".".join(map(str, _jax_compat.CHANGES[change]))
-    assert _jax_compat.since(change) == PROBES[change](), (
+    first = ".".join(map(str, _compat.CHANGES[change]))
+    assert _compat.since(change) == PROBES[change](), (
         f"jax {jax.__version__}: the table says {change} came in {first}, but this "
         f"JAX {'has' if PROBES[change]() else 'lacks'} it"
     )
@@ -108,7 +108,7 @@ def _docstring_rows() -> dict:
     """Return ``{version: text}`` of the table in the module's docstring."""
     rows: dict = {}
     version = None
-    for line in _jax_compat.__doc__.splitlines():
+    for line in _compat.__doc__.splitlines():
         if line.startswith("="):
             version = None
             continue
@@ -123,10 +123,10 @@ def _docstring_rows() -> dict:
 
 def test_docstring_table_is_the_table():
     rows = _docstring_rows()
-    floor = ".".join(map(str, _jax_compat.FLOOR))
-    firsts = {".".join(map(str, v)) for v in _jax_compat.CHANGES.values()}
+    floor = ".".join(map(str, _compat.FLOOR))
+    firsts = {".".join(map(str, v)) for v in _compat.CHANGES.values()}
     assert set(rows) == firsts | {floor}
-    for change, version in _jax_compat.CHANGES.items():
+    for change, version in _compat.CHANGES.items():
         assert change in rows[".".join(map(str, version))], change
 
 
@@ -135,10 +135,10 @@ def test_floor_is_setup_cfgs():
     text = (util.ROOT / "setup.cfg").read_text()
     match = re.search(r"^\s*jax\s*>=\s*([0-9.]+)", text, re.MULTILINE)
     assert match, "no jax>=X in setup.cfg"
-    assert _jax_compat.parse_version(match.group(1)) == _jax_compat.FLOOR
-    assert _jax_compat.JAX_VERSION >= _jax_compat.FLOOR
-    assert _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0] == _jax_compat.FLOOR
-    assert _jax_compat.CACHE_WRITE_PARAMS[0][0] == _jax_compat.FLOOR
+    assert _compat.parse_version(match.group(1)) == _compat.FLOOR
+    assert _compat.JAX_VERSION >= _compat.FLOOR
+    assert _compat.COORDINATOR_ADDRESS_KWARGS[0][0] == _compat.FLOOR
+    assert _compat.CACHE_WRITE_PARAMS[0][0] == _compat.FLOOR
 
 
 def test_cache_write_params_are_this_jaxs():
@@ -148,23 +148,23 @@ def test_cache_write_params_are_this_jaxs():
     from jax._src import compiler
 
     own = getattr(compiler._cache_write, "jax_original", compiler._cache_write)
-    assert tuple(inspect.signature(own).parameters) == _jax_compat.cache_write_params()
+    assert tuple(inspect.signature(own).parameters) == _compat.cache_write_params()
 
 
 def test_since_compares_versions():
-    first = _jax_compat.CHANGES["jax.enable_x64"]
-    assert _jax_compat.since("jax.enable_x64", first)
-    assert _jax_compat.since("jax.enable_x64", (first[0] + 1, 0, 0))
-    assert not _jax_compat.since("jax.enable_x64", _jax_compat.FLOOR)
+    first = _compat.CHANGES["jax.enable_x64"]
+    assert _compat.since("jax.enable_x64", first)
+    assert _compat.since("jax.enable_x64", (first[0] + 1, 0, 0))
+    assert not _compat.since("jax.enable_x64", _compat.FLOOR)
 
 
 def test_enable_x64():
     import jax.numpy as jnp
 
     before = jnp.asarray(np.int64(1)).dtype
-    with _jax_compat.enable_x64(True):
+    with _compat.enable_x64(True):
         assert jnp.asarray(np.int64(1)).dtype == jnp.int64
-    with _jax_compat.enable_x64(False):
+    with _compat.enable_x64(False):
         assert jnp.asarray(np.int64(1)).dtype == jnp.int32
     assert jnp.asarray(np.int64(1)).dtype == before
 
@@ -176,19 +176,19 @@ def test_unregister_event_duration_listener():
         heard.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
-    _jax_compat.unregister_event_duration_listener(listen)
+    _compat.unregister_event_duration_listener(listen)
     jax.monitoring.record_event_duration_secs("/mpi4jax_dist/test", 1.0)
     assert heard == []
 
 
 def test_runtime_client_takes_the_heartbeat():
     """A client is made (not connected) with the heartbeat of this JAX's kind."""
-    runtime = _jax_compat.distributed_runtime()
+    runtime = _compat.distributed_runtime()
     client = runtime.get_distributed_runtime_client(
         "127.0.0.1:1",
         0,
         shutdown_on_destruction=False,
-        **_jax_compat.runtime_heartbeat(100),
+        **_compat.runtime_heartbeat(100),
     )
     del client
 
@@ -198,33 +198,33 @@ def test_shard_map_psum():
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(jax.local_devices()[:1]), ("x",))
-    f = _jax_compat.shard_map(
+    f = _compat.shard_map(
         lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()
     )
     assert np.asarray(jax.jit(f)(jax.numpy.arange(3.0))).tolist() == [0.0, 1.0, 2.0]
 
 
 def test_cpu_collectives():
-    assert _jax_compat.cpu_collectives() == "gloo"  # JAX's default, at every version
+    assert _compat.cpu_collectives() == "gloo"  # JAX's default, at every version
 
 
 def test_cluster_name():
-    assert _jax_compat.cluster_name(_jax_compat.ClusterEnv._cluster_types[0]) == (
+    assert _compat.cluster_name(_compat.ClusterEnv._cluster_types[0]) == (
         "mpi4jax_dist"
     )
 
     class Nameless:
         pass
 
-    assert _jax_compat.cluster_name(Nameless) is None
+    assert _compat.cluster_name(Nameless) is None
 
 
 _PREEMPTION = """
 import json
-from mpi4jax_dist import _jax_compat
-before = _jax_compat.preemption_service()
-_jax_compat.disable_preemption_service()
-print(json.dumps([before, _jax_compat.preemption_service()]))
+from mpi4jax_dist import _compat
+before = _compat.preemption_service()
+_compat.disable_preemption_service()
+print(json.dumps([before, _compat.preemption_service()]))
 """
 
 
@@ -245,17 +245,17 @@ def test_disable_preemption_service():
 _GLOO = """
 import json, sys
 import jax
-from mpi4jax_dist import _jax_compat
-published = _jax_compat.publish_gloo_address(sys.argv[1])
-again = _jax_compat.publish_gloo_address(sys.argv[1])  # wraps JAX's factory again
+from mpi4jax_dist import _compat
+published = _compat.publish_gloo_address(sys.argv[1])
+again = _compat.publish_gloo_address(sys.argv[1])  # wraps JAX's factory again
 jax.distributed.initialize()  # a world of one process: JAX makes Gloo
 try:
     jax.devices()
     made = "made"
 except Exception as err:
     made = f"{type(err).__name__}: {err}"
-print(json.dumps([published, again, _jax_compat.published_gloo_address(), made,
-                  _jax_compat.publish_gloo_address("127.0.0.1")]))
+print(json.dumps([published, again, _compat.published_gloo_address(), made,
+                  _compat.publish_gloo_address("127.0.0.1")]))
 """
 
 
@@ -287,7 +287,7 @@ def test_publish_gloo_address(address, made):
 def test_functions_are_traced_once_around_the_first_calls():
     """A jit traced before the first allreduce, iallreduce and cg is not traced
     again after them, nor are they: the trace context (every jit's cache key) is
-    whole once the package is imported (:func:`_jax_compat.complete_trace_context`).
+    whole once the package is imported (:func:`_compat.complete_trace_context`).
     """
     proc = util.run_mpi("trace_once.py", 2, timeout=120)
     for record in util.result_lines(proc, 2, "rank"):
@@ -312,5 +312,5 @@ def test_an_import_after_tracing_traces_again():
         [sys.executable, "-c", code], env=util.clean_env(), timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    again = _jax_compat.since("jax.extend registers trace context")
+    again = _compat.since("jax.extend registers trace context")
     assert proc.stdout.split()[-1] == ("2" if again else "1"), proc.stdout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpi4jax_dist import _launch
+from mpi4jax_dist.launch import detect
 
 # (launcher variables as each launcher sets them, expected name, expected size)
 LAUNCHES = [
@@ -146,7 +146,7 @@ NOT_LAUNCHES = [
     "env, name, size", LAUNCHES, ids=[case[1] for case in LAUNCHES]
 )
 def test_launchers_detected(env, name, size):
-    info = _launch.detect(env)
+    info = detect.detect(env)
     assert info is not None
     assert (info.launcher, info.size) == (name, size)
     assert set(info.variables) <= set(env)
@@ -154,4 +154,4 @@ def test_launchers_detected(env, name, size):
 
 @pytest.mark.parametrize("env", NOT_LAUNCHES)
 def test_plain_runs_not_detected(env):
-    assert _launch.detect(env) is None
+    assert detect.detect(env) is None

@@ -1,4 +1,4 @@
-"""What grows with the process count (``mpi4jax_dist._limits``): open files, JAX's
+"""What grows with the process count (``mpi4jax_dist.launch.limits``): open files, JAX's
 timeouts, and what the diagnostics say about a planned job size."""
 
 import json
@@ -8,18 +8,19 @@ import sys
 import pytest
 import util
 
-from mpi4jax_dist import _api, _jax_compat, _limits
+from mpi4jax_dist import _compat
+from mpi4jax_dist.launch import api, limits
 
 pytestmark = util.skip_in_mpi_job
 
 
 def test_timeouts_grow_with_the_process_count():
-    assert _limits.timeouts(2) == _limits.JAX_TIMEOUTS  # JAX's own below 100
-    assert _limits.timeouts(1000) == {
+    assert limits.timeouts(2) == limits.JAX_TIMEOUTS  # JAX's own below 100
+    assert limits.timeouts(1000) == {
         "initialization_timeout": 310,
         "heartbeat_timeout_seconds": 101,
     }
-    assert _limits.timeouts(100_000) == {
+    assert limits.timeouts(100_000) == {
         "initialization_timeout": 1300,
         "heartbeat_timeout_seconds": 200,
     }
@@ -28,28 +29,29 @@ def test_timeouts_grow_with_the_process_count():
 def test_topology_timeouts_grow_with_the_square_of_the_process_count():
     local = "jax_cpu_get_local_topology_timeout_minutes"
     glob = "jax_cpu_get_global_topology_timeout_minutes"
-    assert _limits.topology_timeouts(1000) == _limits.JAX_TOPOLOGY_TIMEOUTS
-    assert _limits.topology_timeouts(10_000) == _limits.JAX_TOPOLOGY_TIMEOUTS
-    assert _limits.topology_timeouts(100_000) == {local: 72, glob: 165}
+    assert limits.topology_timeouts(1000) == limits.JAX_TOPOLOGY_TIMEOUTS
+    assert limits.topology_timeouts(10_000) == limits.JAX_TOPOLOGY_TIMEOUTS
+    assert limits.topology_timeouts(100_000) == {local: 72, glob: 165}
     for procs in (2, 5000, 30_000, 100_000, 300_000):
-        minutes = _limits.topology_timeouts(procs)
+        minutes = limits.topology_timeouts(procs)
         assert minutes[glob] > minutes[local]  # JAX's rule
-        model = _limits.topology_exchange_s(procs)
-        assert 60 * minutes[glob] >= _limits.TOPOLOGY_SAFETY * model["whole"]
+        model = limits.topology_exchange_s(procs)
+        assert 60 * minutes[glob] >= limits.TOPOLOGY_SAFETY * model["whole"]
 
 
 _RAISE_CONFIG = """
 import jax
-from mpi4jax_dist import _jax_compat, _limits
+from mpi4jax_dist import _compat
+from mpi4jax_dist.launch import limits
 local = "jax_cpu_get_local_topology_timeout_minutes"
 glob = "jax_cpu_get_global_topology_timeout_minutes"
 if not hasattr(jax.config, local):
-    print("absent", _jax_compat.raise_config_defaults(
-        _limits.topology_timeouts(100_000), _limits.JAX_TOPOLOGY_TIMEOUTS))
+    print("absent", _compat.raise_config_defaults(
+        limits.topology_timeouts(100_000), limits.JAX_TOPOLOGY_TIMEOUTS))
     raise SystemExit
 jax.config.update(glob, 7)  # the user's own
-applied = _jax_compat.raise_config_defaults(
-    _limits.topology_timeouts(100_000), _limits.JAX_TOPOLOGY_TIMEOUTS)
+applied = _compat.raise_config_defaults(
+    limits.topology_timeouts(100_000), limits.JAX_TOPOLOGY_TIMEOUTS)
 print(sorted(applied.items()), getattr(jax.config, local), getattr(jax.config, glob))
 """
 
@@ -69,9 +71,9 @@ def test_topology_timeouts_are_raised_only_where_the_user_set_none():
 
 
 def test_initialize_fills_in_only_what_the_caller_left_out():
-    arguments = _api.jax_arguments(100_000, {"initialization_timeout": 5})
+    arguments = api.jax_arguments(100_000, {"initialization_timeout": 5})
     assert arguments["initialization_timeout"] == 5  # the caller's
-    if _jax_compat.since("heartbeat_timeout_seconds"):
+    if _compat.since("heartbeat_timeout_seconds"):
         assert arguments["heartbeat_timeout_seconds"] == 200
     else:  # not an argument of this JAX's initialize: not passed
         assert "heartbeat_timeout_seconds" not in arguments
@@ -81,10 +83,10 @@ def test_initialize_fills_in_only_what_the_caller_left_out():
 def _limit_script(soft, hard, procs):
     return (
         "import resource\n"
-        "from mpi4jax_dist import _limits\n"
+        "from mpi4jax_dist.launch import limits\n"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
         "try:\n"
-        f"    print('RAISED', _limits.ensure_file_limit({procs}))\n"
+        f"    print('RAISED', limits.ensure_file_limit({procs}))\n"
         "except RuntimeError as err:\n"
         "    print('ERROR', err)\n"
         "print('NOW', resource.getrlimit(resource.RLIMIT_NOFILE))\n"
@@ -128,11 +130,11 @@ def test_diagnostics_judge_a_planned_job_size():
     )
     scale = report["scale"]
     assert scale["open_files"] == {"soft": 1024, "hard": 4096, "needed": 100256}
-    assert scale["timeouts"]["mpi4jax_dist.initialize"] == _limits.timeouts(100_000)
+    assert scale["timeouts"]["mpi4jax_dist.initialize"] == limits.timeouts(100_000)
     # 88 B from each process to process 0, 90 B per pair of processes back.
     assert scale["topology_exchange_bytes"] == 88 * 10**5 + 90 * 10**10
     assert scale["topology_timeouts_minutes"]["mpi4jax_dist.initialize"] == (
-        _limits.topology_timeouts(100_000)
+        limits.topology_timeouts(100_000)
     )
     assert any(
         "hard open-file limit, 4096, is below the 100256" in p
@@ -155,10 +157,10 @@ def test_diagnostics_judge_a_planned_job_size():
 def test_the_gpu_exchange_warning_starts_where_the_model_exceeds_xla_5_minutes():
     """The CUDA plugin's exchange at one GPU per process: within XLA's fixed 5 min
     at 10^4 processes by the model, beyond it at 3 x 10^4."""
-    model = _limits.topology_exchange_s
-    gpu_bytes = _limits.gpu_local_topology_bytes(1)
+    model = limits.topology_exchange_s
+    gpu_bytes = limits.gpu_local_topology_bytes(1)
     assert model(10_000, gpu_bytes)["whole"] < 300 < model(30_000, gpu_bytes)["whole"]
-    quiet = _limits.report(10_000)["warnings"]
+    quiet = limits.report(10_000)["warnings"]
     assert not any("CUDA plugin" in w for w in quiet), quiet
-    loud = _limits.report(30_000)["warnings"]
+    loud = limits.report(30_000)["warnings"]
     assert any("CUDA plugin" in w for w in loud), loud

@@ -10,7 +10,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _topology
+from mpi4jax_dist.launch import bootstrap
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -81,24 +81,24 @@ def test_bootstrap_calls_counted_as_they_ran():
     from mpi4py import MPI
 
     mpi4jax_dist.topology()
-    calls = _topology.current().calls
+    calls = bootstrap.current().calls
     # Every rank makes the same collectives (local calls differ: leaders free
     # their split).
     before_release = [
         (c.name, c.phase, c.bytes_per_rank)
-        for c in _topology.collectives()
+        for c in bootstrap.collectives()
         if c.phase != "release"
     ]
     lists = MPI.COMM_WORLD.allgather(before_release)
     all_ranks(all(m == lists[0] for m in lists), f"ranks disagree: {lists}")
     problems = bootstrap_problems(calls)
     all_ranks(not problems, f"{problems} in {calls}")
-    names = [c.name for c in _topology.collectives() if c.phase == "topology"]
+    names = [c.name for c in bootstrap.collectives() if c.phase == "topology"]
     expected = ["Split_type", "Iexscan", "Iallreduce", "Ibcast", "Ibcast"]
     all_ranks(names == expected, f"{names}")
 
 
-class ExtraBroadcast(_topology.Bootstrap):
+class ExtraBroadcast(bootstrap.Bootstrap):
     """A bootstrap with one collective more than it needs: what the count must see."""
 
     def _node_numbers(self, comm, node, local_rank, deadline):
@@ -107,7 +107,7 @@ class ExtraBroadcast(_topology.Bootstrap):
         return super()._node_numbers(comm, node, local_rank, deadline)
 
 
-class ExtraBarrier(_topology.Bootstrap):
+class ExtraBarrier(bootstrap.Bootstrap):
     """A bootstrap calling an MPI function the cost table does not know."""
 
     def _node_numbers(self, comm, node, local_rank, deadline):
@@ -118,7 +118,7 @@ class ExtraBarrier(_topology.Bootstrap):
 @pytest.mark.parametrize(
     "cls, caught",
     [
-        (_topology.Bootstrap, None),
+        (bootstrap.Bootstrap, None),
         (ExtraBroadcast, "6 communicating calls compute the topology"),
         (ExtraBarrier, "Barrier: not a call we know the cost of"),
     ],
@@ -126,13 +126,13 @@ class ExtraBarrier(_topology.Bootstrap):
 def test_an_added_collective_is_counted(cls, caught):
     from mpi4py import MPI
 
-    bootstrap = cls(comm=MPI.COMM_WORLD, timeout_s=60)
+    made = cls(comm=MPI.COMM_WORLD, timeout_s=60)
     try:
-        topo = bootstrap.run()
+        topo = made.run()
     finally:
-        bootstrap.close()
+        made.close()
     all_ranks(topo.size == MPI.COMM_WORLD.size, str(topo))
-    problems = bootstrap_problems(bootstrap.calls)
+    problems = bootstrap_problems(made.calls)
     if caught is None:
         all_ranks(not problems, str(problems))
     else:
@@ -144,7 +144,7 @@ def test_later_calls_must_ask_for_the_same_settings():
 
     topo = mpi4jax_dist.topology()
     port = int(topo.coordinator_address.rpartition(":")[2])
-    first = _topology.Bootstrap(
+    first = bootstrap.Bootstrap(
         comm=MPI.COMM_WORLD, timeout_s=60, timeout_explicit=True, topology=topo
     )
     first.check_settings(comm=MPI.COMM_WORLD, port=port, timeout_s=60)
@@ -155,7 +155,7 @@ def test_later_calls_must_ask_for_the_same_settings():
     with pytest.raises(RuntimeError, match="another communicator"):
         first.check_settings(comm=MPI.COMM_SELF)
     # A first call that asked for no timeout (JAX's default) takes a later one.
-    default = _topology.Bootstrap(comm=MPI.COMM_WORLD, topology=topo)
+    default = bootstrap.Bootstrap(comm=MPI.COMM_WORLD, topology=topo)
     default.check_settings(timeout_s=30)
     assert (default.timeout_s, default.timeout_explicit) == (30, True)
 
@@ -186,13 +186,13 @@ def test_psum_equals_mpi4jax_allreduce(world):
     from jax.sharding import PartitionSpec as P
     from mpi4py import MPI
 
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
     mesh = mpi4jax_dist.global_mesh()
     local = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3) * (world.rank + 1)
 
     summed = jax.jit(
-        _jax_compat.shard_map(
+        _compat.shard_map(
             lambda a: jax.lax.psum(a, "ranks"),
             mesh=mesh,
             in_specs=P("ranks"),

@@ -12,7 +12,7 @@ import time
 import pytest
 import util
 
-from mpi4jax_dist import _network
+from mpi4jax_dist.launch import network
 
 pytestmark = [util.serial_only, util.same_under_every_mpi]
 
@@ -43,14 +43,14 @@ def unanswered():
 
 
 def test_not_reached(listening, refused, unanswered):
-    assert _network.not_reached("127.0.0.1", listening, 1) is None
-    assert _network.not_reached("127.0.0.1", refused, 1) == _network.REFUSED
-    assert _network.not_reached("127.0.0.1", unanswered, 0.3) == "no answer in 0.3 s"
+    assert network.not_reached("127.0.0.1", listening, 1) is None
+    assert network.not_reached("127.0.0.1", refused, 1) == network.REFUSED
+    assert network.not_reached("127.0.0.1", unanswered, 0.3) == "no answer in 0.3 s"
 
 
 def test_wait_accepting_stops_on_silence(unanswered):
     start = time.monotonic()
-    why = _network.wait_accepting(
+    why = network.wait_accepting(
         "127.0.0.1", unanswered, start + 30, 1e-3, 0.01, silence_s=1
     )
     assert why == "no answer in 0.5 s, for 1 s"
@@ -59,7 +59,7 @@ def test_wait_accepting_stops_on_silence(unanswered):
 
 def test_wait_accepting_waits_out_refusals(refused):
     start = time.monotonic()
-    why = _network.wait_accepting(
+    why = network.wait_accepting(
         "127.0.0.1", refused, start + 0.5, 1e-3, 0.01, silence_s=0.1
     )
     assert why == "refused, until the deadline"  # refusals are not silence
@@ -79,7 +79,7 @@ def test_wait_accepting_until_it_listens(refused):
     try:
         deadline = time.monotonic() + 10
         assert (
-            _network.wait_accepting("127.0.0.1", refused, deadline, 1e-3, 0.01) is None
+            network.wait_accepting("127.0.0.1", refused, deadline, 1e-3, 0.01) is None
         )
     finally:
         thread.join()
@@ -89,14 +89,14 @@ def test_wait_accepting_until_it_listens(refused):
 def test_collectives_address():
     # Loopback reaches loopback; on a cluster, the node's address on the
     # coordinator's network (tests/test_slurm_cluster.py).
-    assert _network.source_address("127.0.0.1") == "127.0.0.1"
-    assert _network.collectives_address("127.0.0.1:1234") == "127.0.0.1"
-    assert _network.collectives_address("127.0.0.1:1234", "lo") == "127.0.0.1"
+    assert network.source_address("127.0.0.1") == "127.0.0.1"
+    assert network.collectives_address("127.0.0.1:1234") == "127.0.0.1"
+    assert network.collectives_address("127.0.0.1:1234", "lo") == "127.0.0.1"
     with pytest.raises(ValueError, match="MPI4JAX_DIST_INTERFACE='nope'"):
-        _network.collectives_address("127.0.0.1:1234", "nope")
+        network.collectives_address("127.0.0.1:1234", "nope")
 
 
 def test_hostname_on_loopback():
-    found = _network.hostname_on_loopback()
+    found = network.hostname_on_loopback()
     resolved = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
     assert found == (resolved if resolved.startswith("127.") else None)

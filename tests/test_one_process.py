@@ -16,7 +16,8 @@ import pytest
 import util
 from util import skip_in_mpi_job
 
-from mpi4jax_dist import _cluster, _jax_compat
+from mpi4jax_dist import _compat
+from mpi4jax_dist.launch import cluster
 
 TIMEOUT = 120
 SCRIPT = util.SCRIPTS / "any_launch.py"
@@ -42,19 +43,20 @@ def loopback(ip: str) -> bool:
 
 
 def test_asked_last_and_ours_first():
-    registry = _jax_compat.ClusterEnv._cluster_types
-    assert registry[0] is _cluster.Mpi4jaxDistCluster
-    assert registry[-1] is _cluster.OneProcessCluster
-    assert registry.count(_cluster.OneProcessCluster) == 1
-    assert not _cluster.OneProcessCluster.opt_in_only_method
+    registry = _compat.ClusterEnv._cluster_types
+    assert registry[0] is cluster.Mpi4jaxDistCluster
+    assert registry[-1] is cluster.OneProcessCluster
+    assert registry.count(cluster.OneProcessCluster) == 1
+    assert not cluster.OneProcessCluster.opt_in_only_method
 
 
 @util.same_under_every_mpi
 @skip_in_mpi_job
 def test_present_only_without_launcher_and_switch():
     code = (
-        "import mpi4jax_dist, sys; from mpi4jax_dist._cluster import OneProcessCluster"
-        " as C; print(C.is_env_present(), 'mpi4py.MPI' in sys.modules)"
+        "import mpi4jax_dist, sys; "
+        "from mpi4jax_dist.launch.cluster import OneProcessCluster as C; "
+        "print(C.is_env_present(), 'mpi4py.MPI' in sys.modules)"
     )
 
     def ask(**env):
@@ -77,9 +79,10 @@ def test_env_registered_after_ours_is_asked_first():
     the fallback in JAX's list; the fallback steps aside while it is present."""
     code = """
 import mpi4jax_dist
-from mpi4jax_dist import _cluster, _jax_compat
+from mpi4jax_dist.launch import cluster
+from mpi4jax_dist import _compat
 
-class SiteCluster(_jax_compat.ClusterEnv):
+class SiteCluster(_compat.ClusterEnv):
     name = "site"
     present = True
 
@@ -87,10 +90,10 @@ class SiteCluster(_jax_compat.ClusterEnv):
     def is_env_present(cls):
         return cls.present
 
-last = _jax_compat.ClusterEnv._cluster_types[-1] is SiteCluster
-with_site = _cluster.OneProcessCluster.is_env_present()
+last = _compat.ClusterEnv._cluster_types[-1] is SiteCluster
+with_site = cluster.OneProcessCluster.is_env_present()
 SiteCluster.present = False
-print(last, with_site, _cluster.OneProcessCluster.is_env_present())
+print(last, with_site, cluster.OneProcessCluster.is_env_present())
 """
     cmd = [sys.executable, "-c", code]
     proc = util.run_command(cmd, env=util.clean_env(), timeout=TIMEOUT)

@@ -12,7 +12,8 @@ import pytest
 import util
 
 import mpi4jax_dist
-from mpi4jax_dist import _cluster, _config, _devices, _jax_compat
+from mpi4jax_dist import _compat, _config
+from mpi4jax_dist.launch import cluster, devices
 
 # One process each (compiling, or a fresh interpreter): the serial session's.
 pytestmark = util.serial_only
@@ -31,14 +32,14 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_registered_first_under_own_name():
-    registry = _jax_compat.ClusterEnv._cluster_types
-    assert registry[0] is _cluster.Mpi4jaxDistCluster
-    assert registry.count(_cluster.Mpi4jaxDistCluster) == 1
-    assert _cluster.Mpi4jaxDistCluster.name == "mpi4jax_dist"
-    assert not _cluster.Mpi4jaxDistCluster.opt_in_only_method
+    registry = _compat.ClusterEnv._cluster_types
+    assert registry[0] is cluster.Mpi4jaxDistCluster
+    assert registry.count(cluster.Mpi4jaxDistCluster) == 1
+    assert cluster.Mpi4jaxDistCluster.name == "mpi4jax_dist"
+    assert not cluster.Mpi4jaxDistCluster.opt_in_only_method
     # JAX's own opt-in env keeps its name; ours must not shadow it.
-    mpi4py_envs = [c for c in registry if _jax_compat.cluster_name(c) == "mpi4py"]
-    assert mpi4py_envs != [_cluster.Mpi4jaxDistCluster]
+    mpi4py_envs = [c for c in registry if _compat.cluster_name(c) == "mpi4py"]
+    assert mpi4py_envs != [cluster.Mpi4jaxDistCluster]
 
 
 def test_import_touches_neither_mpi_nor_backend():
@@ -76,7 +77,7 @@ import json, sys
 sys.modules["mpi4jax"] = None
 import mpi4jax_dist
 from mpi4jax_dist import cg
-from mpi4jax_dist._diagnose import diagnose
+from mpi4jax_dist.diagnostics.check import diagnose
 
 errors = {}
 for name, call in [
@@ -120,7 +121,7 @@ print(json.dumps({"errors": errors, "mpi_imported": mpi_imported, "check": check
 def test_present_under_faked_launcher_and_disable_switch():
     code = """
 import mpi4jax_dist, sys
-from mpi4jax_dist._cluster import Mpi4jaxDistCluster as C
+from mpi4jax_dist.launch.cluster import Mpi4jaxDistCluster as C
 print(C.is_env_present(), "mpi4py.MPI" in sys.modules)
 """
     launch = {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0"}
@@ -137,7 +138,7 @@ print(C.is_env_present(), "mpi4py.MPI" in sys.modules)
 def test_present_once_mpi_initialized_in_process():
     code = """
 import mpi4jax_dist
-from mpi4jax_dist._cluster import Mpi4jaxDistCluster as C
+from mpi4jax_dist.launch.cluster import Mpi4jaxDistCluster as C
 before = C.is_env_present()
 from mpi4py import MPI
 print(before, C.is_env_present())
@@ -243,14 +244,12 @@ DEVICE_RULES = [
 
 @pytest.mark.parametrize("env, local_rank, local_size, expected", DEVICE_RULES)
 def test_local_device_ids_rules(env, local_rank, local_size, expected):
-    assert (
-        _devices.local_device_ids(local_rank, local_size, env, NO_GPU_DIR) == expected
-    )
+    assert devices.local_device_ids(local_rank, local_size, env, NO_GPU_DIR) == expected
 
 
 def test_local_device_ids_uneven_warns():
     with pytest.warns(RuntimeWarning, match="JAX_LOCAL_DEVICE_IDS"):
-        ids = _devices.local_device_ids(
+        ids = devices.local_device_ids(
             0, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2"}, NO_GPU_DIR
         )
     assert ids is None
@@ -259,7 +258,7 @@ def test_local_device_ids_uneven_warns():
 def test_local_device_ids_count_driver_gpus(tmp_path):
     for i in range(4):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
-    assert _devices.local_device_ids(3, 4, {}, str(tmp_path)) == [3]
+    assert devices.local_device_ids(3, 4, {}, str(tmp_path)) == [3]
 
 
 @pytest.mark.parametrize(
@@ -279,7 +278,7 @@ def test_local_device_ids_count_driver_gpus(tmp_path):
 )
 def test_bad_level_zero_values_name_the_variable(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        _devices.local_device_ids(0, 1, env, NO_GPU_DIR)
+        devices.local_device_ids(0, 1, env, NO_GPU_DIR)
 
 
 @pytest.mark.parametrize(
@@ -304,13 +303,13 @@ def test_describe_says_what_decided(env, expected):
     leaves, the ids JAX gets (the uneven case's warning is the bootstrap's)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        d = _devices.describe(1, 2, env, NO_GPU_DIR)
+        d = devices.describe(1, 2, env, NO_GPU_DIR)
     assert (d["source"], d["visible"], d["local_device_ids"]) == expected
 
 
 def test_bad_local_device_ids_names_variable():
     with pytest.raises(ValueError, match="JAX_LOCAL_DEVICE_IDS='a,b'"):
-        _devices.local_device_ids(0, 1, {"JAX_LOCAL_DEVICE_IDS": "a,b"}, NO_GPU_DIR)
+        devices.local_device_ids(0, 1, {"JAX_LOCAL_DEVICE_IDS": "a,b"}, NO_GPU_DIR)
 
 
 @pytest.mark.parametrize(
@@ -325,7 +324,7 @@ def test_bad_local_device_ids_names_variable():
     ],
 )
 def test_parse_version(text, version):
-    assert _jax_compat.parse_version(text) == version
+    assert _compat.parse_version(text) == version
 
 
 # (jax version, keyword arguments it passes to get_coordinator_address)
@@ -339,16 +338,16 @@ COORDINATOR_CALLS = [
 
 @pytest.mark.parametrize("version, kwargs", COORDINATOR_CALLS)
 def test_coordinator_call_of_each_version(version, kwargs):
-    assert _jax_compat.coordinator_address_kwargs(version) == kwargs
+    assert _compat.coordinator_address_kwargs(version) == kwargs
     # Our env accepts each version's call (calling it for real would bootstrap and
     # wait for a coordination service that this test does not start).
-    method = _cluster.Mpi4jaxDistCluster.get_coordinator_address
+    method = cluster.Mpi4jaxDistCluster.get_coordinator_address
     inspect.signature(method).bind(**{k: None for k in kwargs})
 
 
 def test_installed_jax_matches_a_row():
-    assert _jax_compat.JAX_VERSION >= _jax_compat.COORDINATOR_ADDRESS_KWARGS[0][0]
-    assert _jax_compat.initialize_accepts("cluster_detection_method")
+    assert _compat.JAX_VERSION >= _compat.COORDINATOR_ADDRESS_KWARGS[0][0]
+    assert _compat.initialize_accepts("cluster_detection_method")
 
 
 def test_public_api():

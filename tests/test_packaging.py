@@ -49,7 +49,8 @@ import mpi4jax_dist
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-from mpi4jax_dist import _ffi, _jax_compat
+from mpi4jax_dist import _ffi
+from mpi4jax_dist import _compat
 
 result = {"file": mpi4jax_dist.__file__, "prefix": sys.prefix}
 jax.distributed.initialize()  # the cluster env registered by the import
@@ -57,7 +58,7 @@ result["process"] = [jax.process_index(), jax.process_count()]
 mesh = mpi4jax_dist.global_mesh()
 local = jnp.arange(4, dtype=jnp.float32) + jax.process_index()
 summed = jax.jit(
-    _jax_compat.shard_map(
+    _compat.shard_map(
         lambda a: jax.lax.psum(a, "ranks"),
         mesh=mesh,
         in_specs=PartitionSpec("ranks"),

@@ -8,16 +8,13 @@ import util
 pytestmark = util.skip_in_mpi_job
 
 
-def test_pytest_does_not_collect_the_imported_test_function(tmp_path):
-    """``from mpi4jax_dist import test`` in a user's test module: pytest would
-    collect ``test(req)`` as a test and fail on its missing fixture ``req``. The
-    name is deprecated (``req.test()`` replaces it) but still imports, warning;
-    ``Request``, whose method ``test`` is, is no test class either."""
+def test_pytest_does_not_collect_the_request_class(tmp_path):
+    """``from mpi4jax_dist import Request`` in a user's test module: ``Request``,
+    whose method is named ``test``, is no test class to pytest."""
     (tmp_path / "test_user.py").write_text(
-        "from mpi4jax_dist import Request, iallreduce, test, wait\n\n\n"
+        "from mpi4jax_dist import Request, iallreduce\n\n\n"
         "def test_something():\n"
-        "    assert callable(test) and callable(wait) and callable(iallreduce)\n"
-        "    assert callable(Request.test)\n"
+        "    assert callable(iallreduce) and callable(Request.test)\n"
     )
     proc = subprocess.run(
         [
@@ -36,17 +33,16 @@ def test_pytest_does_not_collect_the_imported_test_function(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout, proc.stdout
-    assert "mpi4jax_dist.test(req) is deprecated: use req.test()" in proc.stdout
 
 
 def test_the_package_exports_no_generic_names():
     """No ``wait``, ``test`` or ``overlap`` at the package's top level: they are
-    the methods of ``Request`` (the old functions only warn, from ``__getattr__``)."""
+    the methods of ``Request``."""
     import mpi4jax_dist
 
     generic = {"wait", "test", "overlap"}
     assert not generic & set(mpi4jax_dist.__all__)
-    assert not generic & set(dir(mpi4jax_dist))
+    assert not any(hasattr(mpi4jax_dist, name) for name in generic)
     assert generic <= set(dir(mpi4jax_dist.Request))
 
 

@@ -685,7 +685,7 @@ def test_diagnostics_report_a_collective_that_fails():
     print(f"ended in {took:.1f} s: {line}")
 
 
-# --- a hung job (mpi4jax_dist._hangs) ------------------------------------------------
+# --- a hung job (mpi4jax_dist.faults.hangs) -----------------------------------------
 
 STALL = "tests/scripts/stall.py"
 STALL_ENV = {"MPI4JAX_NO_WARN_JAX_VERSION": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}

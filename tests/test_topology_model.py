@@ -1,6 +1,6 @@
 """The topology-exchange model behind ``initialize()``'s timeouts and the
-diagnostics (``mpi4jax_dist._limits.TOPOLOGY_FIT``): it is the fit of the committed
-emulation runs, and the fit finds known coefficients."""
+diagnostics (``mpi4jax_dist.launch.limits.TOPOLOGY_FIT``): it is the fit of the
+committed emulation runs, and the fit finds known coefficients."""
 
 import glob
 import json
@@ -9,7 +9,7 @@ import os
 import pytest
 import util
 
-from mpi4jax_dist import _limits
+from mpi4jax_dist.launch import limits
 
 pytestmark = util.skip_in_mpi_job
 
@@ -27,7 +27,7 @@ def test_the_package_model_is_the_fit_of_the_committed_runs():
     assert RUNS, "no docs/benchmarks/topology_exchange-*.json"
     points = [p for p in model.points(RUNS) if not p["after"]]
     assert len(points) >= 20
-    for phase, coefs in _limits.TOPOLOGY_FIT.items():
+    for phase, coefs in limits.TOPOLOGY_FIT.items():
         fitted = model.fit(points, phase)
         assert fitted.keys() == coefs.keys(), phase
         for name, value in coefs.items():
@@ -40,7 +40,7 @@ def test_the_fit_finds_known_coefficients_and_rejects_others():
     known = {"per_process_s": 1e-3, "per_pair_s": 2e-7, "per_byte_s": 3e-9}
     points = []
     for procs, local in [(64, 88), (512, 88), (4096, 88), (256, 600), (1024, 320)]:
-        terms = _limits.exchange_terms(procs, local)
+        terms = limits.exchange_terms(procs, local)
         whole = sum(c * terms[n] for n, c in known.items())
         points.append({"procs": procs, "local": local, "whole_s": whole, "after": []})
     fitted = model.fit(points, "whole")
@@ -56,15 +56,15 @@ def test_payload_is_what_the_emulation_sends():
     bench = util.load_benchmark("coordinator_scale")
     for procs, local in [(2, 69), (64, 88), (4096, 110), (100, 127), (100, 128)]:
         built = len(b"".join(bench.frame(bytes(local)) for _ in range(procs)))
-        assert _limits.global_topology_bytes(procs, local) == built
-        assert _limits.exchange_payload(procs, local) == procs * local + procs * built
+        assert limits.global_topology_bytes(procs, local) == built
+        assert limits.exchange_payload(procs, local) == procs * local + procs * built
 
 
 def test_scenarios_one_process_per_node_and_jax_platforms_save():
     """The scenario table's arithmetic: JAX_PLATFORMS=cuda drops the CPU exchange,
     one process per 4-GPU node a quarter of the processes."""
     model = util.load_benchmark("topology_model")
-    fit = _limits.TOPOLOGY_FIT
+    fit = limits.TOPOLOGY_FIT
     per_gpu, only_cuda, per_node = (
         model.scenario(name, per, platforms, 100_000, fit)
         for name, per, platforms in model.SCENARIOS[:3]

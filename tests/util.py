@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi4jax_dist import _launch
+from mpi4jax_dist.launch import detect
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -89,7 +89,7 @@ def needs_pretend_nodes():
 
 def in_mpi_job() -> bool:
     """Return True when this test process itself runs under an MPI launcher."""
-    return _launch.detect(os.environ) is not None
+    return detect.detect(os.environ) is not None
 
 
 skip_in_mpi_job = pytest.mark.skipif(
@@ -115,7 +115,7 @@ same_under_every_mpi = pytest.mark.same_under_every_mpi
 def job_size() -> int | None:
     """Return the size of the MPI job this test process is in, from its launcher's
     variables (None outside a job, or when the launcher does not say)."""
-    info = _launch.detect(os.environ)
+    info = detect.detect(os.environ)
     return info.size if info else None
 
 

@@ -1,11 +1,8 @@
 """Sphinx directives that render what the code says, so the pages cannot drift.
 
-``.. mpi4jax-dist-envvars::``
-    The table of environment variables, from ``mpi4jax_dist._config.VARIABLES``
-    (the one module that reads them).
 ``.. mpi4jax-dist-launchers::``
     The launchers recognised by their variables, from
-    ``mpi4jax_dist._launch.LAUNCHERS`` (most specific first).
+    ``mpi4jax_dist.launch.detect.LAUNCHERS`` (most specific first).
 ``.. mpi4jax-dist-cli-help::``
     ``python -m mpi4jax_dist --help``, from the parser itself.
 """
@@ -27,31 +24,11 @@ def _rst_table(header: list[str], rows: list[list[str]], widths: str) -> list[st
     return lines
 
 
-class EnvVars(SphinxDirective):
-    """The environment variables, one group (``:group:``) or all of them."""
-
-    option_spec = {"group": str}
-
-    def run(self):
-        from mpi4jax_dist import _config
-
-        group = self.options.get("group")
-        rows = [
-            [", ".join(f"``{n}``" for n in v.names), v.values, v.meaning]
-            for v in _config.VARIABLES
-            if group is None or v.group == group
-        ]
-        if not rows:
-            raise self.error(f"no variables in group {group!r}")
-        header = ["variable", "values (default first)", "effect"]
-        return _parsed(self, _rst_table(header, rows, "30 20 50"), "VARIABLES")
-
-
 class Launchers(SphinxDirective):
     """The launchers and the variables that recognise them."""
 
     def run(self):
-        from mpi4jax_dist import _launch
+        from mpi4jax_dist.launch import detect
 
         def names(variables):
             return ", ".join(f"``{n}``" for n in variables)
@@ -63,7 +40,7 @@ class Launchers(SphinxDirective):
                 names(launcher.require) or "",
                 f"``{launcher.size}``" if launcher.size else "",
             ]
-            for launcher in _launch.LAUNCHERS
+            for launcher in detect.LAUNCHERS
         ]
         header = ["name", "any of", "and all of", "process count"]
         return _parsed(self, _rst_table(header, rows, "20 35 25 20"), "LAUNCHERS")
@@ -79,14 +56,13 @@ class CliHelp(SphinxDirective):
     """``python -m mpi4jax_dist --help`` as the parser prints it."""
 
     def run(self):
-        from mpi4jax_dist.__main__ import parser
+        from mpi4jax_dist.diagnostics.cli import parser
 
         text = parser().format_help()
         return [nodes.literal_block(text, text)]
 
 
 def setup(app):
-    app.add_directive("mpi4jax-dist-envvars", EnvVars)
     app.add_directive("mpi4jax-dist-launchers", Launchers)
     app.add_directive("mpi4jax-dist-cli-help", CliHelp)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -98,7 +98,7 @@ if args.alone:
 
 from launch_common import cross_process_checks  # noqa: E402
 
-from mpi4jax_dist import _jax_compat  # noqa: E402
+from mpi4jax_dist import _compat  # noqa: E402
 
 kwargs = {} if args.heartbeat is None else {"heartbeat_timeout_seconds": args.heartbeat}
 jax.distributed.initialize(**kwargs)
@@ -111,8 +111,8 @@ fields.update(
     launcher=topo.launcher,
     process_index=jax.process_index(),
     process_count=jax.process_count(),
-    cpu_collectives=_jax_compat.cpu_collectives(),
-    gloo_address=_jax_compat.published_gloo_address(),
+    cpu_collectives=_compat.cpu_collectives(),
+    gloo_address=_compat.published_gloo_address(),
     http_proxy=os.environ.get("http_proxy"),
     no_grpc_proxy=os.environ.get("no_grpc_proxy"),
 )
@@ -122,7 +122,7 @@ if args.bytes:
     message = np.ones(args.bytes // 4, dtype=np.float32)
     mesh = mpi4jax_dist.global_mesh()
     psum = jax.jit(
-        _jax_compat.shard_map(
+        _compat.shard_map(
             lambda x: jax.lax.psum(x, "ranks"),
             mesh=mesh,
             in_specs=jax.sharding.PartitionSpec("ranks"),

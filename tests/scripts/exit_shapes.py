@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 
-from mpi4jax_dist import _failfast
+from mpi4jax_dist.faults import failfast
 
 
 def fake_abort(what, lines, code):
@@ -18,9 +18,9 @@ def fake_abort(what, lines, code):
     os._exit(code)
 
 
-_failfast._abort = fake_abort
-_failfast._state.original_exit = sys.exit
-sys.exit = _failfast._exit
+failfast._abort = fake_abort
+failfast._state.original_exit = sys.exit
+sys.exit = failfast._exit
 
 shape = sys.argv[1]
 

@@ -7,7 +7,7 @@ import jax
 from launch_common import report
 
 import mpi4jax_dist  # noqa: F401  (registers the cluster env)
-from mpi4jax_dist import _topology
+from mpi4jax_dist.launch import bootstrap
 
 before = resource.getrlimit(resource.RLIMIT_NOFILE)
 jax.distributed.initialize(initialization_timeout=60)
@@ -15,5 +15,5 @@ report(
     rank=jax.process_index(),
     before=list(before),
     after=list(resource.getrlimit(resource.RLIMIT_NOFILE)),
-    raised=_topology.current().file_limit_raised,
+    raised=bootstrap.current().file_limit_raised,
 )

@@ -59,7 +59,7 @@ def cross_process_checks() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import mpi4jax_dist
-    from mpi4jax_dist import _jax_compat
+    from mpi4jax_dist import _compat
 
     me = jax.process_index()
     gathered = multihost_utils.process_allgather(np.array([me], dtype=np.int32))
@@ -67,7 +67,7 @@ def cross_process_checks() -> dict:
     local = jnp.array([float(me + 1)], dtype=jnp.float32)
     global_array = mpi4jax_dist.to_global(local, mesh)
     total = jax.jit(jnp.sum)(global_array)
-    summed = _jax_compat.shard_map(
+    summed = _compat.shard_map(
         lambda x: jax.lax.psum(x, "ranks"),
         mesh=mesh,
         in_specs=P("ranks"),

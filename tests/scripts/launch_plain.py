@@ -19,7 +19,7 @@ from launch_common import (
 )
 
 import mpi4jax_dist  # noqa: E402  (registers the cluster env)
-from mpi4jax_dist import _topology
+from mpi4jax_dist.launch import bootstrap
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "jax"
 if mode == "jax":
@@ -40,7 +40,7 @@ fields = dict(
     returned_is_topology=None if returned is None else returned == topo,
     jax_coordinator=jax._src.distributed.global_state.coordinator_address,
     thread_level=MPI.Query_thread(),
-    release=_topology.current().release_mode,
+    release=bootstrap.current().release_mode,
     **topology_fields(topo),
     **jax_fields(),
     **cross_process_checks(),

@@ -51,7 +51,7 @@ import numpy as np
 import mpi4jax_dist
 import jax
 from jax.sharding import PartitionSpec as P
-from mpi4jax_dist import _jax_compat
+from mpi4jax_dist import _compat
 
 # isort: on
 
@@ -72,9 +72,7 @@ rank, size = jax.process_index(), jax.process_count()
 
 
 def shard_map(f):
-    return jax.jit(
-        _jax_compat.shard_map(f, mesh=mesh, in_specs=P(axis), out_specs=P(axis))
-    )
+    return jax.jit(_compat.shard_map(f, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
 
 
 def local(array):
@@ -182,7 +180,7 @@ if problem:
 def bench(nbytes: int) -> float:
     """Median microseconds per psum of ``nbytes`` per rank."""
     n = max(nbytes // 4, 1)
-    step = _jax_compat.shard_map(
+    step = _compat.shard_map(
         lambda b: jax.lax.psum(b, axis) * (1.0 / size),
         mesh=mesh,
         in_specs=P(axis),

@@ -9,13 +9,13 @@ import time
 
 from mpi4py import MPI
 
-from mpi4jax_dist import _topology
+from mpi4jax_dist.launch import bootstrap
 
 comm = MPI.COMM_WORLD
 with socket.socket() as sock:  # a port that nothing listens on once closed
     sock.bind(("127.0.0.1", 0))
     port = comm.bcast(sock.getsockname()[1])
-topo = _topology.Topology(
+topo = bootstrap.Topology(
     rank=comm.rank,
     size=comm.size,
     local_rank=comm.rank,
@@ -25,11 +25,9 @@ topo = _topology.Topology(
     coordinator_address=f"127.0.0.1:{port}",
     launcher="test",
 )
-bootstrap = _topology.Bootstrap(
-    comm=comm, timeout_s=2, topology=topo, release_mode="probe"
-)
+made = bootstrap.Bootstrap(comm=comm, timeout_s=2, topology=topo, release_mode="probe")
 if comm.rank == 0:
     time.sleep(120)
 else:
-    bootstrap.release()
+    made.release()
     print("RELEASED without a coordinator", flush=True)

@@ -14,7 +14,7 @@ import time
 
 from mpi4py import MPI
 
-from mpi4jax_dist import _topology
+from mpi4jax_dist.launch import bootstrap
 
 mode = sys.argv[1]
 comm = MPI.COMM_WORLD
@@ -24,7 +24,7 @@ if comm.rank == 0:
     server.listen(0)
     held = socket.create_connection(server.getsockname())  # fills the queue
 port = comm.bcast(server.getsockname()[1] if comm.rank == 0 else None)
-topo = _topology.Topology(
+topo = bootstrap.Topology(
     rank=comm.rank,
     size=comm.size,
     local_rank=0,
@@ -34,14 +34,12 @@ topo = _topology.Topology(
     coordinator_address=f"127.0.0.1:{port}",
     launcher="test",
 )
-bootstrap = _topology.Bootstrap(
-    comm=comm, timeout_s=2, topology=topo, release_mode=mode
-)
+made = bootstrap.Bootstrap(comm=comm, timeout_s=2, topology=topo, release_mode=mode)
 if comm.rank == 0:
     time.sleep(120)
 elif mode == "thread":
-    bootstrap._check_reachable()
+    made._check_reachable()
     print("REACHED a coordinator that does not answer", flush=True)
 else:
-    bootstrap.release()
+    made.release()
     print("RELEASED by a coordinator that does not answer", flush=True)

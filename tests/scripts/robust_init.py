@@ -12,7 +12,7 @@ import time
 import jax
 
 import mpi4jax_dist
-from mpi4jax_dist import _network
+from mpi4jax_dist.launch import network
 
 late_rank = int(sys.argv[1]) if len(sys.argv) > 1 else -1
 late_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
@@ -38,8 +38,8 @@ result = {
     "bind": os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"),
 }
 if rank == 0:
-    result["answers_on_coordinator"] = _network.accepts(host, int(port))
-    other = _network.routable_address()
+    result["answers_on_coordinator"] = network.accepts(host, int(port))
+    other = network.routable_address()
     result["other_address"] = other
-    result["answers_on_other"] = _network.accepts(other, int(port))
+    result["answers_on_other"] = network.accepts(other, int(port))
 print("RESULT " + json.dumps(result), flush=True)

@@ -1,47 +1,15 @@
-"""A hung job says which rank and where: stacks on demand, and the collective timeout.
-
-**Stacks on demand.** Once this package has bootstrapped JAX's world, ``SIGUSR1``
-(``scancel --signal=USR1 JOB``, PBS's ``qsig -s USR1``, ``kill -USR1`` to
-``mpiexec``, which forwards it) makes every rank write all its threads' Python
-stacks and go on running: to stderr, each line prefixed with ``[rank N]``, or with
-``MPI4JAX_DIST_HANG_DIR`` set to ``DIR/rank-N.txt``, which ``python -m mpi4jax_dist
---hangs DIR`` groups by stack (:func:`summarize`). Python's :mod:`faulthandler`
-writes the stacks from its C signal handler into a pipe, whatever the main thread
-is doing (in MPI, in XLA, in a C call holding the GIL); a thread of ours reads the
-pipe and writes the lines out, prefixed. ``MPI4JAX_DIST_STACKS=0`` leaves
-``SIGUSR1`` alone, as does a handler the program set itself.
-
-**The collective timeout** (``MPI4JAX_DIST_COLLECTIVE_TIMEOUT=SECONDS``, rank 0's
-value for every rank). The compiled ops then poll non-blocking MPI calls against a
-deadline (``_ffi/mpi_helpers.h``: ``WaitRequest``), and count the calls they enter
-on each communicator. Past the deadline an op raises its process's alarm and goes
-on waiting. A watchdog thread on every rank, on a duplicate of the job's
-communicator made by the bootstrap, polls for the alarm and for messages every
-:data:`POLL_S`:
-
-1. the rank whose call timed out sends rank 0's watchdog the call, its
-   communicator (the world ranks of its group) and the call's number there;
-2. rank 0's watchdog takes the first such alarm, asks every rank for its stacks
-   and its count of calls on that communicator, and waits :data:`REPLY_S` for the
-   answers; each rank writes its stacks (as for ``SIGUSR1``) and answers;
-3. rank 0 prints one line: the call, the communicator, the ranks that had not
-   entered it (their count is below the call's number) and the ranks that did not
-   answer (a thread holding the GIL, a stopped process); then ``MPI_Abort``.
-
-Messages go point to point, rank 0 to each rank and back: O(P) small messages at
-rank 0, once, on the way to ``MPI_Abort``; the watchdog sends nothing before an
-alarm (its polls are local). No second thread may call MPI below
-``MPI_THREAD_MULTIPLE``: there the timed-out op prints its own line and aborts.
+"""A hung job says which rank and where: each rank's stacks on ``SIGUSR1``
+(faulthandler into a pipe a thread drains), and the collective timeout's watchdog,
+which asks every rank for its stacks and its count of calls, names the ranks that
+had not entered the call, and ends the job. docs/design.rst, *When a rank hangs*.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
-import linecache
 import logging
 import os
-import re
 import select
 import signal
 import socket
@@ -49,11 +17,10 @@ import tempfile
 import threading
 import time
 import zlib
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _config
+from .. import _config
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -246,7 +213,7 @@ def write_stacks(text: str, reason: str) -> str:
 
 
 class _Watchdog(threading.Thread):
-    """Every rank's thread for the collective timeout (see the module docstring)."""
+    """Every rank's thread for the collective timeout (docs/design.rst)."""
 
     def __init__(self, comm):
         super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
@@ -302,7 +269,7 @@ class _Watchdog(threading.Thread):
     def _report(self, alarm: dict) -> None:
         """Rank 0: ask every rank for its stacks and count, say who is missing, and
         end the job (never returns)."""
-        from . import _mpi
+        from .. import _mpi
 
         self._reporting = True
         reason = (
@@ -446,14 +413,14 @@ def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
     if missing:
         last = sorted({counts[r] for r in missing})
         line += (
-            f"not entered by {_ranks_text(missing)} (their last call there: "
+            f"not entered by {ranks_text(missing)} (their last call there: "
             f"{', '.join(str(c) for c in last[:5])})"
         )
     else:
         line += "every rank that answered had entered it"
     if silent:
         line += (
-            f"; no answer from {_ranks_text(silent)} in {REPLY_S:g} s (a thread "
+            f"; no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
             f"holding Python's GIL, or a stopped process)"
         )
     places = sorted(w for w in where if w)
@@ -468,7 +435,7 @@ def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
     return line + ". MPI_Abort ends the job."
 
 
-def _ranks_text(ranks, limit: int = 8) -> str:
+def ranks_text(ranks, limit: int = 8) -> str:
     """``rank 3``, ``ranks 0-2, 7`` (runs of consecutive ranks; at most ``limit``
     runs, then how many more ranks)."""
     ranks = sorted(set(ranks))
@@ -483,118 +450,3 @@ def _ranks_text(ranks, limit: int = 8) -> str:
     if rest:
         text += f" and {rest} more"
     return ("rank " if len(ranks) == 1 else "ranks ") + text
-
-
-# --- python -m mpi4jax_dist --hangs DIR -----------------------------------------------
-
-_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
-_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-_HEADER = re.compile(r"^# mpi4jax_dist stacks: rank (\d+) of (\d+)")
-_MAIN = re.compile(r"^# main thread (0x[0-9a-fA-F]+)")
-# Paths of code that is not the user's: what a stack's summary looks past.
-_LIBRARY = re.compile(
-    r"(site-packages|dist-packages|/lib/python\d|[\\/](jax|jaxlib|mpi4jax|"
-    r"mpi4jax_dist|mpi4py|numpy)[\\/]|^<frozen )"
-)
-
-
-@dataclass(frozen=True)
-class Frame:
-    file: str
-    line: int
-    function: str
-
-
-def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
-    """Return (rank, size, {thread id: [frames, innermost first]}) of one file, and
-    the main thread's stack under the key ``"main"``."""
-    rank = size = main = None
-    threads: dict = {}
-    current = None
-    for line in text.splitlines():
-        if m := _HEADER.match(line):
-            rank, size = int(m.group(1)), int(m.group(2))
-        elif m := _MAIN.match(line):
-            main = int(m.group(1), 16)
-        elif m := _THREAD.match(line):
-            current = threads.setdefault(int(m.group(1), 16), [])
-        elif (m := _FRAME.match(line)) and current is not None:
-            current.append(Frame(m.group(1), int(m.group(2)), m.group(3)))
-    if main in threads:
-        threads["main"] = threads[main]
-    return rank, size, threads
-
-
-def where(frames: list[Frame]) -> str:
-    """``at cg.py:123 in solve: `r = allreduce(r)`, inside jax (pxla.py:413)``: the
-    innermost frame of the user's code (its source line where this machine has the
-    file) and, where library code runs inside it, the innermost library frame."""
-    if not frames:
-        return "with no Python frames"
-    user = next((f for f in frames if not _LIBRARY.search(f.file)), None)
-    text = ""
-    if user is not None:
-        text = f"at {Path(user.file).name}:{user.line} in {user.function}"
-        source = linecache.getline(user.file, user.line).strip()
-        if source:
-            text += f": `{source}`"
-    inner = frames[0]
-    if inner is not user:
-        package = _package(inner.file)
-        text += (", inside " if text else "inside ") + (
-            f"{package} ({Path(inner.file).name}:{inner.line} in {inner.function})"
-        )
-    return text
-
-
-def _package(path: str) -> str:
-    """The package a library file belongs to (``jax``), or its folder's name."""
-    parts = Path(path).parts
-    for marker in ("site-packages", "dist-packages"):
-        if marker in parts and parts.index(marker) + 1 < len(parts) - 1:
-            return parts[parts.index(marker) + 1]
-    match = _LIBRARY.search(path)
-    if match and match.group(2):
-        return match.group(2)
-    return Path(path).parent.name or path
-
-
-def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
-    """Group the ranks of ``directory``'s ``rank-N.txt`` files by their main
-    thread's stack: one line per group, the largest first, then up to ``stacks``
-    groups' stacks in full (the smallest first: the odd ones out)."""
-    folder = Path(directory)
-    files = sorted(folder.glob("rank-*.txt"))
-    if not files:
-        raise FileNotFoundError(
-            f"no rank-N.txt in {folder}: set {_config.HANG_DIR}={folder} for the "
-            f"job, then send its ranks SIGUSR1 (or let "
-            f"{_config.COLLECTIVE_TIMEOUT} expire)."
-        )
-    groups: dict = defaultdict(list)
-    sizes = set()
-    unreadable = []
-    for path in files:
-        rank, size, threads = parse_stacks(path.read_text(errors="replace"))
-        if rank is None:
-            unreadable.append(path.name)
-            continue
-        sizes.add(size)
-        groups[tuple(threads.get("main", []))].append(rank)
-    seen = sorted(r for ranks in groups.values() for r in ranks)
-    size = max(sizes) if sizes else len(seen)
-    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), min(item[1])))
-    lines = [f"mpi4jax_dist: stacks of {len(seen)} of {size} ranks in {folder}"]
-    for frames, ranks in ordered:
-        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
-        lines.append(f"{count} {where(list(frames))}: {_ranks_text(ranks)}")
-    absent = sorted(set(range(size)) - set(seen))
-    if absent:
-        lines.append(f"no stacks from {_ranks_text(absent)}")
-    if unreadable:
-        lines.append(f"not a stacks file: {', '.join(unreadable)}")
-    for frames, ranks in sorted(ordered, key=lambda item: len(item[1]))[:stacks]:
-        lines.append("")
-        lines.append(f"{_ranks_text(ranks)}, main thread (most recent call first):")
-        lines += [f"  {f.file}:{f.line} in {f.function}" for f in frames]
-    return "\n".join(lines)

@@ -1,34 +1,8 @@
-"""When one rank fails, the whole job ends: uncaught exceptions, non-zero exits, and
-the launcher's SIGTERM.
-
-Under an MPI launch, JAX turns one rank's failure into a job that hangs:
-
-- ``import jax`` registers an atexit handler (``jax._src.api.clean_up``) that calls
-  ``jax.distributed.shutdown()``: a barrier of every process (5-minute timeout)
-  that a rank waiting in an MPI call never reaches. It runs before mpi4py's own
-  abort of ``python -m mpi4py``, which comes at MPI finalization.
-- JAX's preemption service installs a SIGTERM handler (XLA's ``SigtermNotifier``)
-  that only takes note: the launcher's SIGTERM no longer ends the process.
-
-Once this package has bootstrapped JAX's world of more than one process,
-:func:`install` (unless ``MPI4JAX_DIST_FAIL_FAST=0``) sets:
-
-- ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception in any
-  thread prints its traceback once, each line prefixed with the rank, and calls
-  ``MPI_Abort(MPI_COMM_WORLD, 1)`` (130 for a KeyboardInterrupt). Python calls
-  these hooks before any atexit handler.
-- ``sys.exit``: a non-zero status from the main thread is remembered, and an atexit
-  handler registered at that moment (so it runs before JAX's) calls ``MPI_Abort``
-  with that status, provided that this ``SystemExit`` is what ended the program (a
-  program that catches it and carries on exits as it then chooses). A
-  ``raise SystemExit(n)`` that bypasses ``sys.exit`` is not seen: Python offers no
-  hook for it.
-- JAX's preemption service is turned off for the initialize under way, so that
-  SIGTERM keeps its default action (the process ends), unless
-  ``JAX_ENABLE_PREEMPTION_SERVICE`` asks for it (codes that checkpoint on
-  preemption).
-
-A normal exit (status 0) changes nothing: JAX's clean shutdown runs.
+"""When one rank fails, the whole job ends: an uncaught exception in any thread, a
+non-zero ``sys.exit`` and the launcher's SIGTERM end every rank with
+``MPI_Abort``, where JAX's atexit barrier and preemption service would leave the
+others waiting. :func:`install` sets it up in a bootstrapped world of more than one
+process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/design.rst, *When a rank fails*.
 """
 
 from __future__ import annotations
@@ -43,7 +17,7 @@ import traceback
 import typing
 from dataclasses import dataclass
 
-from . import _config, _jax_compat, _mpi
+from .. import _compat, _config, _mpi
 
 # MPI_Abort's error code for a KeyboardInterrupt: what a shell reports for SIGINT
 # (and what python -m mpi4py uses).
@@ -66,14 +40,14 @@ _state = _State()
 
 
 def install(rank: int, size: int) -> bool:
-    """Make a failing rank end the job (see the module docstring); return whether
+    """Make a failing rank end the job (docs/design.rst); return whether
     the hooks are in place. Runs once per process; does nothing for a world of
     one process or when ``MPI4JAX_DIST_FAIL_FAST=0``."""
     if _state.installed or size < 2 or not _config.fail_fast():
         return _state.installed
     _state.rank, _state.size = rank, size
     if not _config.jax_preemption_requested():
-        _jax_compat.disable_preemption_service()
+        _compat.disable_preemption_service()
     _state.previous_excepthook = sys.excepthook
     _state.previous_thread_excepthook = threading.excepthook
     _state.original_exit = sys.exit
@@ -89,7 +63,7 @@ def report() -> dict:
     through this package), for the diagnostics."""
     enabled = _config.fail_fast()
     if _state.installed:
-        jax_catches = bool(_jax_compat.preemption_service())
+        jax_catches = bool(_compat.preemption_service())
     else:
         jax_catches = not enabled or _config.jax_preemption_requested()
     return {

@@ -1,24 +1,8 @@
-"""JAX's own cross-process collectives on CPU over MPI, behind one switch.
-
-jaxlib carries XLA's MPI collectives (``jax_cpu_collectives_implementation="mpi"``).
-They call MPI through MPItrampoline, linked into jaxlib: when jaxlib loads, it
-dlopens the library named by ``MPITRAMPOLINE_LIB`` and resolves every name of its
-ABI there. This package builds that library against mpi4py's MPI
-(``_ffi/_mpiabi_<family>``); ``MPI4JAX_DIST_CPU_COLLECTIVES=mpi`` puts it to use:
-
-1. :func:`prepare` runs first thing in ``import mpi4jax_dist``, before JAX is
-   imported: it sets ``MPITRAMPOLINE_LIB`` to our library (unless set already) and
-   ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi``. That works when the script imports
-   mpi4jax_dist before jax; otherwise the job script sets both before Python starts:
-   ``eval "$(python -m mpi4jax_dist env)"`` (:func:`env_lines`).
-2. :func:`check` runs when JAX initializes through the package, before its CPU
-   backend exists. It refuses, with what to do, where MPI collectives cannot work:
-   the wrapper was not loaded by jaxlib (set too late, or not built), more than one
-   CPU device per process (XLA's MPI collectives take one), or a backend already
-   made. It refuses rather than falling back to gloo: the user asked for MPI, and a
-   silent fall-back is a 5-100x slower job that looks like a working one.
-
-Off by default. ``gloo`` names JAX's default explicitly.
+"""JAX's own cross-process collectives on CPU over MPI, behind one switch
+(``MPI4JAX_DIST_CPU_COLLECTIVES=mpi``): :func:`prepare`, before JAX is imported,
+points jaxlib's MPItrampoline at this package's MPIABI wrapper; :func:`check`
+refuses, saying what to do, where MPI collectives cannot work, rather than falling
+back to gloo. Off by default. docs/design.rst, *JAX's CPU collectives over MPI*.
 """
 
 from __future__ import annotations
@@ -30,7 +14,7 @@ from pathlib import Path
 from . import _config, _ffi, _mpi
 
 # The modules whose import loads libjax_common (and with it MPItrampoline): before
-# and since jax 0.6.1. Not in _jax_compat, which imports jax: this runs before it.
+# and since jax 0.6.1. Not in _compat, which imports jax: this runs before it.
 _JAXLIB_NATIVE = ("jaxlib._jax", "jaxlib.xla_extension")
 
 
@@ -96,7 +80,7 @@ def check(choice: str | None = None) -> str | None:
 
     Raises:
         ValueError: ``MPI4JAX_DIST_CPU_COLLECTIVES`` (or ``choice``) is not mpi/gloo.
-        RuntimeError: MPI was asked for and cannot work (see the module docstring).
+        RuntimeError: MPI was asked for and cannot work (docs/design.rst).
     """
     if choice is None:
         choice = _config.cpu_collectives()
@@ -109,7 +93,7 @@ def check(choice: str | None = None) -> str | None:
         return None
     import jax
 
-    from . import _jax_compat
+    from . import _compat
 
     if choice == "mpi":
         library = _config.trampoline_lib()
@@ -124,7 +108,7 @@ def check(choice: str | None = None) -> str | None:
                 f'`eval "$(python -m mpi4jax_dist env)"` in the job script before '
                 f"the mpiexec line."
             )
-        devices = _jax_compat.cpu_devices_per_process()
+        devices = _compat.cpu_devices_per_process()
         if devices > 1:
             raise RuntimeError(
                 f"{_config.CPU_COLLECTIVES}=mpi takes one CPU device per process "
@@ -133,8 +117,8 @@ def check(choice: str | None = None) -> str | None:
                 f"--xla_force_host_platform_device_count). Use one device per MPI "
                 f"rank, or {_config.CPU_COLLECTIVES}=gloo."
             )
-    if _jax_compat.backends_initialized():
-        current = _jax_compat.cpu_collectives()
+    if _compat.backends_initialized():
+        current = _compat.cpu_collectives()
         if current != choice:
             raise RuntimeError(
                 f"{_config.CPU_COLLECTIVES}={choice}, but JAX's CPU backend already "
@@ -157,9 +141,10 @@ def settle(choice: str | None = None) -> str | None:
     return _settled[0]
 
 
-def use_private_world() -> bool:
-    """Give XLA's MPI collectives a private duplicate of the world; return whether
-    it was given.
+def use_private_world(duplicate_world) -> bool:
+    """Give XLA's MPI collectives a private duplicate of the world, which
+    ``duplicate_world()`` makes (None where the job's communicator is not the
+    world); return whether it was given.
 
     XLA makes its communicators with ``MPI_Comm_split(MPI_COMM_WORLD)`` from its
     worker threads, whenever a program first runs a collective, while the main
@@ -177,15 +162,13 @@ def use_private_world() -> bool:
 
     from mpi4py import MPI
 
-    from . import _topology
-
     library = _config.trampoline_lib()
     try:
         # The library MPItrampoline loaded: dlopen gives back the same one.
         set_world = ctypes.CDLL(library).mpi4jax_dist_mpiabi_set_world
     except (OSError, AttributeError, TypeError):
         return False
-    world = _topology.world_for_xla()
+    world = duplicate_world()
     if world is None:
         return False
     set_world.argtypes = [ctypes.c_size_t]
@@ -207,7 +190,7 @@ _given: list = []  # the duplicate given to the wrapper, once
 
 def report() -> dict:
     """What the diagnostics print: the switch, JAX's setting and the wrapper."""
-    from . import _jax_compat
+    from . import _compat
 
     try:
         requested = _config.cpu_collectives()
@@ -216,7 +199,7 @@ def report() -> dict:
     library = _config.trampoline_lib()
     return {
         "requested": requested,
-        "jax": _jax_compat.cpu_collectives(),
+        "jax": _compat.cpu_collectives(),
         "wrapper": library,
         "wrapper_loaded": wrapper_loaded(library) if library else False,
         "wrapper_built": str(_ffi.mpiabi_library() or "") or None,

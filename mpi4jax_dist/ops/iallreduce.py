@@ -1,125 +1,10 @@
 """``mpi4jax_dist.iallreduce``: a non-blocking allreduce for jitted code.
 
-Usage, inside ``jax.jit`` (or eagerly)::
-
-    req = mpi4jax_dist.iallreduce(partials)   # MPI_Iallreduce posted
-    req, n = req.overlap(matvec, w)           # runs while it reduces
-    sums = req.wait()                         # MPI_Wait
-
-Four ops, all on the CPU handlers of ``_ffi/cpu.cc``, and all carrying mpi4jax's
-ordered effect, as :func:`mpi4jax_dist.allreduce` does: one token orders them with
-every mpi4jax call and every allreduce of the program, on every rank.
-
-* :func:`iallreduce` copies its operand into memory the extension owns, posts
-  ``MPI_Iallreduce`` there and returns at once: a :class:`Request` holding the
-  array's buffer (aliased to the operand) and the request's handle, an int32 naming
-  its slot in the extension's table of ``MPI_Request``\\ s. MPI never writes into
-  XLA's memory: XLA frees its buffers when a run fails between start and wait, and
-  MPI would go on writing into them until the request completes (at exit, say).
-  The slot's memory lives until then; the price is two copies of the message.
-* :meth:`Request.overlap` runs ``fn(*args)`` between the start and the wait, by
-  data dependencies that XLA keeps: ``args``' arrays pass, in place, through a no-op
-  custom call that reads the request's handle (written by the start), and
-  ``fn``'s result arrays pass through it again on their way out, the wait taking
-  them from there as operands it never reads (so that every later reader of the
-  results reads them from that call, and XLA cannot fuse ``fn``'s last step into
-  those readers, which would compute it again). XLA's schedule then has
-  start, ``fn``, wait, and so does XLA:CPU's runtime, which runs thunks concurrently
-  ordered only by the buffers they read and write. (``lax.optimization_barrier``
-  would not do: XLA:CPU removes barriers before it schedules.)
-* :meth:`Request.test` calls ``MPI_Test`` once and returns the request unchanged:
-  placed between two overlapped pieces of work, it lets the MPI progress the
-  reduction.
-* :meth:`Request.wait` completes the request (``MPI_Wait``), copies the result out
-  of the extension's memory and returns the reduced array (aliased: the same buffer
-  again).
-
-MPI progress during the overlap. An MPI moves a non-blocking collective on only
-inside its own calls unless it runs a progress thread. ``MPI_Iallreduce`` sends what
-the first step of its algorithm can at the start; the later steps (receiving,
-adding, the next round of a recursive doubling: log2 P rounds) happen in whatever
-MPI call the process makes next: a :meth:`Request.test`, a halo exchange in the
-overlapped matvec, or the wait. For a few scalars on few ranks little is left for
-the wait; at scale more is. What helps:
-
-* MPICH: ``MPIR_CVAR_ASYNC_PROGRESS=1`` starts a progress thread in every process
-  (it needs ``MPI_THREAD_MULTIPLE``, which this package asks for anyway); it
-  progresses without calls, at the price of a core spinning, which competes with
-  the computation where ranks fill the cores.
-* Open MPI 5: no asynchronous progress for shared memory or most networks
-  (``ompi_info`` says ``OMPI progress: no``; ``btl_tcp_progress_thread`` covers TCP
-  only): non-blocking collectives (``coll/libnbc``) advance only inside MPI calls, so
-  place :meth:`Request.test` calls in the overlapped work.
-* Any MPI: :meth:`Request.test` between pieces of the work, e.g.
-  ``req, m = req.overlap(precond, w); req = req.test(); req, n =
-  req.overlap(matvec, m)``.
-
-A simulated latency, for benchmarks. Two ranks on one machine reduce a few scalars
-in about a microsecond; at 10^4 ranks an 8-byte allreduce takes tens. With
-``MPI4JAX_DIST_SIMULATED_LATENCY_US=L`` set when a start is traced, its wait holds
-the result until ``L`` µs after the start posted it (spinning, as ``MPI_Wait``
-polls), and ``mpi4jax_dist.cg``'s ``mpi4jax`` backend makes its blocking reductions
-a start and its wait back to back: a blocking reduction then costs ``L``, an
-overlapped one ``max(L, work)``. ``benchmarks/overlap.py --mode latency`` uses it.
-
-What is caught, and how:
-
-* **A start without its wait, under tracing** (``jit``, loops, ``vmap``): each start
-  gets a uid in its primitive's parameters; the :class:`Request` has a
-  ``weakref.finalize`` that marks the uid as dropped unless a wait, test or overlap
-  took it. Lowering runs after tracing finished, when CPython has finalized the
-  dropped requests of that trace: the start's lowering rule raises a
-  ``RuntimeError`` naming where the start was made. Nothing has run.
-* **A request used in another function than the one that started it** (the wait
-  inside a loop body or an inner ``jit`` whose start is outside): ``RuntimeError``
-  at the call, from JAX's trace state. A request is no pytree: it cannot be an
-  argument or result of ``jit``, ``cond`` or a loop.
-* **A request used twice** (waited twice, or waited after ``req.overlap()`` or
-  ``req.test()`` returned its successor): ``RuntimeError`` at the call. Anything
-  else passed as a request (``Request.wait(x)``): ``TypeError`` naming it.
-* **At run time**, by the extension: a start that runs again while its previous
-  request is still pending (its wait did not run: a request kept out of the traced
-  function, a wait in a branch not taken) fails that run with an error naming the
-  start; so does a 4097th pending request and a handle that is not pending (waited
-  already, or from another run). Such a run fails with XLA's error; MPI's
-  reduction goes on in the extension's memory.
-* **Ranks that disagree on the count, dtype or op**: the first start on each
-  communicator (every start with ``MPI4JAX_DIST_DEBUG_CHECKS=1``) posts an
-  ``MPI_Iallreduce`` of 8 integers, and its reduction only once that has agreed (in
-  the first :meth:`Request.test` that finds it complete, or in the wait); the wait
-  fails on every rank, naming what differs. (MPICH reduces 1,000 floats on one rank with
-  2,000 on the other without an error; Open MPI 5.0 crashed in ``MPI_Test``.) The
-  price: that first start hides little of its reduction. Not a blocking check, as
-  :func:`mpi4jax_dist.allreduce` makes: a start that only some ranks make would
-  hang in it.
-* **Eagerly** (no tracing): a request dropped without its wait is completed when
-  Python frees it (``MPI_Test`` polled for up to :data:`DROP_TIMEOUT_S` seconds),
-  with a ``RuntimeWarning`` naming its start; one that does not complete by then
-  (the other ranks never started it) stays pending, for the exit report.
-* **At exit**: requests still pending are a program that lost its waits: each is
-  named on stderr, MPI gets :data:`EXIT_TIMEOUT_S` seconds to complete them, and
-  the job ends with status :data:`EXIT_STATUS` (``MPI_Abort``: a request that
-  never completes would hang ``MPI_Finalize``, and a job that lost its waits did
-  not do what it was written to).
-
-Not caught: a wait placed where it never runs while the start runs once (the exit
-report names it); a start whose request is stored away during tracing and never
-waited, when its program runs only once (the exit report again); waits that do not
-match across ranks (a rank whose program differs hangs in the wait, as with
-blocking collectives). A run that fails on a run-time check leaves the job in a
-state to end, not to continue: JAX's token for ordered effects can keep the error
-and fail a later call on some ranks only (seen with jax 0.10.2 on 2 ranks), which
-leaves the others waiting.
-
-Counts above ``INT_MAX`` go to ``MPI_Iallreduce_c`` where the MPI has MPI-4's
-large-count calls (MPICH >= 4); elsewhere (Open MPI 5, MPI 3.1) they are refused
-with a ``ValueError``: one request cannot be split into chunks; use the blocking
-:func:`mpi4jax_dist.allreduce`, which reduces in chunks. On GPUs there is no handler:
-the start raises ``NotImplementedError`` naming the platform.
-
-Under ``grad``/``jvp`` derivatives flow through the overlapped work; the reduced
-array itself cannot carry one (``NotImplementedError``: use the blocking
-:func:`mpi4jax_dist.allreduce`, differentiable for ``MPI.SUM``).
+Four primitives on the CPU handlers, all carrying mpi4jax's ordered effect: the
+start (``MPI_Iallreduce`` on a copy the extension owns), the test, the wait, and the
+tie that orders :meth:`Request.overlap`'s work between start and wait by data
+dependencies. What runs when and what is caught: docs/design.rst, *The
+non-blocking allreduce*.
 """
 
 from __future__ import annotations
@@ -133,7 +18,8 @@ import weakref
 
 import numpy as np
 
-from . import _allreduce, _config, _extras
+from .. import _compat, _config
+from . import common
 
 INT_MAX = 2**31 - 1
 #: Seconds an eager request dropped without its wait is polled for completion
@@ -162,15 +48,6 @@ def _caller_site() -> str:
         return "<unknown>"
     code = frame.f_code
     return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-
-
-def _trace_state():
-    """JAX's current trace, opaquely: equal for calls made in the same function."""
-    try:
-        from jax.extend.core import get_opaque_trace_state
-    except ImportError:  # jax < 0.7 has it in jax.core only
-        from jax.core import get_opaque_trace_state
-    return get_opaque_trace_state(convention="mpi4jax_dist")
 
 
 def _is_traced(value) -> bool:
@@ -396,7 +273,7 @@ class Request:
                 f"req.{self._used_by}(); use the request that returned (a request "
                 f"is used once: req.overlap() and req.test() return its successor)."
             )
-        if _trace_state() != self._trace:
+        if _compat.opaque_trace_state() != self._trace:
             raise RuntimeError(
                 f"{who}: the request started at {self.site} is used in another "
                 f"function than the one that started it (a jit, loop body or "
@@ -417,7 +294,7 @@ class Request:
 
 def _check_request(req, who: str) -> Request:
     # Only a method called on something else gets here with another type:
-    # Request.wait(3), or the deprecated mpi4jax_dist.wait(3).
+    # Request.wait(3).
     if not isinstance(req, Request):
         raise TypeError(
             f"{who}: req must be the mpi4jax_dist.Request that "
@@ -431,7 +308,7 @@ def _check_request(req, who: str) -> Request:
 def _eager_dropped(handle, site) -> None:
     """Finalizer of an eager request dropped without its wait: complete it."""
     try:
-        left = _allreduce.extension().complete_pending([int(handle)], DROP_TIMEOUT_S)
+        left = common.extension().complete_pending([int(handle)], DROP_TIMEOUT_S)
     except Exception:  # MPI gone: the exit report has it
         left = [None]
     warnings.warn(
@@ -465,7 +342,7 @@ def _report_pending_at_exit() -> None:
     except Exception:  # a run that failed: the program was told already
         pass
     try:
-        ext = _allreduce.extension()
+        ext = common.extension()
         pending = ext.pending_requests()
     except Exception:
         return
@@ -488,14 +365,14 @@ def _report_pending_at_exit() -> None:
     )
     from mpi4py import MPI
 
-    from . import _mpi
+    from .. import _mpi
 
     _mpi.abort(MPI.COMM_WORLD, EXIT_STATUS)
 
 
 def _load_extension():
     """The CPU extension, with the non-blocking handlers registered."""
-    ext = _allreduce.extension()
+    ext = common.extension()
     if not hasattr(ext, "iallreduce_handlers"):
         raise ImportError(
             f"{_WHO}: the extension {ext.__file__} has no non-blocking handlers: "
@@ -514,7 +391,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
 
     Complete it with :meth:`Request.wait` in the same function, on every path; put
     the work to overlap between the two with :meth:`Request.overlap` (and
-    :meth:`Request.test` for MPI progress). The module docstring says what runs
+    :meth:`Request.test` for MPI progress). docs/design.rst says what runs
     when, and what is caught.
 
     Args:
@@ -543,14 +420,14 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     """
     import jax.numpy as jnp
 
-    _extras.require_mpi4jax(_WHO)
+    _compat.require_mpi4jax(_WHO)
     x = jnp.asarray(x)
-    _allreduce.check_supported(x.dtype, who=_WHO)
-    name = _allreduce.op_name(op, _WHO)
-    _allreduce.check_supported(x.dtype, name, _WHO)
-    _allreduce._check_mpi(_WHO)
+    common.check_supported(x.dtype, who=_WHO)
+    name = common.op_name(op, _WHO)
+    common.check_supported(x.dtype, name, _WHO)
+    common.check_mpi(_WHO)
     ext = _load_extension()
-    comm = _allreduce._Comm(_allreduce._communicator(comm, _WHO))
+    comm = common.Comm(common.communicator(comm, _WHO))
     _check_count(x.size, ext)
     site = _caller_site()
     uid = next(_UIDS)
@@ -558,7 +435,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     latency_us = _config.simulated_latency_us() or 0.0
     buffer, handle = start.bind(
         x,
-        op=_allreduce.OPS.index(name),
+        op=common.OPS.index(name),
         comm=comm,
         uid=uid,
         site=site,
@@ -566,7 +443,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     )
     if not _is_traced(buffer):  # it ran: an eager start (its uid is unused)
         uid = 0
-    return Request(buffer, handle, (), uid, site, _trace_state())
+    return Request(buffer, handle, (), uid, site, _compat.opaque_trace_state())
 
 
 def _check_count(size: int, ext) -> None:
@@ -590,40 +467,6 @@ def _array_leaves(tree):
     return leaves, treedef, arrays
 
 
-# The functions that Request's methods replace: deprecated, kept working. The
-# package's __getattr__ hands them out with a DeprecationWarning that names the
-# method; each calls the method (one implementation).
-
-
-def overlap(req: Request, fn, *args):
-    """Deprecated: ``overlap(req, fn, *args)`` is :meth:`Request.overlap`,
-    ``req.overlap(fn, *args)``."""
-    return Request.overlap(req, fn, *args)
-
-
-def test(req: Request) -> Request:
-    """Deprecated: ``test(req)`` is :meth:`Request.test`, ``req.test()``."""
-    return Request.test(req)
-
-
-# A function named test: pytest must not collect it from a user's test module that
-# still does ``from mpi4jax_dist import test`` ("fixture 'req' not found").
-test.__test__ = False
-
-
-def wait(req: Request):
-    """Deprecated: ``wait(req)`` is :meth:`Request.wait`, ``req.wait()``."""
-    return Request.wait(req)
-
-
-#: Deprecated name -> (its old call, the call that replaces it).
-DEPRECATED = {
-    "overlap": ("overlap(req, fn, *args)", "req.overlap(fn, *args)"),
-    "test": ("test(req)", "req.test()"),
-    "wait": ("wait(req)", "req.wait()"),
-}
-
-
 @functools.cache
 def _primitives():
     """Make the start, test, wait and tie primitives and their rules (first call)."""
@@ -631,10 +474,10 @@ def _primitives():
     from jax.core import ShapedArray
     from jax.extend.core import Primitive
     from jax.interpreters import ad, batching, mlir
-    from mpi4jax._src.jax_compat import abstract_token
-    from mpi4jax._src.utils import ordered_effect
 
-    from . import _ffi
+    from .. import _ffi
+
+    ordered_effect, abstract_token = _compat.mpi4jax_ordering()
 
     start_target, test_target, wait_target, tie_target = _ffi.IALLREDUCE_TARGETS
     start = Primitive("mpi4jax_dist_iallreduce_start")
@@ -804,7 +647,7 @@ def _primitives():
         batching.primitive_batchers[prim] = then_batching(prim)
         ad.primitive_jvps[prim] = then_jvp(prim)
     # Every other platform (cuda, rocm, oneapi, ...): a clear error when lowered.
-    refuse = _allreduce.unsupported_lowering(
+    refuse = common.unsupported_lowering(
         f"{_WHO} (and Request.test and Request.wait)", ("cpu",)
     )
     for prim in (start, test_p, wait_p, tie):

@@ -10,8 +10,10 @@ import shutil
 import subprocess
 import time
 
-from . import _config, _cpu_collectives, _devices, _failfast, _launch, _limits
-from ._mpi import abort, mpi_library, thread_level_meaning, thread_level_name
+from .. import _compat, _config, xla_mpi
+from .._mpi import abort, mpi_library, thread_level_meaning, thread_level_name
+from ..faults import failfast
+from ..launch import bootstrap, detect, devices, limits
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -66,7 +68,7 @@ def _family(text: str) -> str | None:
     return None
 
 
-# The MPI family of the launchers that belong to one (by _launch's names).
+# The MPI family of the launchers that belong to one (by launch.detect's names).
 _LAUNCHER_FAMILY = {"openmpi": "open mpi", "mpich-hydra": "mpich", "intel-mpi": "intel"}
 
 
@@ -90,13 +92,11 @@ def diagnose(
     """
     from mpi4py import MPI
 
-    from . import _topology
-
     env = _config.environ()
-    info = _launch.detect(env)
+    info = detect.detect(env)
     problems: list[str] = []
     comm = MPI.COMM_WORLD
-    topo = _topology.topology()
+    topo = bootstrap.topology()
     library = mpi_library()
     mpiexec, mpiexec_version = _mpiexec_version()
     mpiexec_note = None
@@ -126,7 +126,8 @@ def diagnose(
         )
     nodes = comm.gather((topo.node_index, topo.rank, topo.local_rank))
     # What each rank's devices will be (one small dict per rank, at rank 0).
-    devices = comm.gather(_devices.describe(topo.local_rank, topo.local_size, env))
+    per_rank = devices.describe(topo.local_rank, topo.local_size, env)
+    gathered = comm.gather(per_rank)
     vendor = MPI.get_vendor()
     report = {
         # None where no launcher variables were seen: nothing names the launcher.
@@ -150,7 +151,7 @@ def diagnose(
             "size": topo.size,
             "num_nodes": topo.num_nodes,
             "coordinator_address": topo.coordinator_address,
-            "release": _topology.current().release_mode,
+            "release": bootstrap.current().release_mode,
         },
         # What the bootstrap asked of MPI, as recorded while it ran (this rank's).
         "bootstrap_calls": [
@@ -160,7 +161,7 @@ def diagnose(
                 "bytes_per_rank": c.bytes_per_rank,
                 "mpi_adds": c.mpi_adds,
             }
-            for c in _topology.collectives()
+            for c in bootstrap.collectives()
         ],
         "proxy": {
             "variables": _config.proxies_set(env),
@@ -169,23 +170,23 @@ def diagnose(
         },
         "versions": versions(),
     }
-    if devices is not None:
-        report["devices"] = [{"rank": r, **d} for r, d in enumerate(devices)]
+    if gathered is not None:
+        report["devices"] = [{"rank": r, **d} for r, d in enumerate(gathered)]
     if nodes is not None:
         per_node: dict[int, list[int]] = {}
         for node, rank, _ in sorted(nodes):
             per_node.setdefault(node, []).append(rank)
         report["topology"]["ranks_per_node"] = {str(k): v for k, v in per_node.items()}
     # Rank 0's limits, where JAX's coordination service runs.
-    scale = _limits.report(procs or topo.size)
+    scale = limits.report(procs or topo.size)
     report["scale"] = scale
     if topo.rank == 0:
         problems += scale["problems"]
     if check:
         report["check"] = _check(topo, problems, timeout_s or CHECK_TIMEOUT_S)
     # After the check, which initializes JAX and with it the hooks.
-    report["on_failure"] = _failfast.report()
-    report["cpu_collectives"] = _cpu_collectives.report()
+    report["on_failure"] = failfast.report()
+    report["cpu_collectives"] = xla_mpi.report()
     all_problems = comm.allgather(problems)
     report["problems"] = [
         f"rank {r}: {p}" for r, ps in enumerate(all_problems) for p in ps
@@ -201,10 +202,8 @@ def _mpi4jax_unusable(problems: list[str]) -> str | None:
     mpi4jax raises when it was built against another MPI than mpi4py's ("MPI ABI
     incompatibility detected!"), which is reported, not raised.
     """
-    from . import _extras
-
-    if not _extras.has_mpi4jax():
-        return _extras.mpi4jax_missing("the comparison with mpi4jax.allreduce")
+    if not _compat.has_mpi4jax():
+        return _compat.mpi4jax_missing("the comparison with mpi4jax.allreduce")
     try:
         import mpi4jax  # noqa: F401
     except Exception as err:  # what the import raises is what --check reports
@@ -232,25 +231,26 @@ def _check(topo, problems: list[str], timeout_s: float) -> dict:
     from jax.sharding import PartitionSpec
     from mpi4py import MPI
 
-    from . import _api, _jax_compat, interop
+    from .. import interop
+    from ..launch import api
 
     comm = MPI.COMM_WORLD
     # Every rank calls mpi4jax.allreduce or none does: one rank alone in it would
     # wait for the others forever.
     unusable = comm.allgather(_mpi4jax_unusable(problems))
-    _api.initialize()
+    api.initialize()
     local = jnp.arange(8, dtype=jnp.float32) + topo.rank
     expected = np.arange(8) * topo.size + sum(range(topo.size))
     result = {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "process_index": jax.process_index(),
-        "gloo_address": _jax_compat.published_gloo_address(),
+        "gloo_address": _compat.published_gloo_address(),
     }
     try:
         mesh = interop.global_mesh()
         summed = jax.jit(
-            _jax_compat.shard_map(
+            _compat.shard_map(
                 lambda a: jax.lax.psum(a, interop.DEFAULT_AXIS),
                 mesh=mesh,
                 in_specs=PartitionSpec(interop.DEFAULT_AXIS),

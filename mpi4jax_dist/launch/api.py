@@ -6,10 +6,11 @@ import sys
 
 import jax
 
-from . import _cluster, _cpu_collectives, _jax_compat, _limits, _topology
+from .. import _compat, xla_mpi
+from . import bootstrap, cluster, limits
 
 
-def topology(comm=None) -> _topology.Topology:
+def topology(comm=None) -> bootstrap.Topology:
     """Return where this process sits in the MPI job (bootstrapping on first call).
 
     Args:
@@ -24,10 +25,10 @@ def topology(comm=None) -> _topology.Topology:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
     """
     check_comm(comm, "topology")
-    return _topology.topology(comm)
+    return bootstrap.topology(comm)
 
 
-def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topology:
+def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> bootstrap.Topology:
     """Initialize JAX's distributed runtime from MPI; return the :class:`Topology`.
 
     Calls ``jax.distributed.initialize`` through the mpi4jax_dist cluster env, so
@@ -42,15 +43,15 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topolo
         cpu_collectives: ``"mpi"`` runs JAX's cross-process collectives on CPU
             (``psum`` and friends) over MPI, ``"gloo"`` over TCP (JAX's default);
             None takes ``MPI4JAX_DIST_CPU_COLLECTIVES``. MPI needs the wrapper
-            library loaded when jax was imported (see ``_cpu_collectives``).
+            library loaded when jax was imported (see :mod:`mpi4jax_dist.xla_mpi`).
         **kwargs: passed to ``jax.distributed.initialize`` (``coordinator_address``,
             ``local_device_ids``, ``initialization_timeout``, ...); what is given
             there wins over what MPI says. ``initialization_timeout`` and
             ``heartbeat_timeout_seconds``, when not given, grow with the number of
-            processes (:func:`mpi4jax_dist._limits.timeouts`), and so do JAX's
+            processes (:func:`mpi4jax_dist.launch.limits.timeouts`), and so do JAX's
             options ``jax_cpu_get_local_topology_timeout_minutes`` and
             ``jax_cpu_get_global_topology_timeout_minutes`` where they still hold
-            JAX's defaults (:func:`mpi4jax_dist._limits.topology_timeouts`).
+            JAX's defaults (:func:`mpi4jax_dist.launch.limits.topology_timeouts`).
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
@@ -59,18 +60,18 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> _topology.Topolo
             arguments); or MPI collectives were asked for and cannot work.
     """
     check_comm(comm, "initialize")
-    initialized, _, _ = _jax_compat.distributed_state()
-    _topology.use_communicator(comm)
+    initialized, _, _ = _compat.distributed_state()
+    bootstrap.use_communicator(comm)
     if not initialized:
-        _cpu_collectives.settle(cpu_collectives)
+        xla_mpi.settle(cpu_collectives)
         size = _size(comm)
-        if not _jax_compat.backends_initialized():  # else JAX's own error follows
-            _jax_compat.raise_config_defaults(
-                _limits.topology_timeouts(size), _limits.JAX_TOPOLOGY_TIMEOUTS
+        if not _compat.backends_initialized():  # else JAX's own error follows
+            _compat.raise_config_defaults(
+                limits.topology_timeouts(size), limits.JAX_TOPOLOGY_TIMEOUTS
             )
-        with _cluster.explicitly_requested():
+        with cluster.explicitly_requested():
             jax.distributed.initialize(**jax_arguments(size, kwargs))
-    topo = _topology.topology(comm)
+    topo = bootstrap.topology(comm)
     _check_matches(topo)
     return topo
 
@@ -97,11 +98,11 @@ def jax_arguments(size: int, kwargs: dict) -> dict:
     """Return ``kwargs`` for ``jax.distributed.initialize`` with what this JAX
     accepts filled in: our cluster env by name, and the timeouts for ``size``
     processes where the caller gave none."""
-    wanted = {"cluster_detection_method": _cluster.Mpi4jaxDistCluster.name}
-    wanted.update(_limits.timeouts(size))
+    wanted = {"cluster_detection_method": cluster.Mpi4jaxDistCluster.name}
+    wanted.update(limits.timeouts(size))
     arguments = dict(kwargs)
     for name, value in wanted.items():
-        if _jax_compat.initialize_accepts(name):
+        if _compat.initialize_accepts(name):
             arguments.setdefault(name, value)
     return arguments
 
@@ -110,14 +111,14 @@ def _size(comm) -> int:
     """The number of processes the JAX world will have."""
     from mpi4py import MPI
 
-    bootstrap = _topology.current()
-    if comm is None and bootstrap is not None:
-        comm = bootstrap.comm
+    current = bootstrap.current()
+    if comm is None and current is not None:
+        comm = current.comm
     return (MPI.COMM_WORLD if comm is None else comm).Get_size()
 
 
-def _check_matches(topo: _topology.Topology) -> None:
-    _, process_id, num_processes = _jax_compat.distributed_state()
+def _check_matches(topo: bootstrap.Topology) -> None:
+    _, process_id, num_processes = _compat.distributed_state()
     if (process_id, num_processes) != (topo.rank, topo.size):
         raise RuntimeError(
             f"JAX's process index/count is {process_id}/{num_processes} but the MPI "

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Mapping
 
-from . import _config
+from .. import _config
 
 # GPUs the driver knows on this node, when no *_VISIBLE_DEVICES narrows them.
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"

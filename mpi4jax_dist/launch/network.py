@@ -10,7 +10,7 @@ import ipaddress
 import socket
 import time
 
-from . import _config
+from .. import _config
 
 # How long one connection attempt of a poll may wait for an answer.
 _ATTEMPT_S = 0.5

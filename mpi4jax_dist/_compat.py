@@ -1,9 +1,10 @@
-"""Differences between JAX versions and every use of JAX's private modules.
+"""Differences between JAX versions, every use of JAX's private modules, and the
+optional dependency mpi4jax with the private names of it this package shares.
 
 Supported: jax 0.6.0 (``FLOOR``, the floor in setup.cfg) up to today. ``CHANGES``
 is the table of what changed since, one row per difference the code meets; the
 functions here choose by it (:func:`since`), nowhere else. The test of this module
-(tests/test_jax_compat.py) checks every row against the JAX it runs with: CI's runs
+(tests/test_compat.py) checks every row against the JAX it runs with: CI's runs
 on the oldest and the newest JAX keep the table true at both ends.
 
 =========  ==========================================================================
@@ -39,6 +40,7 @@ version    change
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
 import threading
@@ -494,3 +496,68 @@ def _write_cache_entry(
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def opaque_trace_state():
+    """JAX's current trace, opaquely: equal for calls made in the same function."""
+    try:
+        from jax.extend.core import get_opaque_trace_state
+    except ImportError:  # jax < 0.7 has it in jax.core only
+        from jax.core import get_opaque_trace_state
+    return get_opaque_trace_state(convention="mpi4jax_dist")
+
+
+# --- mpi4jax: the ``mpi4jax`` extra ---------------------------------------------
+# The cluster env, the diagnostics and the psum paths run without it. What needs it
+# asks by name (require_mpi4jax): the compiled ops share its ordered effect and
+# default communicator, and cg's backend="mpi4jax" reduces with it.
+
+MPI4JAX_EXTRA = "mpi4jax_dist[mpi4jax]"
+
+
+def mpi4jax_missing(what: str) -> str:
+    """Return the message saying that ``what`` needs mpi4jax, and how to get it."""
+    return (
+        f'{what} needs mpi4jax: pip install "{MPI4JAX_EXTRA}" (mpi4jax compiles '
+        f"against your MPI: put its mpicc first on PATH)"
+    )
+
+
+def has_mpi4jax() -> bool:
+    """Return whether mpi4jax is installed (without importing it)."""
+    return importlib.util.find_spec("mpi4jax") is not None
+
+
+def require_mpi4jax(what: str, alternative: str = "") -> None:
+    """Raise unless mpi4jax is installed; import nothing.
+
+    Args:
+        what: what needs it, as the message's subject (``"mpi4jax_dist.allreduce"``).
+        alternative: a sentence appended to the message, such as what works
+            without mpi4jax.
+
+    Raises:
+        ModuleNotFoundError: (an ``ImportError``) naming ``what``, the extra and
+            the fix.
+    """
+    if not has_mpi4jax():
+        message = mpi4jax_missing(what) + (f". {alternative}" if alternative else "")
+        raise ModuleNotFoundError(message, name="mpi4jax")
+
+
+def mpi4jax_ordering():
+    """Return ``(ordered_effect, abstract_token)``: mpi4jax's ordered effect, which
+    the compiled ops carry so that one token orders mpi4jax's calls and theirs
+    (mpi4jax registered it as allowed in loops and custom_vjp), and the abstract
+    token its lowerings use (private in JAX 0.10; mpi4jax follows JAX's moves)."""
+    from mpi4jax._src.jax_compat import abstract_token
+    from mpi4jax._src.utils import ordered_effect
+
+    return ordered_effect, abstract_token
+
+
+def mpi4jax_default_comm():
+    """Return mpi4jax's default communicator (its clone of ``COMM_WORLD``)."""
+    from mpi4jax._src.utils import get_default_comm
+
+    return get_default_comm()

@@ -2,7 +2,7 @@
 
 Nothing here imports ``mpi4py.MPI``: answering must never start MPI. The variables
 only decide whether touching MPI is safe and name the launcher in diagnostics; rank,
-size and local rank always come from MPI itself (``_topology.py``).
+size and local rank always come from MPI itself (:mod:`mpi4jax_dist.launch.bootstrap`).
 """
 
 from __future__ import annotations

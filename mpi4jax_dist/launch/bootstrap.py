@@ -1,47 +1,12 @@
 """The bootstrap: every MPI call mpi4jax_dist makes to set up JAX lives here.
 
-A :class:`Bootstrap` runs once per process (JAX asks the cluster env four or five
-times per initialize, and a second bootstrap on one rank while the others wait
-elsewhere would deadlock). Its MPI calls all go through one
-:class:`~mpi4jax_dist._mpi.RecordingComm`, so :attr:`Bootstrap.calls` is what ran.
-
-1. **Arrival.** ``Idup()`` of the job's communicator, waited on against a deadline,
-   tells that every rank arrived and gives a private communicator, so that no call
-   here ever meets the user's traffic.
-2. **Topology**, on the private communicator:
-
-   - ``Split_type(COMM_TYPE_SHARED)``: the ranks of this node, its local rank and
-     size;
-   - ``Iexscan`` and ``Iallreduce`` of "I lead a node" flags (local rank 0), posted
-     together: node index and node count on the leaders;
-   - ``Ibcast`` within each node of (node index, node count) from its leader;
-   - ``Ibcast`` from rank 0 of the coordinator address and the release mode, or of
-     rank 0's error (an open-file limit too low for its coordination service, or
-     no address), so that a failure there raises on every rank instead of leaving
-     them waiting.
-
-   The payload each rank hands to MPI is 16 bytes or fewer, except the
-   coordinator's fixed 1024-byte message; the scans, reductions, broadcasts and
-   barriers are O(log P). The node split is MPI's own: MPICH builds it with an
-   allgather of every rank's (color, key), O(P) bytes per rank.
-3. **Release** (:meth:`Bootstrap.release`): the other ranks must not contact the
-   coordinator before rank 0's service listens, or gRPC backs off for about a
-   second. Under ``MPI_THREAD_MULTIPLE`` a thread on rank 0 joins an ``Ibarrier`` on
-   the private communicator once its port accepts connections, and the other ranks
-   wait in that ``Ibarrier``. Below it, no second thread may call MPI: the other ranks
-   probe rank 0's port themselves with a bounded back-off; on nodes other than rank
-   0's only the leader probes, then releases its node with an ``Ibarrier`` on the
-   node's communicator.
-4. **Reach** (TCP, no MPI): the leader of every node but rank 0's makes sure its node
-   reaches the coordinator's port. In thread mode a thread connects once after the
-   release (the probes did it in probe mode); a node whose connection goes
-   unanswered for :data:`REACH_TIMEOUT_S`, or is refused, ends the job with one line
-   naming the node and the address. Without it JAX's client retries in silence
-   until its initialization timeout (300 s), then fails naming no node.
-
-Every wait has a deadline; past it, the rank prints what it waited for and calls
-``MPI_Abort``, which ends the job: a plain exception would leave ``MPI_Finalize``
-waiting for the ranks that never came.
+A :class:`Bootstrap` runs once per process: arrival (a non-blocking ``Idup``,
+waited on against a deadline), the topology on that private communicator (node
+split, node numbers by scan and allreduce, rank 0's coordinator address by
+broadcast), and the release that holds the other ranks until rank 0's coordination
+service listens. Every call goes through one recording communicator, so
+:attr:`Bootstrap.calls` is what ran; every wait has a deadline, past which the job
+is aborted with one line. docs/design.rst, *The bootstrap's MPI calls*.
 """
 
 from __future__ import annotations
@@ -55,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _config, _launch, _limits, _mpi, _network
+from .. import _config, _mpi
+from . import detect, limits, network
 
 # Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
 # UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
@@ -118,7 +84,7 @@ class Bootstrap:
         timeout_explicit: whether someone asked for ``timeout_s`` (else JAX's
             default, which a later explicit request may still set).
         topology: the result, None until :meth:`run` has run.
-        release_mode: ``"thread"`` or ``"probe"`` (see the module docstring); None
+        release_mode: ``"thread"`` or ``"probe"`` (docs/design.rst); None
             for a job of one rank, which needs no release.
         released: whether :meth:`release` has run.
         file_limit_raised: on rank 0, ``(old, new)`` soft open-file limit when the
@@ -208,7 +174,7 @@ class Bootstrap:
         from mpi4py import MPI
 
         env = _config.environ()
-        info = _launch.detect(env)
+        info = detect.detect(env)
         launcher = info.launcher if info else "mpi"
         explicit_address = _config.coordinator_address(env)
         _check_launch_size(self.comm, info)
@@ -317,20 +283,20 @@ class Bootstrap:
         coordination service would run out (one connection per process).
         """
         try:
-            self.file_limit_raised = _limits.ensure_file_limit(size)
+            self.file_limit_raised = limits.ensure_file_limit(size)
         except RuntimeError as err:
             return _ERROR, str(err)
         if explicit is not None:
             return _OK, explicit
         try:
-            host = _network.coordinator_host(num_nodes, _config.interface())
+            host = network.coordinator_host(num_nodes, _config.interface())
             port = self.port
             if port is None:
-                self._reservation = _network.reserve_port(host)
+                self._reservation = network.reserve_port(host)
                 port = self._reservation.getsockname()[1]
             else:
-                _network.check_port_free(host, port)
-            return _OK, _network.format_address(host, port)
+                network.check_port_free(host, port)
+            return _OK, network.format_address(host, port)
         except Exception as err:  # raised on every rank after the broadcast
             return _ERROR, f"rank 0 could not choose the coordinator address: {err}"
 
@@ -427,7 +393,7 @@ class Bootstrap:
         )
         if why is None:
             return
-        if why.startswith(_network.REFUSED):  # reached, but nothing listened
+        if why.startswith(network.REFUSED):  # reached, but nothing listened
             self._give_up(waiting_for)
         self._abort(self._unreachable(why, "where rank 0's service is to listen"))
 
@@ -443,7 +409,7 @@ class Bootstrap:
         host, port = _config.split_host_port(
             self.topology.coordinator_address, "coordinator address"
         )
-        why = _network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
+        why = network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
         if why is not None:
             self._abort(self._unreachable(why, "where rank 0's service listens"))
 
@@ -453,7 +419,7 @@ class Bootstrap:
         address = self.topology.coordinator_address
         host, _ = _config.split_host_port(address, "coordinator address")
         try:
-            source = f" ({_network.source_address(host)})"
+            source = f" ({network.source_address(host)})"
         except OSError:
             source = ""
         return (
@@ -469,13 +435,19 @@ class Bootstrap:
     ) -> str | None:
         """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
         return None once it accepts, else why not (see
-        :func:`_network.wait_accepting`)."""
+        :func:`network.wait_accepting`)."""
         host, port = _config.split_host_port(
             self.topology.coordinator_address, "coordinator address"
         )
-        return _network.wait_accepting(
+        return network.wait_accepting(
             host, port, deadline, _PROBE_FIRST_PAUSE_S, cap, silence_s
         )
+
+    def duplicate(self, phase: str, comm=None):
+        """Return a ``Dup`` of ``comm`` (default: the job's communicator), recorded
+        in :attr:`calls` under ``phase``. Collective on ``comm``."""
+        self.log.phase = phase
+        return _mpi.RecordingComm(comm or self.comm, self.log).Dup().comm
 
     def close(self) -> None:
         """Free what a bootstrap that will not release still holds (tests)."""
@@ -639,59 +611,6 @@ def release(on_listening=None) -> None:
     if bootstrap is None:
         raise RuntimeError("mpi4jax_dist: release() before the bootstrap ran")
     bootstrap.release(on_listening)
-
-
-def world_for_xla():
-    """Return a duplicate of ``MPI.COMM_WORLD`` for XLA's MPI collectives, made once
-    (``Dup``, recorded in the bootstrap's calls), or None when the job's
-    communicator is not the whole world.
-
-    Collective on ``MPI.COMM_WORLD``: call it right after the bootstrap, a point
-    every rank reaches in the same order (see ``_cpu_collectives.use_private_world``
-    for why XLA needs it).
-    """
-    global _xla_world
-    from mpi4py import MPI
-
-    with _lock:
-        bootstrap = _current
-        if bootstrap is None:
-            raise RuntimeError("mpi4jax_dist: world_for_xla() before the bootstrap ran")
-        if _xla_world is None:
-            base = bootstrap.comm
-            if MPI.Comm.Compare(base, MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
-                return None
-            bootstrap.log.phase = "xla world"
-            _xla_world = _mpi.RecordingComm(MPI.COMM_WORLD, bootstrap.log).Dup().comm
-        return _xla_world
-
-
-_xla_world = None  # world_for_xla's duplicate, kept until MPI is finalized
-
-
-def watchdog_comm():
-    """Return a duplicate of the job's communicator for the collective timeout's
-    watchdog (``_hangs``), made once (``Dup``, recorded in the bootstrap's calls),
-    or None where there is to be none: no timeout (rank 0's setting), one rank, or
-    MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release mode says so alike on
-    every rank). Collective where it is not None: call it right after the
-    bootstrap."""
-    global _watchdog_comm
-    with _lock:
-        bootstrap = _current
-        if bootstrap is None:
-            raise RuntimeError("mpi4jax_dist: watchdog_comm() before the bootstrap ran")
-        if bootstrap.collective_timeout_s is None or bootstrap.release_mode != "thread":
-            return None
-        if _watchdog_comm is None:
-            bootstrap.log.phase = "watchdog"
-            _watchdog_comm = (
-                _mpi.RecordingComm(bootstrap.comm, bootstrap.log).Dup().comm
-            )
-        return _watchdog_comm
-
-
-_watchdog_comm = None
 
 
 def collectives() -> list[_mpi.Call]:

@@ -1,0 +1,180 @@
+"""What a process installs once this package has bootstrapped its JAX world.
+
+:func:`bootstrapped` is what the cluster env's getters call: the topology
+(bootstrapping on the first call), and, once per process, everything in
+:func:`start`, in the order listed there. :func:`prepare_connection` runs where
+JAX asks for the coordinator's address, just before every rank connects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .. import _compat, _config, xla_mpi
+from ..faults import failfast, hangs
+from . import bootstrap, network
+
+logger = logging.getLogger("mpi4jax_dist")
+
+_lock = threading.Lock()
+_started = False
+# The duplicates of the world that start() hands XLA's MPI collectives and the
+# hang watchdog; kept until MPI is finalized.
+_comms: dict = {}
+
+
+def bootstrapped(**settings) -> bootstrap.Topology:
+    """Return the topology (bootstrapping on first call, with ``settings``: see
+    :func:`mpi4jax_dist.launch.bootstrap.topology`), having run :func:`start`
+    once."""
+    global _started
+    topo = bootstrap.topology(**settings)
+    with _lock:
+        if not _started:
+            start(topo)
+            _started = True
+    return topo
+
+
+def start(topo: bootstrap.Topology) -> None:
+    """Install, in this order, what a process of a bootstrapped JAX world runs with:
+
+    1. JAX's CPU collectives as asked (``MPI4JAX_DIST_CPU_COLLECTIVES``), checked
+       before the CPU backend exists (:func:`mpi4jax_dist.xla_mpi.settle`);
+    2. for MPI collectives, a private duplicate of the world for XLA's
+       communicators (:func:`mpi4jax_dist.xla_mpi.use_private_world`);
+    3. fail-fast: a rank that raises, exits non-zero or gets SIGTERM ends the job
+       (:func:`mpi4jax_dist.faults.failfast.install`);
+    4. stacks on SIGUSR1, the job's collective timeout and, with one, the
+       watchdog thread on a duplicate of the job's communicator
+       (:func:`mpi4jax_dist.faults.hangs.install`);
+    5. JAX's proxy warning off where only launcher variables set it off;
+    6. the address JAX's Gloo collectives publish;
+    7. the persistent compilation cache written by every process
+       (``MPI4JAX_DIST_CACHE_EVERY_PROCESS``).
+
+    The duplicates are collectives: every rank makes them here, in this order.
+    """
+    xla_mpi.settle()
+    xla_mpi.use_private_world(_world_for_xla)
+    failfast.install(topo.rank, topo.size)
+    current = bootstrap.current()
+    hangs.install(
+        topo.rank, topo.size, current.collective_timeout_s, _watchdog_comm(current)
+    )
+    _silence_false_proxy_alarm(topo)
+    _choose_gloo_address(topo)
+    if _config.cache_every_process():
+        # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
+        # were before jax.distributed made all but rank 0 stop writing.
+        _compat.cache_on_every_process()
+
+
+def _world_for_xla():
+    """A duplicate of ``MPI.COMM_WORLD`` for XLA's MPI collectives (made once,
+    recorded in the bootstrap's calls), or None when the job's communicator is not
+    the whole world."""
+    from mpi4py import MPI
+
+    if "xla" not in _comms:
+        current = bootstrap.current()
+        same = MPI.Comm.Compare(current.comm, MPI.COMM_WORLD)
+        if same not in (MPI.IDENT, MPI.CONGRUENT):
+            return None
+        _comms["xla"] = current.duplicate("xla world", MPI.COMM_WORLD)
+    return _comms["xla"]
+
+
+def _watchdog_comm(current: bootstrap.Bootstrap):
+    """A duplicate of the job's communicator for the hang watchdog, or None where
+    there is to be none: no collective timeout (rank 0's setting), one rank, or MPI
+    below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release mode says so alike on
+    every rank)."""
+    if current.collective_timeout_s is None or current.release_mode != "thread":
+        return None
+    if "watchdog" not in _comms:
+        _comms["watchdog"] = current.duplicate("watchdog")
+    return _comms["watchdog"]
+
+
+def _choose_gloo_address(topo) -> None:
+    """Give JAX's Gloo collectives an address the other processes reach (once).
+
+    The one this host reaches the coordinator from, or ``MPI4JAX_DIST_INTERFACE``'s
+    (:func:`network.collectives_address`), instead of what the host name resolves
+    to. Where that cannot be done, and rank 0's host name resolves to loopback in
+    a job of several nodes, rank 0 says so in one warning before the first
+    collective (which would otherwise fail after Gloo's timeout).
+
+    Raises:
+        ValueError: ``MPI4JAX_DIST_INTERFACE`` names no interface of this host, or
+            one without an address.
+    """
+    if topo.size < 2:
+        return
+    try:
+        address = network.collectives_address(
+            topo.coordinator_address, _config.interface()
+        )
+    except OSError as err:  # no route to the coordinator: JAX will say more
+        why = f"no address for them ({err})"
+    else:
+        if _compat.publish_gloo_address(address):
+            logger.info(
+                "mpi4jax_dist: rank %d: JAX's Gloo collectives on %s",
+                topo.rank,
+                address,
+            )
+            return
+        why = f"this JAX cannot be told their address ({address})"
+    loopback = network.hostname_on_loopback()
+    if topo.rank == 0 and topo.num_nodes > 1 and loopback is not None:
+        logger.warning(
+            "mpi4jax_dist: JAX's Gloo collectives will publish %s, what rank 0's "
+            "host name resolves to, which other nodes cannot reach (%s): "
+            "collectives across nodes will fail. Map the host name to its cluster "
+            "address in /etc/hosts, or set %s=mpi.",
+            loopback,
+            why,
+            _config.CPU_COLLECTIVES,
+        )
+
+
+def _silence_false_proxy_alarm(topo) -> None:
+    """Turn JAX's proxy warning off where only launcher variables set it off.
+
+    JAX warns about every variable with "_proxy" in its name ("may cause a hang"):
+    under Intel MPI's mpiexec every rank names HYDRA_BSTRAP_PROXY_ID, Hydra's
+    bootstrap proxy process. A real proxy setting keeps JAX's warning (and gets
+    this package's own message, :func:`_prepare_connection`).
+    """
+    false_alarms = _config.false_proxy_alarms()
+    if false_alarms:
+        _compat.silence_proxy_check()
+        if topo.rank == 0:
+            logger.info(
+                "mpi4jax_dist: %s: named like a proxy but a launcher's variable; "
+                "JAX's proxy warning turned off.",
+                ", ".join(false_alarms),
+            )
+
+
+def prepare_connection(topo):
+    """Exempt the coordinator from proxies; bind rank 0's service to it alone.
+
+    Returns what undoes the bind setting once JAX has read it, or None.
+    """
+    host, _ = _config.split_host_port(topo.coordinator_address, "coordinator address")
+    proxies = _config.exempt_from_proxy(host)
+    if proxies and topo.rank == 0:
+        logger.warning(
+            "mpi4jax_dist: %s set; added %s to no_grpc_proxy so that JAX reaches its "
+            "coordinator directly (%s=keep leaves proxies alone).",
+            ", ".join(proxies),
+            host,
+            _config.PROXY,
+        )
+    if topo.rank == 0:
+        return _config.default_bind_address(topo.coordinator_address)
+    return None

@@ -1,0 +1,1 @@
+"""The compiled collectives: the in-place allreduce and the non-blocking one."""

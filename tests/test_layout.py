@@ -1,0 +1,66 @@
+"""The package's shape: rooms by concern over a bottom layer, no import circle, no
+upward import, few top-level modules, no long source file (tools/imports.py)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import util
+
+pytestmark = [util.serial_only, util.same_under_every_mpi]
+
+
+@pytest.fixture(scope="module")
+def imports():
+    spec = importlib.util.spec_from_file_location(
+        "imports_tool", util.ROOT / "tools" / "imports.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_circle_and_no_upward_import(imports):
+    edges = imports.graph()
+    assert edges["mpi4jax_dist.launch.session"], "the graph reads no imports"
+    assert imports.circles(edges) == []
+    assert imports.upward(edges) == []
+
+
+def test_every_room_has_a_layer(imports):
+    rooms = {imports.room(m) for m in imports.modules()} - {None}
+    placed = {r for layer in imports.LAYERS for r in layer}
+    assert rooms == placed, sorted(rooms ^ placed)
+
+
+def _fake_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "mpi4jax_dist" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_a_circle_through_a_function_level_import_is_found(imports, tmp_path):
+    """Fault injection: ops imports launch inside a function, launch imports ops."""
+    root = _fake_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "ops/__init__.py": "",
+            "ops/a.py": "def f():\n    from ..launch import b\n",
+            "launch/__init__.py": "",
+            "launch/b.py": "from ..ops import a\n",
+        },
+    )
+    edges = imports.graph(root)
+    assert imports.circles(edges) == [["mpi4jax_dist.launch.b", "mpi4jax_dist.ops.a"]]
+    assert ("mpi4jax_dist.ops.a", "mpi4jax_dist.launch.b") in imports.upward(edges)
+
+
+def test_few_top_level_modules():
+    package = util.ROOT / "mpi4jax_dist"
+    top = sorted(
+        {p.name for p in package.glob("*.py")} - {"__init__.py", "__main__.py"}
+    )
+    assert len(top) <= 8, top
