@@ -16,10 +16,10 @@ Two ranks on one machine's shared memory have almost no reduction latency to hid
 so the delay table injects what a large machine has, in one of three modes:
 
 * ``latency``: every reduction completes ``delay`` µs after it was posted, as an
-  8-byte allreduce over 10^4 ranks does (``MPI4JAX_DIST_SIMULATED_LATENCY_US``: the
-  non-blocking wait holds the result until then; the blocking variants' reductions
-  become a start and its wait back to back). A blocking reduction pays ``delay``,
-  an overlapped one ``max(delay, matvec)``.
+  8-byte allreduce over 10^4 ranks does: a PMPI interposer (``pmpi_latency.c``,
+  built and preloaded by the benchmark, :mod:`_latency`) holds each
+  ``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait until then. A blocking
+  reduction pays ``delay``, an overlapped one ``max(delay, matvec)``.
 * ``rank1``: rank 1 spins ``delay`` µs once per CG iteration (a busy loop inside
   XLA, calibrated here, which its matvec's input waits for): load imbalance, which
   no variant can hide (the slow rank's own iteration takes matvec + delay).
@@ -52,7 +52,6 @@ the same counts for ``pipelined_nb``'s waits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -61,26 +60,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
+import _latency  # noqa: E402
 
 MODES = ("latency", "rank1", "noise")
-
-
-@contextlib.contextmanager
-def simulated_latency(us):
-    """Set ``MPI4JAX_DIST_SIMULATED_LATENCY_US`` to ``us`` (None: unset) while
-    solvers are traced; put back what was there after."""
-    from mpi4jax_dist import _config
-
-    name = _config.SIMULATED_LATENCY_US
-    before = os.environ.pop(name, None)
-    if us is not None:
-        os.environ[name] = f"{us:g}"
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if before is not None:
-            os.environ[name] = before
 
 
 def parse_args(argv=None):
@@ -179,11 +161,16 @@ def delayed(matvec, trips: int, noise: bool = False):
 
 
 def warmed(case, latency):
-    """``case`` after one untimed call (compiling it) under ``latency`` (µs; None:
-    no simulation), which its compiled program keeps (read when traced)."""
-    with simulated_latency(latency):
-        _harness.block(case())
-    return case
+    """``case`` that first sets the interposer's delay to ``latency`` (µs; None:
+    none), after one untimed call of it (compiling it)."""
+
+    def run():
+        if latency is not None or _latency.preloaded():
+            _latency.set_us(latency or 0)
+        return case()
+
+    _harness.block(run())
+    return run
 
 
 def wait_counts(case, comm, runs: int = 1) -> dict:
@@ -486,5 +473,12 @@ def main(argv=None):
     return rows
 
 
+def needs_latency(args) -> bool:
+    """Whether ``args`` ask for a reduction latency (the interposer)."""
+    return "latency" in args.mode or any(args.micro_latencies)
+
+
 if __name__ == "__main__":
+    if needs_latency(parse_args()):
+        _latency.preload()  # before MPI starts: runs this script again
     main()

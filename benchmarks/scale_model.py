@@ -18,7 +18,7 @@ for that grid), 0 for the blocking variants. Weak scaling: each rank keeps the
 local block it had in the measurement, and so its compute.
 
 First the model is checked against ``overlap.py``'s ``latency`` rows, the same
-solve with every reduction held ``L`` µs (``MPI4JAX_DIST_SIMULATED_LATENCY_US``):
+solve with every reduction held ``L`` µs (the PMPI interposer ``pmpi_latency.c``):
 measured, model, and their ratio. Then ``L(P)`` comes from published 8-byte
 allreduce latencies (:data:`PUBLISHED`) as ``b * log2(P)``, a recursive-doubling
 or tree allreduce's depth times a cost per level taken from one published point,

@@ -78,14 +78,13 @@ Accuracy, recomputed in NumPy for every route alike: the true relative residual
 Latency study. The time a route would take where one allreduce costs ``L`` more
 (1,000-2,000 GPUs pay 10-1,000 us), two ways:
 
-- measured (``--latency-params``, the smallest walker count):
-  ``MPI4JAX_DIST_SIMULATED_LATENCY_US=L`` set before tracing, for ``solve_normal``
-  (its reductions go through ``mpi4jax_dist.iallreduce`` + ``req.wait()``, held
-  until ``L`` us after the post) and for ``(a)`` and the drop-in (classic) with
-  ``A``'s ``mpi4jax.allreduce`` replaced by ``mpi4jax_dist.iallreduce(...).wait()``,
-  which the simulation holds alike (rows ``+iallreduce``). The simulation
-  holds a reduction until ``L`` after its post: it costs ``max(L, t_reduce)``,
-  not ``t_reduce + L``;
+- measured (``--latency-params``, the smallest walker count): every reduction
+  held until ``L`` us after its post by a PMPI interposer (``pmpi_latency.c``,
+  preloaded by the benchmark itself, :mod:`_latency`), for ``solve_normal`` and
+  for ``(a)`` and the drop-in (classic) with ``A``'s ``mpi4jax.allreduce``
+  replaced by ``mpi4jax_dist.iallreduce(...).wait()`` (rows ``+iallreduce``). A
+  reduction held until ``L`` after its post costs ``max(L, t_reduce)``, not
+  ``t_reduce + L``;
 - modelled: ``t_solve(L) = t_solve + n L`` from the measured ``t_solve`` (no
   latency) with ``n`` the allreduces per solve (``all``; for ``(c)`` its MPI
   calls). The measured rows check the model (``model/meas``: the model from the
@@ -155,6 +154,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
+import _latency  # noqa: E402
 
 DEFAULT_PARAMS = "1824,9245,50000"
 DEFAULT_WALKERS = "256,1024"
@@ -337,8 +337,7 @@ def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None, **
 
 
 def route_normal(comm, tol, maxiter, variant="classic", replace_every=50):
-    """(b): ``mpi4jax_dist.cg.solve_normal`` with a fresh solver (traced anew: a
-    simulated latency is read when traced)."""
+    """(b): ``mpi4jax_dist.cg.solve_normal`` with a fresh solver."""
     solver = cg_module().make_normal_solver(
         variant=variant, comm=comm, replace_every=replace_every
     )
@@ -751,16 +750,14 @@ class Bench:
     def latency(self):
         """Measured simulated-latency rows, the model for every routes row, and
         the crossovers."""
-        from mpi4jax_dist._config import SIMULATED_LATENCY_US
-
         args = self.args
         lats = args.latencies
         table = latency_table(lats)
         self.say(
             "",
             f"# latency: t_solve where one allreduce costs L more. measured: "
-            f"{SIMULATED_LATENCY_US}=L (a reduction held until L after its post: "
-            f"max(L, t_reduce)), {min(args.walkers)} walkers/rank; model: t_solve "
+            f"every reduction held until L after its post by a PMPI interposer "
+            f"(max(L, t_reduce)), {min(args.walkers)} walkers/rank; model: t_solve "
             f"(routes table) + allred/solve x L (cholesky: its MPI calls); "
             f"model/meas: the model from the measured row's own 0 us time, at the "
             f"largest L",
@@ -824,13 +821,9 @@ class Bench:
             }
             for name in makers
         }
-        from mpi4jax_dist._config import SIMULATED_LATENCY_US
-
-        before = os.environ.get(SIMULATED_LATENCY_US)
         try:
             for lat in lats:
-                # Read when traced: a fresh function per latency.
-                os.environ[SIMULATED_LATENCY_US] = format(lat, "g")
+                _latency.set_us(lat)
                 solves = {name: make() for name, make in makers.items()}
                 cases = [functools.partial(s, *dev) for s in solves.values()]
                 times = _harness.time_rounds(cases, comm, args.repeat)
@@ -852,10 +845,7 @@ class Bench:
                         rows[name].setdefault("iterations", calls - 1)
                 jax.clear_caches()
         finally:
-            if before is None:
-                os.environ.pop(SIMULATED_LATENCY_US, None)
-            else:
-                os.environ[SIMULATED_LATENCY_US] = before
+            _latency.set_us(0)
         top = f"t_{lats[-1]:g}us"
         for row in rows.values():
             if "t_0us" in row:
@@ -1470,6 +1460,14 @@ def _chunk_bytes() -> int:
     return _config.allreduce_chunk_bytes()
 
 
+def needs_latency(args) -> bool:
+    """Whether ``args`` ask for measured latency rows (the interposer)."""
+    measured = args.latencies and args.latency_params
+    return bool(measured) and not (args.memory or args.memory_case)
+
+
 if __name__ == "__main__":
+    if needs_latency(parse(None)):
+        _latency.preload()  # before MPI starts: runs this script again
     main()
     sys.stdout.flush()

@@ -239,3 +239,39 @@ def test_allreduce_table_alone_on_stdout():
         ["4", "psum", "loop"],
         ["4", "psum", "call"],
     ], proc.stdout
+
+
+def test_latency_interposer_holds_every_reduction_until_its_time():
+    """The benchmarks' PMPI interposer (benchmarks/pmpi_latency.c, preloaded by
+    benchmarks/_latency.py): a blocking allreduce takes the delay; a non-blocking
+    one tests incomplete before it and its wait returns after it; the package's
+    iallreduce, jitted and eagerly, is held alike and reduces right; the
+    extension's wait counters see the hold (slack: the work between post and
+    wait; blocked: the rest of the delay); at delay 0 nothing is held. (A lower
+    bound only: how much an overlap hides is benchmarks/overlap.py's figure.)"""
+    proc = util.run_command(
+        [sys.executable, str(util.ROOT / "tests" / "scripts" / "latency_held.py")],
+        env=util.clean_env(MPI4JAX_NO_WARN_JAX_VERSION="1"),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = {
+        line.split()[0]: [float(v) for v in line.split()[1:]]
+        for line in proc.stdout.splitlines()
+        if line[:1].isupper()
+    }
+    assert got["ALLREDUCE"][0] >= 0.030, got
+    early, waited = got["IALLREDUCE"]
+    assert early == 0 and waited >= 0.025, got
+    for name in ("JIT", "EAGER"):
+        took, right = got[name]
+        assert took >= 0.030 and right == 1, got
+    waits, done, slack_ms, blocked_ms = got["WAIT0"]
+    assert waits == 1 and done == 1 and slack_ms >= 20 and blocked_ms == 0, got
+    waits, done, slack_ms, blocked_ms = got["WAIT60"]
+    assert waits == 1 and done == 0 and 20 <= slack_ms < 60, got
+    # The wait held the result for the rest of the 60 ms (less its first
+    # MPI_Test, counted in neither), and no longer than a loaded machine's
+    # scheduling slack past them.
+    assert 59 <= slack_ms + blocked_ms < 60 + 200, got
+    assert got["AFTER"][0] < 0.030, got
