@@ -532,43 +532,6 @@ def debug_checks(env: Mapping[str, str] | None = None) -> bool:
     return get_bool(DEBUG_CHECKS, False, env)
 
 
-SIMULATED_LATENCY_US = "MPI4JAX_DIST_SIMULATED_LATENCY_US"
-
-
-def simulated_latency_us(env: Mapping[str, str] | None = None) -> float | None:
-    """Return the reduction latency to simulate in µs, or None (no simulation).
-
-    ``MPI4JAX_DIST_SIMULATED_LATENCY_US`` (for benchmarks: what a CG would cost
-    where an 8-byte allreduce takes that long, as on a large machine): every
-    :func:`mpi4jax_dist.iallreduce` started with it set holds its result in the
-    wait until that many µs after the start posted it, spinning as ``MPI_Wait``
-    polls, and ``mpi4jax_dist.cg``'s ``mpi4jax`` backend runs its blocking
-    reductions as an ``iallreduce`` and its ``wait`` back to back, so that every
-    variant pays the same latency: a blocking reduction all of it, an overlapped
-    one what its overlapped work does not cover. Read when a call is traced (JAX
-    reuses a function's traces: set it before a jitted function's first call).
-    ``0`` simulates nothing but still routes cg's blocking reductions so (the
-    baseline). Unset or empty: no simulation.
-
-    Raises:
-        ValueError: the value is not a non-negative number.
-    """
-    env = environ() if env is None else env
-    value = env.get(SIMULATED_LATENCY_US, "").strip()
-    if not value:
-        return None
-    try:
-        latency = float(value)
-    except ValueError:
-        latency = -1.0
-    if not latency >= 0 or latency == float("inf"):
-        raise ValueError(
-            f"{SIMULATED_LATENCY_US}={value!r} is not a latency in µs; expected a "
-            f"non-negative number such as 50, or unset it for none."
-        )
-    return latency
-
-
 # --- hangs: stacks on demand and the collective timeout (faults/hangs.py) ----------
 
 STACKS = "MPI4JAX_DIST_STACKS"

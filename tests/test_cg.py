@@ -16,7 +16,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist import _ffi, cg
+from mpi4jax_dist import cg
 
 mpi = pytest.mark.mpi(min_size=2)
 GRID = 16  # problem A: 16 x 16 grid, 4 grid rows per rank at -n 4
@@ -561,32 +561,6 @@ def test_hidden_reduction_is_counted_in_one_process(variant):
     assert k > 3 and int(info.reductions) == design * k + matvecs, info
     if cg.VARIANT_RECORDS[variant].replaces:
         assert matvecs == k + 4 * (k // 3), info  # replacements ran, and counted
-
-
-@util.serial_only
-@pytest.mark.parametrize("variant", cg.VARIANTS)
-def test_simulated_latency_makes_every_reduction_a_nonblocking_one(
-    variant, monkeypatch
-):
-    """Under MPI4JAX_DIST_SIMULATED_LATENCY_US the mpi4jax backend's blocking
-    reductions run as iallreduce + wait (so that every variant pays the simulated
-    latency): the extension counts one start per counted reduction, and the solve
-    is the one without simulation."""
-    import jax
-
-    from mpi4jax_dist import _config
-
-    ext = _ffi.load()
-    x_plain, plain = self_solver(variant)()
-    monkeypatch.setenv(_config.SIMULATED_LATENCY_US, "0")
-    ext.reset_stats()
-    x_sim, info = jax.block_until_ready(self_solver(variant)())  # then count
-    starts = ext.stats()["iallreduce_starts"]
-    assert int(info.iterations) == int(plain.iterations) > 3, (info, plain)
-    assert int(info.reductions) == int(plain.reductions), (info, plain)
-    # Every reduction of the loop, and the ones before and after it, started.
-    assert starts >= int(info.reductions) + 1, (starts, info)
-    np.testing.assert_allclose(np.asarray(x_sim), np.asarray(x_plain), rtol=1e-12)
 
 
 @util.serial_only

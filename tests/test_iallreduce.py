@@ -822,85 +822,6 @@ def test_request_kept_out_of_its_function_fails_the_next_run_and_exit_reports_it
 
 
 @pytest.mark.mpi_skip
-def test_simulated_latency_holds_the_result_until_after_the_post(monkeypatch):
-    """MPI4JAX_DIST_SIMULATED_LATENCY_US, read when traced: the start carries it to
-    the extension, and the wait returns the (right) result no sooner than that long
-    after the post; unset, the start carries 0. (A lower bound only: the upper one,
-    how much an overlap hides, is benchmarks/overlap.py's figure.)"""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    from mpi4py import MPI
-
-    from mpi4jax_dist import _config
-
-    def reduce():  # a new function: JAX reuses a function's traces
-        return lambda x: mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF).wait()
-
-    x = jnp.arange(5.0)
-    monkeypatch.delenv(_config.SIMULATED_LATENCY_US, raising=False)
-    assert "latency_ns = 0" in jax.jit(reduce()).lower(x).as_text()
-    monkeypatch.setenv(_config.SIMULATED_LATENCY_US, "30000")  # 30 ms
-    f = reduce()
-    g = jax.jit(f)
-    assert "latency_ns = 30000000" in g.lower(x).as_text()
-    g(x).block_until_ready()
-    took = []
-    for _ in range(3):
-        start = time.perf_counter()
-        y = g(x).block_until_ready()
-        took.append(time.perf_counter() - start)
-    assert min(took) >= 0.030, took
-    np.testing.assert_array_equal(np.asarray(y), np.arange(5.0))
-    # Eagerly too (the start's jitted call is made per latency).
-    start = time.perf_counter()
-    y = f(x).block_until_ready()
-    assert time.perf_counter() - start >= 0.030
-    np.testing.assert_array_equal(np.asarray(y), np.arange(5.0))
-
-
-@pytest.mark.mpi_skip
-def test_waits_count_their_slack_and_what_they_waited(monkeypatch):
-    """The extension's per-wait times, which benchmarks/overlap.py reports: slack
-    is the time from the post to the wait (here a sleep between them), blocked the
-    time the wait then waited (here the rest of a simulated latency); a wait whose
-    first MPI_Test completed the reduction waited nothing."""
-    import time
-
-    import jax.numpy as jnp
-    from mpi4py import MPI
-
-    from mpi4jax_dist import _config
-
-    ext, x = extension(), jnp.arange(4.0)
-
-    def one_wait(sleep_s):
-        ext.reset_stats()
-        req = mpi4jax_dist.iallreduce(x, comm=MPI.COMM_SELF)
-        time.sleep(sleep_s)
-        np.testing.assert_array_equal(np.asarray(req.wait()), x)
-        stats = ext.stats()
-        assert stats["iallreduce_waits"] == 1, stats
-        return (
-            stats["iallreduce_done_before_wait"],
-            stats["iallreduce_wait_slack_ns"] / 1e6,
-            stats["iallreduce_wait_blocked_ns"] / 1e6,
-        )
-
-    monkeypatch.delenv(_config.SIMULATED_LATENCY_US, raising=False)
-    done, slack_ms, blocked_ms = one_wait(0.02)
-    assert done == 1 and slack_ms >= 20 and blocked_ms == 0, (done, slack_ms)
-    monkeypatch.setenv(_config.SIMULATED_LATENCY_US, "60000")  # 60 ms
-    done, slack_ms, blocked_ms = one_wait(0.02)
-    assert done == 0 and 20 <= slack_ms < 60, (done, slack_ms, blocked_ms)
-    # The wait held the result for the rest of the 60 ms (less its first
-    # MPI_Test, counted in neither), and no longer than a loaded machine's
-    # scheduling slack past them.
-    assert 59 <= slack_ms + blocked_ms < 60 + 200, (slack_ms, blocked_ms)
-
-
-@pytest.mark.mpi_skip
 def test_work_that_returns_its_inputs():
     """fn may pass its inputs through (twice, even): nothing is tied again, and
     the wait still comes after the work."""
@@ -941,18 +862,6 @@ def test_the_4097th_pending_request_is_refused():
         got = [req.wait() for req in held]
     assert len(got) == len(held) and not ext.pending_requests()
     np.testing.assert_array_equal(np.asarray(got[-1]), np.ones(2))
-
-
-@pytest.mark.parametrize("value", ["-1", "fast", "inf", "nan"])
-def test_simulated_latency_rejects_what_is_not_a_latency(value):
-    from mpi4jax_dist import _config
-
-    name = _config.SIMULATED_LATENCY_US
-    with pytest.raises(ValueError, match=f"{name}='{value}'.*non-negative number"):
-        _config.simulated_latency_us({name: value})
-    assert _config.simulated_latency_us({name: " 12.5 "}) == 12.5
-    assert _config.simulated_latency_us({name: ""}) is None
-    assert _config.simulated_latency_us({}) is None
 
 
 def test_api_is_exported():

@@ -432,14 +432,12 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     site = _caller_site()
     uid = next(_UIDS)
     start, _, _, _ = _primitives()
-    latency_us = _config.simulated_latency_us() or 0.0
     buffer, handle = start.bind(
         x,
         op=common.OPS.index(name),
         comm=comm,
         uid=uid,
         site=site,
-        latency_ns=int(round(latency_us * 1e3)),
     )
     if not _is_traced(buffer):  # it ran: an eager start (its uid is unused)
         uid = 0
@@ -493,22 +491,18 @@ def _primitives():
     # donated to the test and the wait, which write into it in place (no copy).
 
     @functools.cache
-    def start_jitted(op, comm, site, latency_ns):
-        return jax.jit(
-            lambda x: start.bind(
-                x, op=op, comm=comm, uid=0, site=site, latency_ns=latency_ns
-            )
-        )
+    def start_jitted(op, comm, site):
+        return jax.jit(lambda x: start.bind(x, op=op, comm=comm, uid=0, site=site))
 
     @functools.cache
     def then_jitted(prim):
         return jax.jit(lambda b, h, *deps: prim.bind(b, h, *deps), donate_argnums=0)
 
-    def start_impl(x, *, op, comm, uid, site, latency_ns):
+    def start_impl(x, *, op, comm, uid, site):
         del uid  # eager starts are not checked at lowering
-        return start_jitted(op, comm, site, latency_ns)(x)
+        return start_jitted(op, comm, site)(x)
 
-    def start_abstract(x, *, op, comm, uid, site, latency_ns):
+    def start_abstract(x, *, op, comm, uid, site):
         buffer = ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
         return [buffer, handle_aval], {ordered_effect}
 
@@ -527,7 +521,7 @@ def _primitives():
         )
         ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
 
-    def start_lowering(ctx, x, *, op, comm, uid, site, latency_ns):
+    def start_lowering(ctx, x, *, op, comm, uid, site):
         if uid in _DROPPED:
             raise RuntimeError(
                 f"{_WHO}: the request started at {_DROPPED[uid]} is never waited "
@@ -551,7 +545,7 @@ def _primitives():
             check=np.int32(_config.debug_checks()),
             uid=np.int64(uid),
             site=site,
-            latency_ns=np.int64(latency_ns),
+            latency_ns=np.int64(0),
         )
         token_after(ctx, handle, handle_aval)
         return [buffer, handle]

@@ -59,21 +59,11 @@ def check_tol_maxiter(tol, maxiter, atol=0.0):
 
 
 def mpi4jax_sum(comm):
-    """Return the mpi4jax reduction: sum over the ranks of ``comm``, inside jit.
-
-    Under a simulated latency (``MPI4JAX_DIST_SIMULATED_LATENCY_US``, read when
-    traced) it is an :func:`mpi4jax_dist.iallreduce` and its wait back to back, so
-    that the blocking variants pay the latency the non-blocking one may hide.
-    """
+    """Return the mpi4jax reduction: sum over the ranks of ``comm``, inside jit."""
     import mpi4jax
     from mpi4py import MPI
 
-    from .. import _config
-    from ..ops import iallreduce
-
     def allreduce(x):
-        if _config.simulated_latency_us() is not None:
-            return iallreduce.iallreduce(x, MPI.SUM, comm=comm).wait()
         return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
     return allreduce
