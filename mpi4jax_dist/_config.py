@@ -124,7 +124,7 @@ def trampoline_lib(env: Mapping[str, str] | None = None) -> str | None:
 
 def fail_fast(env: Mapping[str, str] | None = None) -> bool:
     """Return True unless ``MPI4JAX_DIST_FAIL_FAST=0`` turns off what makes a
-    failing rank end the job (see ``_failfast``)."""
+    failing rank end the job (see ``faults/failfast.py``)."""
     return get_bool(FAIL_FAST, True, env)
 
 

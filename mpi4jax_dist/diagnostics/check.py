@@ -1,5 +1,6 @@
 """What mpi4jax_dist sees: the launcher, MPI, the topology per node, the coordinator,
-proxies, versions and devices. A library function first; ``__main__`` prints it."""
+proxies, versions and devices. A library function first; the CLI (``cli.py``) prints
+it."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class _State:
     timeout_s: float | None = None  # the job's (rank 0's) once bootstrapped
     bootstrapped: bool = False
     watchdog: _Watchdog | None = None
-    # The communicators the compiled ops know (mpi4jax_dist._allreduce._Comm), in
+    # The communicators the compiled ops know (mpi4jax_dist.ops.common.Comm), in
     # order of registration.
     comms: list = field(default_factory=list)
     # The extension modules loaded (_ffi's CPU and CUDA ones), as configured.
@@ -110,7 +110,7 @@ def _loaded_modules() -> list:
 
 
 def note_comm(comm) -> None:
-    """Remember a communicator the compiled ops were given (an ``_allreduce._Comm``),
+    """Remember a communicator the compiled ops were given (an ``ops.common.Comm``),
     so that a timeout's report can name it and find its count on every rank."""
     with _state.lock:
         _state.comms.append(comm)
