@@ -115,13 +115,15 @@ def _environment_names(module_path) -> set[str]:
 
 
 def test_every_variable_is_in_the_table():
-    """Every variable _config.py (and setup.py, for the build) names is a row of the
-    table the documentation renders (docs/configuration.rst)."""
+    """Every variable _config.py (and conf/, the build) names is a row of the table
+    the documentation renders (docs/configuration.rst)."""
     documented = {name for v in _config.VARIABLES for name in v.names}
     named = _environment_names(util.ROOT / "mpi4jax_dist" / "_config.py")
     # Not variables: PROXY_SETTINGS lists what counts as a proxy setting.
     named -= {"all_proxy", "ftp_proxy", "no_proxy", "no_grpc_proxy"}
-    named |= _environment_names(util.ROOT / "setup.py")
+    for name in ("mpiconfig", "cudaconfig"):  # where the build reads the environment
+        named |= _environment_names(util.ROOT / "conf" / f"{name}.py")
+    assert {"MPI4PY_BUILD_MPICC", "MPI4JAX_DIST_BUILD_CUDA"} <= named, named
     assert (
         named <= documented
     ), f"not in _config.VARIABLES: {sorted(named - documented)}"

@@ -55,7 +55,7 @@ FFI = ROOT / "mpi4jax_dist" / "_ffi"
 EXCLUDED_FILES = {
     # Generates the wrapper's C from mpi4jax_dist/_ffi/mpiabi_names.txt at build
     # time; its errors are about that file of the source tree, not about a setup.
-    "mpi4jax_dist/_ffi/mpiabi_gen.py": "the build's code generator",
+    "conf/mpiabi_gen.py": "the build's code generator",
 }
 # Messages a user cannot cause (checks of the package's own invariants, or text
 # that is Python's own), by file and a piece of the message, with the reason.
@@ -620,6 +620,7 @@ def _bindings(node):
 def python_sources() -> dict[str, str]:
     paths = sorted((ROOT / "mpi4jax_dist").rglob("*.py"))
     paths += [ROOT / "pytest_mpi4jax_dist.py", ROOT / "setup.py"]
+    paths += sorted((ROOT / "conf").glob("*.py"))  # the build's machinery
     return {p.relative_to(ROOT).as_posix(): p.read_text() for p in paths}
 
 
@@ -853,7 +854,12 @@ def test_extraction_finds_the_messages():
     ):
         assert kind in kinds, (kind, sorted(kinds))
     paths = {m.path for m in messages}
-    assert {"setup.py", "pytest_mpi4jax_dist.py", "mpi4jax_dist/_ffi/cpu.cc"} <= paths
+    assert {
+        "conf/mpiconfig.py",
+        "conf/cudaconfig.py",
+        "pytest_mpi4jax_dist.py",
+        "mpi4jax_dist/_ffi/cpu.cc",
+    } <= paths
     rendered = [m.render() for m in messages]
     # A parameter filled in from the caller, through three functions.
     assert any(

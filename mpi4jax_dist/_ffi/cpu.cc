@@ -1,10 +1,6 @@
 // The CPU handlers of mpi4jax_dist.allreduce and of the non-blocking
 // mpi4jax_dist.iallreduce (start, test, wait), and the Python module that hands
-// them to JAX (jax.ffi.register_ffi_target).
-//
-// Built once per MPI family (setup.py names the module _cpu_mpich or
-// _cpu_openmpi through MPI4JAX_DIST_MODULE), so that one source tree can serve
-// virtual environments with different MPIs.
+// them to JAX (jax.ffi.register_ffi_target), built into _cpu (conf/builder.py).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -318,7 +314,7 @@ PyMethodDef kMethods[] = {
 #define MPI4JAX_DIST_CAT(a, b) MPI4JAX_DIST_CAT2(a, b)
 
 #ifndef MPI4JAX_DIST_MODULE
-#error "setup.py defines MPI4JAX_DIST_MODULE, the module's name (_cpu_mpich)"
+#error "conf/builder.py defines MPI4JAX_DIST_MODULE, the module's name (_cpu)"
 #endif
 
 PyModuleDef kModule = {

@@ -1,10 +1,9 @@
 // The CUDA handler of mpi4jax_dist.allreduce, and the Python module that hands
 // it to JAX (jax.ffi.register_ffi_target(..., platform="CUDA")).
 //
-// Plain C++ over the CUDA runtime API (no kernels): setup.py compiles it with
-// the host compiler where CUDA headers exist, into _cuda_mpich or
-// _cuda_openmpi beside the CPU module, so that the CPU module never depends on
-// CUDA. Two ways to reduce a device buffer, chosen per compiled call by the
+// Plain C++ over the CUDA runtime API (no kernels): conf/builder.py compiles it
+// with the host compiler where CUDA headers exist, into _cuda beside the CPU
+// module, so that the CPU module never depends on CUDA. Two ways to reduce a device buffer, chosen per compiled call by the
 // `cuda_aware` attribute (MPI4JAX_DIST_CUDA_AWARE_MPI, see _config.py):
 //
 // - CUDA-aware MPI: wait for the stream, then MPI reduces the device buffer in
@@ -582,7 +581,7 @@ PyMethodDef kMethods[] = {
 #define MPI4JAX_DIST_CAT(a, b) MPI4JAX_DIST_CAT2(a, b)
 
 #ifndef MPI4JAX_DIST_MODULE
-#error "setup.py defines MPI4JAX_DIST_MODULE, the module's name (_cuda_mpich)"
+#error "conf/builder.py defines MPI4JAX_DIST_MODULE, the module's name (_cuda)"
 #endif
 
 PyModuleDef kModule = {
