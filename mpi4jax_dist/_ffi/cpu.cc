@@ -12,8 +12,11 @@
 #include <utility>
 #include <vector>
 
-#include "mpi_helpers.h"
+#include "allreduce.h"
+#include "iallreduce.h"
 #include "module_helpers.h"
+#include "request_table.h"
+#include "stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -48,7 +51,7 @@ ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
                           chunk_bytes);
 }
 
-// The non-blocking allreduce (mpi_helpers.h has the logic). The start: x and a
+// The non-blocking allreduce (iallreduce.h has the logic). The start: x and a
 // token in; x (aliased) and the request's handle out, once MPI_Iallreduce is
 // posted. The test and the wait take x and the handle back (x aliased), and
 // after them the results of the work placed before them (RemainingArgs): never
@@ -166,7 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCpu,
                                   .Attr<int64_t>("chunk_bytes")
                                   .Attr<int32_t>("check"));
 
-// The token after the allreduce: mpi4jax_dist::TokenAfterImpl (mpi_helpers.h).
+// The token after the allreduce: mpi4jax_dist::TokenAfterImpl (allreduce.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistTokenAfterCpu,
                               mpi4jax_dist::TokenAfterImpl,
                               xla::ffi::Ffi::Bind()
@@ -257,7 +260,7 @@ PyObject* PendingRequests(PyObject*, PyObject*) {
   return InfoList(mpi4jax_dist::RequestTable::Get().Pending());
 }
 
-// complete_pending(handles, timeout_s): see CompletePending (mpi_helpers.h).
+// complete_pending(handles, timeout_s): see CompletePending (iallreduce.h).
 PyObject* CompletePending(PyObject*, PyObject* args) {
   PyObject* sequence = nullptr;
   double timeout_s = 0;
@@ -285,7 +288,7 @@ PyMethodDef kMethods[] = {
     MPI4JAX_DIST_TIMEOUT_METHODS
     {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
      "register_comm(fortran_handle): the communicator's id for compiled calls "
-     "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},
+     "(see CommRegistry in comm_registry.h). MPI must be initialized."},
     {"allreduce_handler", Handler, METH_NOARGS,
      "Return the XLA FFI handler of the CPU allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,
@@ -341,7 +344,7 @@ PyMODINIT_FUNC MPI4JAX_DIST_CAT(PyInit_, MPI4JAX_DIST_MODULE)(void) {
           0 ||
       PyModule_AddObject(module, "LARGE_COUNT",
                          PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0 ||
-      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_helpers.h).
+      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_base.h).
       PyModule_AddObject(module, "ALLREDUCE_LARGE_COUNT",
                          PyBool_FromLong(MPI4JAX_DIST_ALLREDUCE_C)) < 0) {
     Py_DECREF(module);

@@ -32,8 +32,9 @@
 #include <utility>
 #include <vector>
 
-#include "mpi_helpers.h"
+#include "allreduce.h"
 #include "module_helpers.h"
+#include "stats.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(OPEN_MPI) && OPEN_MPI
@@ -548,7 +549,7 @@ PyMethodDef kMethods[] = {
     MPI4JAX_DIST_TIMEOUT_METHODS
     {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
      "register_comm(fortran_handle): the communicator's id for compiled calls "
-     "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},
+     "(see CommRegistry in comm_registry.h). MPI must be initialized."},
     {"allreduce_handler", Handler, METH_NOARGS,
      "Return the XLA FFI handler of the CUDA allreduce as a PyCapsule."},
     {"token_after_handler", TokenHandler, METH_NOARGS,
@@ -608,7 +609,7 @@ PyMODINIT_FUNC MPI4JAX_DIST_CAT(PyInit_, MPI4JAX_DIST_MODULE)(void) {
           0 ||
       PyModule_AddObject(module, "LARGE_COUNT",
                          PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0 ||
-      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_helpers.h).
+      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_base.h).
       PyModule_AddObject(module, "ALLREDUCE_LARGE_COUNT",
                          PyBool_FromLong(MPI4JAX_DIST_ALLREDUCE_C)) < 0 ||
       // The CUDA runtime this module was compiled against (13000: CUDA 13.0).

@@ -1,10 +1,13 @@
 // The Python side that the platform modules (cpu.cc, cuda.cc) share: what MPI
-// they call, and the handler counts. Include after <Python.h> and mpi_helpers.h.
+// they call, and the handler counts. Include after <Python.h>.
 
 #ifndef MPI4JAX_DIST_FFI_MODULE_HELPERS_H_
 #define MPI4JAX_DIST_FFI_MODULE_HELPERS_H_
 
-#include "mpi_helpers.h"
+#include "comm_registry.h"
+#include "mpi_base.h"
+#include "stats.h"
+#include "timeout.h"
 
 namespace mpi4jax_dist {
 
@@ -33,7 +36,7 @@ inline PyObject* StatsDict() {
       static_cast<long long>(s.locked_sections.load()));
 }
 
-// register_comm(fortran_handle) -> id: see CommRegistry (mpi_helpers.h).
+// register_comm(fortran_handle) -> id: see CommRegistry (comm_registry.h).
 inline PyObject* RegisterComm(PyObject*, PyObject* args) {
   long long handle = 0;
   if (!PyArg_ParseTuple(args, "L", &handle)) return nullptr;
@@ -54,7 +57,7 @@ inline PyObject* RegisterComm(PyObject*, PyObject* args) {
 }
 
 // set_collective_timeout(seconds, watchdog, stacks_on_signal): see
-// TimeoutSettings (mpi_helpers.h); 0 seconds turns the timeout off.
+// TimeoutSettings (timeout.h); 0 seconds turns the timeout off.
 inline PyObject* SetCollectiveTimeout(PyObject*, PyObject* args) {
   double seconds = 0;
   int watchdog = 0, stacks = 0;
