@@ -162,7 +162,6 @@ class BuildExt(build_ext):
                 # Everything resolved at link time: MPI, libdl and libc, never Python.
                 ext.extra_link_args = [*link_args, "-ldl", "-Wl,--no-undefined"]
                 continue
-            ext.define_macros.append(("MPI4JAX_DIST_MODULE", f"_{kind}"))
             ext.extra_compile_args = [*cxx, *compile_args]
             ext.extra_link_args = [*link_args, "-Wl,--gc-sections"]
             if kind == "cuda":

@@ -8,8 +8,9 @@ or run). A message is what reaches the user through a *sink*: ``raise X(...)``
 ``critical``, ``sys.stderr.write`` and ``print(..., file=sys.stderr)``, argparse's
 ``parser.error``, ``pytest.skip``, a line the diagnostics add to their ``problems``
 or ``warnings``, the ``(_ERROR, text)`` rank 0 broadcasts for every rank to raise,
-and in C/C++ an ``ffi::Error`` (the error XLA raises), ``PyErr_SetString``,
-``PyErr_Format`` and ``fprintf(stderr, ...)``.
+and in C/C++ an ``ffi::Error`` (the error XLA raises), the ``std::runtime_error``
+and ``std::invalid_argument`` that nanobind raises as ``RuntimeError`` and
+``ValueError``, ``PyErr_SetString``, ``PyErr_Format`` and ``fprintf(stderr, ...)``.
 
 A message is a template: its literal *chunks* (one string literal, or one constant
 piece of an f-string, each whole) and *holes* (whatever is formatted in). Local
@@ -69,7 +70,7 @@ EXCLUDED = {
     ("mpi4jax_dist/_ffi/allreduce.h", "unknown op code"): "Python checks first",
     ("mpi4jax_dist/_ffi/allreduce.h", "cannot reduce this element"): "as above",
     ("mpi4jax_dist/_ffi/iallreduce.h", "but its wait returns"): "XLA's shapes",
-    ("mpi4jax_dist/_ffi/module_helpers.h", "MPI_Get_library_version"): "MPI bug",
+    ("mpi4jax_dist/_ffi/module_common.h", "MPI_Get_library_version"): "MPI bug",
     ("mpi4jax_dist/_ffi/cuda.cc", "set_staging_bytes("): "_config validates first",
 }
 
@@ -627,7 +628,8 @@ def python_sources() -> dict[str, str]:
 # --- C and C++ ----------------------------------------------------------------------
 
 _C_SINK = re.compile(
-    r"\b(ffi::Error(?:::\w+)?|PyErr_SetString|PyErr_Format|fprintf)\s*\("
+    r"\b(ffi::Error(?:::\w+)?|std::runtime_error|std::invalid_argument"
+    r"|PyErr_SetString|PyErr_Format|fprintf)\s*\("
 )
 _C_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _C_CONSTANT = re.compile(

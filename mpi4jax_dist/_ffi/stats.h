@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace mpi4jax_dist {
 
@@ -38,6 +40,21 @@ struct Stats {
 inline Stats& GetStats() {
   static Stats stats;
   return stats;
+}
+
+// Name and value of each count, as every module's stats() names them.
+using StatsItems = std::vector<std::pair<const char*, int64_t>>;
+
+inline StatsItems GetStatsItems() {
+  const Stats& s = GetStats();
+  return {
+      {"handler_calls", s.handler_calls.load()},
+      {"same_buffer_calls", s.same_buffer_calls.load()},
+      {"mpi_calls", s.mpi_calls.load()},
+      {"large_count_calls", s.large_count_calls.load()},
+      {"max_call_count", s.max_call_count.load()},
+      {"locked_sections", s.locked_sections.load()},
+  };
 }
 
 // Count a handler call, and whether XLA gave it one buffer (in place).
@@ -87,6 +104,21 @@ struct RequestStats {
 inline RequestStats& GetRequestStats() {
   static RequestStats stats;
   return stats;
+}
+
+inline StatsItems GetRequestStatsItems() {
+  const RequestStats& r = GetRequestStats();
+  return {
+      {"iallreduce_starts", r.starts.load()},
+      {"iallreduce_large_count_starts", r.large_count_starts.load()},
+      {"iallreduce_waits", r.waits.load()},
+      {"iallreduce_done_before_wait", r.done_before_wait.load()},
+      {"iallreduce_wait_slack_ns", r.wait_slack_ns.load()},
+      {"iallreduce_wait_blocked_ns", r.wait_blocked_ns.load()},
+      {"iallreduce_tests", r.tests.load()},
+      {"iallreduce_tests_done", r.tests_done.load()},
+      {"iallreduce_max_pending", r.max_pending.load()},
+  };
 }
 
 }  // namespace mpi4jax_dist
