@@ -17,7 +17,8 @@ flags, and the modules against XLA's FFI headers from the jaxlib installed
 (``pip install --no-build-isolation`` uses the environment's own). Nothing is
 looked for before ``build_ext`` runs: making an sdist needs no MPI.
 
-Beside the modules the build writes ``_build.json``: the MPI family they call,
+Beside the modules the build writes ``_build.<Python's suffix>.json``
+(``_build.cpython-312-x86_64-linux-gnu.json``): the MPI family they call,
 their files and the configuration they were built with. The loader
 (``mpi4jax_dist/_ffi/__init__.py``) reads the family before it imports a module;
 a build directory kept from another configuration is built again, not shipped.
@@ -30,6 +31,7 @@ import json
 import os
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import cudaconfig
@@ -39,18 +41,22 @@ from setuptools import Extension
 from setuptools.command.build_ext import build_ext
 
 PACKAGE = "mpi4jax_dist._ffi"
+KINDS = ("cpu", "cuda", "mpiabi")
 FFI = Path(*PACKAGE.split("."))
 ROOT = Path(__file__).resolve().parent.parent
-RECORD = "_build.json"
+# The build's record, named for this Python as its modules are (editable installs
+# of several Pythons into one tree each keep their own build).
+SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+RECORD = "_build" + os.path.splitext(SUFFIX)[0] + ".json"
 # No MPI C++ bindings (gone from the standard; old MPIs add them).
 MACROS = [("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")]
 # What nanobind's own CMake compiles its library with (nanobind_build_library,
 # release): its sources are not ours to keep warning-free under -Wall -Wextra.
 NANOBIND_FLAGS = ["-std=c++17", "-Os", "-fvisibility=hidden", "-fno-strict-aliasing"]
 NANOBIND_FLAGS += ["-ffunction-sections", "-fdata-sections", "-DNB_COMPACT_ASSERTIONS"]
-# The modules and files of the build, and those of older builds named per MPI
-# family (_cpu_mpich...), which a kept build directory may still hold.
-OURS = re.compile(r"_(cpu|cuda|mpiabi)[._].*")
+# Modules of older builds, named per MPI family (_cpu_mpich...), which a kept
+# build directory or an editable tree may still hold.
+FAMILY_NAMED = re.compile(r"_(cpu|cuda|mpiabi)_\w+\..*")
 
 
 def extensions() -> list[Extension]:
@@ -63,7 +69,7 @@ def extensions() -> list[Extension]:
             depends=headers,
             language="c++",
         )
-        for kind in ("cpu", "cuda")
+        for kind in KINDS[:2]
     ] + [
         Extension(
             f"{PACKAGE}._mpiabi",
@@ -114,7 +120,7 @@ def nanobind_paths() -> dict[str, str]:
 
 class BuildExt(build_ext):
     """build_ext that finds the MPI (and CUDA) when it runs, sets each module's
-    flags, builds nanobind once for both modules, and writes ``_build.json``."""
+    flags, builds nanobind once for both modules, and writes the record."""
 
     def run(self):
         self._configure()
@@ -193,10 +199,12 @@ class BuildExt(build_ext):
 
     def _remove_strays(self, directory: Path):
         """Remove the modules in ``directory`` that this build does not make: a
-        ``_cuda`` built before, modules named per MPI family by older builds."""
-        wanted = set(self.record["modules"].values()) | {RECORD}
+        ``_cuda`` built before for this Python, modules named per MPI family by
+        older builds."""
+        wanted = self.record["modules"].values()
         for path in sorted(directory.glob("_*")):
-            if OURS.fullmatch(path.name) and path.name not in wanted:
+            ours = path.name in (f"_{kind}{SUFFIX}" for kind in KINDS)
+            if (ours or FAMILY_NAMED.fullmatch(path.name)) and path.name not in wanted:
                 print(f"mpi4jax_dist: removing {path} (not part of this build)")
                 path.unlink()
 

@@ -266,7 +266,7 @@ def _copy_sources(source: Path):
         shutil.copytree(
             util.ROOT / name,
             source / name,
-            ignore=shutil.ignore_patterns("*.so", "_build.json", "__pycache__"),
+            ignore=shutil.ignore_patterns("*.so", "_build.*.json", "__pycache__"),
         )
 
 
@@ -327,7 +327,8 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     stale = ffi / f"_cpu_{other}{suffix}"
     stale.write_bytes(b"")
     (ffi / f"_cpu{suffix}").write_bytes(b"")
-    (ffi / "_build.json").write_text(json.dumps({"family": other, "config": {}}))
+    record = ffi / f"_build{suffix.removesuffix('.so')}.json"
+    record.write_text(json.dumps({"family": other, "config": {}}))
     cmd = [str(python), "setup.py", "build_ext", "--build-lib", str(lib)]
     cmd += ["--build-temp", str(temp)]
     proc = util.run_command(cmd, env=env, timeout=600, cwd=source)
@@ -340,9 +341,9 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     cpu = ffi / f"_cpu{suffix}"
     assert cpu.stat().st_size > 0, "the kept module was shipped as up to date"
     assert (ffi / f"_mpiabi{suffix}").is_file(), sorted(ffi.iterdir())
-    record = json.loads((ffi / "_build.json").read_text())
-    assert record["family"] == family, record
-    assert record["modules"] == {"cpu": cpu.name, "mpiabi": f"_mpiabi{suffix}"}
+    built = json.loads(record.read_text())
+    assert built["family"] == family, built
+    assert built["modules"] == {"cpu": cpu.name, "mpiabi": f"_mpiabi{suffix}"}
     assert not (source / "build").exists()
     loaded = util.run_command(
         [

@@ -173,9 +173,10 @@ case "$install" in
     *) echo "setup.sh: INSTALL=$install is not one of editable, copy" >&2; exit 2 ;;
 esac
 if [ "$install" = editable ]; then
-    # Editable: the build lands in the tree (mpi4jax_dist/_ffi/_cpu..., with
-    # _build.json naming its MPI), which then serves this environment alone; the
-    # build's egg-info is the tree's too, so one editable install at a time.
+    # Editable: the build lands in the tree (mpi4jax_dist/_ffi/_cpu..., with a
+    # record naming its MPI), which then serves this environment alone (and those
+    # of other Pythons built there); the build's egg-info is the tree's too, so
+    # one editable install at a time.
     mkdir -p "$here/build"
     lock=()
     if command -v flock >/dev/null 2>&1; then
@@ -190,7 +191,7 @@ else
     copy=$(mktemp -d)
     trap 'rm -rf "$copy"' EXIT
     tar -C "$here" --exclude='./.venv*' --exclude=./build --exclude='*.so' \
-        --exclude=_build.json --exclude=./.git --exclude='*.egg-info' -cf - . \
+        --exclude='_build.*.json' --exclude=./.git --exclude='*.egg-info' -cf - . \
         | tar -C "$copy" -xf -
     pip install --no-build-isolation --force-reinstall --no-deps "$copy"
     pip install --no-build-isolation "$copy[test,bench,mpi4jax]"

@@ -6,8 +6,10 @@ of the compiler wrapper it finds (``$MPICC``, the virtual environment's own
 ``cuda.cc`` into ``_cuda``; and ``mpiabi.c``, a plain C library and not a module,
 into ``_mpiabi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
 reach that MPI (jaxlib's MPItrampoline loads the library named by
-``MPITRAMPOLINE_LIB``). Beside them it writes ``_build.json``, which names the MPI
-family they call. One build per install: each environment installs its own copy.
+``MPITRAMPOLINE_LIB``). Beside them it writes a record of the build
+(``_build.cpython-312-x86_64-linux-gnu.json``: this Python's, named as its modules
+are), which names the MPI family they call. One build per install: each
+environment installs its own copy.
 
 :func:`load` checks that the build calls the library mpi4py has loaded and
 registers its handlers with JAX; :func:`load_cuda` does the same for the CUDA
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -44,6 +47,11 @@ IALLREDUCE_TARGETS = (
 )
 
 _HERE = Path(__file__).resolve().parent
+# The build's record (conf/builder.py), named for this Python as its modules are.
+_RECORD = (
+    _HERE
+    / f"_build{os.path.splitext(importlib.machinery.EXTENSION_SUFFIXES[0])[0]}.json"
+)
 
 
 def built(kind: str = "cpu") -> dict[str, Path]:
@@ -56,7 +64,7 @@ def built(kind: str = "cpu") -> dict[str, Path]:
             ``"mpiabi"``, the MPIABI wrapper library.
     """
     try:
-        record = json.loads((_HERE / "_build.json").read_text())
+        record = json.loads(_RECORD.read_text())
         path = _HERE / record["modules"][kind]
         family = record["family"]
     except (OSError, ValueError, KeyError, TypeError):
