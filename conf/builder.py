@@ -159,16 +159,21 @@ class BuildExt(build_ext):
             ]
         else:
             print(f"mpi4jax_dist: building _cuda with {why}", file=sys.stderr)
+        # The MPI's -I directories before those build_ext adds (Python's, and a
+        # virtual environment's include/, where an MPI wheel keeps its mpi.h).
+        includes = [flag[2:] for flag in compile_args if flag.startswith("-I")]
+        others = [flag for flag in compile_args if not flag.startswith("-I")]
         for ext in self.extensions:
             kind = ext.name.rpartition("._")[2]
             ext.define_macros = list(MACROS)
+            ext.include_dirs = list(includes)
             if kind == "mpiabi":
                 ext.extra_compile_args = ["-O2", "-fvisibility=hidden", "-Wall"]
-                ext.extra_compile_args += ["-Wextra", *compile_args]
+                ext.extra_compile_args += ["-Wextra", *others]
                 # Everything resolved at link time: MPI, libdl and libc, never Python.
                 ext.extra_link_args = [*link_args, "-ldl", "-Wl,--no-undefined"]
                 continue
-            ext.extra_compile_args = [*cxx, *compile_args]
+            ext.extra_compile_args = [*cxx, *others]
             ext.extra_link_args = [*link_args, "-Wl,--gc-sections"]
             if kind == "cuda":
                 ext.extra_compile_args[len(cxx) : len(cxx)] = [
@@ -242,7 +247,8 @@ class BuildExt(build_ext):
                 mpiabi_gen.write(generated)
             except ValueError as err:
                 raise SystemExit(f"mpi4jax_dist: {err}") from None
-            ext.include_dirs = [generated]
+            if generated not in ext.include_dirs:
+                ext.include_dirs.append(generated)
         super().build_extension(ext)
 
     def get_outputs(self):
