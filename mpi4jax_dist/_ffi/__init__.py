@@ -47,11 +47,10 @@ IALLREDUCE_TARGETS = (
 )
 
 _HERE = Path(__file__).resolve().parent
-# The build's record (conf/builder.py), named for this Python as its modules are.
-_RECORD = (
-    _HERE
-    / f"_build{os.path.splitext(importlib.machinery.EXTENSION_SUFFIXES[0])[0]}.json"
-)
+# The build's record (conf/builder.py), named for this Python as its modules are:
+# _build.cpython-312-x86_64-linux-gnu.json.
+_SUFFIX = os.path.splitext(importlib.machinery.EXTENSION_SUFFIXES[0])[0]
+_RECORD = _HERE / f"_build{_SUFFIX}.json"
 
 
 def built(kind: str = "cpu") -> dict[str, Path]:
@@ -335,7 +334,7 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
 
     theirs = MPI.Get_library_version()
     wanted = _mpi.family(theirs)
-    if len(builds) == 1 and wanted is None:
+    if wanted is None and len(builds) == 1:
         # An MPI we cannot name: try the build; the check below still holds.
         wanted = next(iter(builds))
     if wanted not in builds:
