@@ -2,7 +2,7 @@
 // reduced by a CUDA-aware MPI in place, or staged through the two halves of one
 // pinned host buffer, one half copied while MPI reduces the other. Plain C++
 // over the CUDA runtime API (no kernels); tests/cuda_fake runs it on the CPU
-// over a fake runtime. docs/design.rst ("In place, any count") says why.
+// over a fake runtime. docs/design.rst ("The in-place allreduce") says why.
 
 #ifndef MPI4JAX_DIST_FFI_CUDA_STAGING_H_
 #define MPI4JAX_DIST_FFI_CUDA_STAGING_H_
