@@ -232,7 +232,8 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         if any(ext.language == "c++" for ext in self.extensions):
-            self._build_nanobind()  # once, before the modules (built in parallel)
+            # Once, before the modules (which build_ext -j builds in parallel).
+            self._build_nanobind()
         super().build_extensions()
 
     def build_extension(self, ext):
