@@ -210,12 +210,12 @@ def _not_built() -> str:
     version = _ffi._mpi4py_library_version()
     wanted = _mpi.family(version) if version else None
     found = _ffi._first_line(version or "MPI (none found)")
-    mpi = f"{wanted or '<family>'}, for mpi4py's {found}"
+    mpi = f"{wanted or 'an unknown MPI'}, mpi4py's {found}"
     there = ", ".join(sorted(_ffi.built("mpiabi"))) or "none"
     return (
         f"{_config.CPU_COLLECTIVES}=mpi needs mpi4jax_dist's MPI wrapper library "
-        f"(_ffi/_mpiabi_{mpi}), which is not built in "
-        f"{Path(_ffi.__file__).parent} (built there: {there}). Rebuild "
+        f"(_ffi/_mpiabi) built for {mpi}, which is not in "
+        f"{Path(_ffi.__file__).parent} (built there for: {there}). Rebuild "
         f"mpi4jax_dist with this MPI's mpicc first on PATH: pip install "
         f"--no-build-isolation --no-cache-dir --force-reinstall --no-deps <path to "
         f"mpi4jax_dist>."

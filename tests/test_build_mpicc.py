@@ -1,5 +1,5 @@
-"""Serial: which MPI compiler wrapper setup.py builds with, and how it learns the
-wrapper's flags, with stand-in wrappers around the running environment's MPI
+"""Serial: which MPI compiler wrapper the build (conf/mpiconfig.py) uses, and how it
+learns the wrapper's flags, with stand-in wrappers around the running environment's MPI
 (nothing of MPI mocked: the stand-ins print what the real wrapper prints).
 
 ``$MPICC`` (mpi4py's variable) wins over every mpicc found, and set to nothing
@@ -12,6 +12,8 @@ the stand-in ``cc`` from a copy of the sources, in an environment without mpicc
 
 from __future__ import annotations
 
+import importlib.machinery
+import json
 import os
 import shlex
 import shutil
@@ -36,17 +38,17 @@ CHOOSING = ("MPICC", "MPI4PY_BUILD_MPICC", "PE_ENV", "CRAYPE_VERSION")
 
 
 @pytest.fixture(scope="module")
-def setup():
-    return util.load_setup()
+def mpiconfig():
+    return util.load_conf("mpiconfig")
 
 
 @pytest.fixture(scope="module")
-def real(setup):
+def real(mpiconfig):
     """The running environment's own wrapper, its flags and its compiler."""
     if not REAL_MPICC.is_file():
         pytest.skip(f"no {REAL_MPICC}: the stand-ins wrap the environment's mpicc")
-    flags = setup.mpicc_flags(str(REAL_MPICC))
-    compile_args, link_args = setup.split_flags(flags)
+    flags = mpiconfig.mpicc_flags(str(REAL_MPICC))
+    compile_args, link_args = mpiconfig.split_flags(flags)
     out = subprocess.run(
         [str(REAL_MPICC), "-show"], capture_output=True, text=True, timeout=60
     )
@@ -61,7 +63,7 @@ def real(setup):
         "compile": compile_args,
         "link": link_args,
         "compiler": compiler,
-        "family": setup.mpi_family(compile_args),
+        "family": mpiconfig.mpi_family(compile_args),
     }
 
 
@@ -137,30 +139,32 @@ def no_mpi4py_mpicc(monkeypatch):
     monkeypatch.setattr(mpi4py, "get_config", dict)
 
 
-def test_mpicc_wins_over_every_mpicc_found(setup, real, stand_ins):
+def test_mpicc_wins_over_every_mpicc_found(mpiconfig, real, stand_ins):
     """MPICC, a path or a command on PATH, comes before the environment's own
     mpicc (sys.prefix/bin, first on PATH too); MPI4PY_BUILD_MPICC before MPICC,
     as in mpi4py. Its -show's flags are those used."""
     my_mpicc = stand_ins["my-mpicc"]
     path = os.pathsep.join([str(REAL_MPICC.parent), os.environ["PATH"]])
     env = {"PATH": path, "MPICC": str(my_mpicc)}
-    assert setup.find_mpicc(env, sys.prefix) == str(my_mpicc)
+    assert mpiconfig.find_mpicc(env, sys.prefix) == str(my_mpicc)
     env = {"PATH": f"{my_mpicc.parent}{os.pathsep}{path}", "MPICC": "my-mpicc"}
-    assert setup.find_mpicc(env, sys.prefix) == str(my_mpicc)
+    assert mpiconfig.find_mpicc(env, sys.prefix) == str(my_mpicc)
     env = {"PATH": path, "MPICC": str(REAL_MPICC), "MPI4PY_BUILD_MPICC": str(my_mpicc)}
-    assert setup.find_mpicc(env, sys.prefix) == str(my_mpicc)
+    assert mpiconfig.find_mpicc(env, sys.prefix) == str(my_mpicc)
     # With arguments, as mpi4py allows (MPICC="cc -shared"): the wrapper alone.
     env = {"PATH": path, "MPICC": f"{my_mpicc} -shared"}
-    assert setup.find_mpicc(env, sys.prefix) == str(my_mpicc)
+    assert mpiconfig.find_mpicc(env, sys.prefix) == str(my_mpicc)
     # Unset, or set to nothing: the environment's own.
-    assert setup.find_mpicc({"PATH": path, "MPICC": ""}, sys.prefix) == str(REAL_MPICC)
+    assert mpiconfig.find_mpicc({"PATH": path, "MPICC": ""}, sys.prefix) == str(
+        REAL_MPICC
+    )
 
-    flags = setup.mpicc_flags(str(my_mpicc))
+    flags = mpiconfig.mpicc_flags(str(my_mpicc))
     assert flags == [*real["flags"], MPICC_MARK]
-    compile_args, link_args = setup.split_flags(flags)
+    compile_args, link_args = mpiconfig.split_flags(flags)
     assert compile_args == [*real["compile"], MPICC_MARK]
     assert link_args == real["link"]
-    assert setup.mpi_family(compile_args) == real["family"]
+    assert mpiconfig.mpi_family(compile_args) == real["family"]
 
 
 @pytest.mark.parametrize(
@@ -173,7 +177,7 @@ def test_mpicc_wins_over_every_mpicc_found(setup, real, stand_ins):
         ("NOT_EXECUTABLE", "not executable"),
     ],
 )
-def test_mpicc_naming_nothing_runnable_fails(setup, tmp_path, value, why):
+def test_mpicc_naming_nothing_runnable_fails(mpiconfig, tmp_path, value, why):
     """Set, MPICC is what the user wants: not found, the build stops naming the
     variable, its value and the fix, though an mpicc is at hand."""
     if value == "NOT_EXECUTABLE":
@@ -182,7 +186,7 @@ def test_mpicc_naming_nothing_runnable_fails(setup, tmp_path, value, why):
     env = {"PATH": f"{REAL_MPICC.parent}{os.pathsep}{os.environ['PATH']}"}
     for name in ("MPICC", "MPI4PY_BUILD_MPICC"):
         with pytest.raises(SystemExit) as raised:
-            setup.find_mpicc({**env, name: value}, sys.prefix)
+            mpiconfig.find_mpicc({**env, name: value}, sys.prefix)
         message = str(raised.value)
         assert message == (
             f"mpi4jax_dist: {name}={value!r} names no MPI compiler wrapper ({why}). "
@@ -192,7 +196,9 @@ def test_mpicc_naming_nothing_runnable_fails(setup, tmp_path, value, why):
         )
 
 
-def test_cray_cc_without_any_mpicc(setup, real, stand_ins, tmp_path, no_mpi4py_mpicc):
+def test_cray_cc_without_any_mpicc(
+    mpiconfig, real, stand_ins, tmp_path, no_mpi4py_mpicc
+):
     """Cray's Programming Environment loaded (PE_ENV, or CRAYPE_VERSION alone) and
     no mpicc anywhere: Cray's cc, whose --cray-print-opts flags are used (all of
     them: no compiler named first to drop), split into compile and link flags."""
@@ -200,26 +206,26 @@ def test_cray_cc_without_any_mpicc(setup, real, stand_ins, tmp_path, no_mpi4py_m
     path = _path_without_mpicc(cc.parent)
     prefix = tmp_path / "env"  # no bin/mpicc
     for cray in ({"PE_ENV": "GNU"}, {"CRAYPE_VERSION": "2.7.30"}):
-        assert setup.find_mpicc({"PATH": path, **cray}, prefix) == str(cc)
+        assert mpiconfig.find_mpicc({"PATH": path, **cray}, prefix) == str(cc)
     # Asked for -show and --showme first, it fails them, as Cray's does.
     for option in ("-show", "--showme"):
         out = subprocess.run([str(cc), option], capture_output=True, timeout=60)
         assert out.returncode != 0
-    flags = setup.mpicc_flags(str(cc))
+    flags = mpiconfig.mpicc_flags(str(cc))
     assert flags == [*real["compile"], CRAY_MARK, *real["link"]]
-    compile_args, link_args = setup.split_flags(flags)
+    compile_args, link_args = mpiconfig.split_flags(flags)
     assert compile_args == [*real["compile"], CRAY_MARK]
     assert link_args == real["link"]
-    assert setup.mpi_family(compile_args) == real["family"]
+    assert mpiconfig.mpi_family(compile_args) == real["family"]
     # An mpicc on PATH still comes first (the order of the module docstring).
     on_path = os.pathsep.join([str(REAL_MPICC.parent), path])
-    assert setup.find_mpicc({"PATH": on_path, "PE_ENV": "GNU"}, prefix) == str(
+    assert mpiconfig.find_mpicc({"PATH": on_path, "PE_ENV": "GNU"}, prefix) == str(
         REAL_MPICC
     )
 
 
 def test_no_wrapper_found_says_mpicc_and_cray(
-    setup, stand_ins, tmp_path, no_mpi4py_mpicc
+    mpiconfig, stand_ins, tmp_path, no_mpi4py_mpicc
 ):
     """No mpicc, and Cray's cc not used: without Cray's environment (the stand-in
     cc on PATH is not asked), or with it and a cc that is a plain compiler."""
@@ -234,7 +240,7 @@ def test_no_wrapper_found_says_mpicc_and_cray(
     )
     env = {"PATH": _path_without_mpicc(stand_ins["cc"].parent)}
     with pytest.raises(SystemExit) as raised:
-        setup.find_mpicc(env, prefix)
+        mpiconfig.find_mpicc(env, prefix)
     assert str(raised.value) == common + (
         " On a Cray system, load a PrgEnv-* module and cray-mpich: Cray's cc is "
         "then used."
@@ -242,25 +248,26 @@ def test_no_wrapper_found_says_mpicc_and_cray(
     plain = stand_ins["plain"]
     env = {"PATH": _path_without_mpicc(plain.parent), "PE_ENV": "GNU"}
     with pytest.raises(SystemExit) as raised:
-        setup.find_mpicc(env, prefix)
+        mpiconfig.find_mpicc(env, prefix)
     assert str(raised.value) == common + (
         " Cray's Programming Environment is loaded (PE_ENV=GNU), but "
         f"{plain} does not answer --cray-print-opts: load a PrgEnv-* module and "
         "cray-mpich."
     )
     with pytest.raises(SystemExit, match="--cray-print-opts=cflags and =libs"):
-        setup.mpicc_flags(str(plain))
+        mpiconfig.mpicc_flags(str(plain))
 
 
 def _copy_sources(source: Path):
     """What build_ext needs of the tree, without any build in it."""
     for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.rst", "LICENSE"):
         shutil.copy2(util.ROOT / name, source / name)
-    shutil.copytree(
-        util.ROOT / "mpi4jax_dist",
-        source / "mpi4jax_dist",
-        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
-    )
+    for name in ("mpi4jax_dist", "conf"):
+        shutil.copytree(
+            util.ROOT / name,
+            source / name,
+            ignore=shutil.ignore_patterns("*.so", "_build.*.json", "__pycache__"),
+        )
 
 
 # Loads the built module by path (importing the package would import jax): its
@@ -278,7 +285,8 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     """``python setup.py build_ext`` from a copy of the sources, run by a Python
     environment without mpicc (this one's packages, its bin/ left out), with no
     mpicc on PATH and Cray's environment loaded: built with the stand-in cc's
-    flags, into _cpu_<family> (MPICH's for Cray MPICH), and the module loads."""
+    flags, into _cpu (for MPICH's family, for Cray MPICH), and the module loads.
+    What a kept build directory holds of another MPI is built again or removed."""
     env_root = tmp_path / "env"
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(env_root)],
@@ -308,31 +316,41 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     )
     for name in CHOOSING[:2]:
         env.pop(name, None)
-    # A build directory kept from a build against another MPI: its modules go.
+    # A build directory kept from a build against another MPI: its module, newer
+    # than the sources, is built again (not shipped as up to date), and a module
+    # named per MPI family by an older build goes.
     family = real["family"]
-    stale = lib / "mpi4jax_dist" / "_ffi"
-    stale.mkdir(parents=True)
+    ffi = lib / "mpi4jax_dist" / "_ffi"
+    ffi.mkdir(parents=True)
     other = "openmpi" if family != "openmpi" else "mpich"
-    stale = stale / f"_cpu_{other}.cpython-312-x86_64-linux-gnu.so"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    stale = ffi / f"_cpu_{other}{suffix}"
     stale.write_bytes(b"")
+    (ffi / f"_cpu{suffix}").write_bytes(b"")
+    record = ffi / f"_build{suffix.removesuffix('.so')}.json"
+    record.write_text(json.dumps({"family": other, "config": {}}))
     cmd = [str(python), "setup.py", "build_ext", "--build-lib", str(lib)]
     cmd += ["--build-temp", str(temp)]
     proc = util.run_command(cmd, env=env, timeout=600, cwd=source)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert not stale.exists() and f"removing {stale}" in output, output
-    assert f"building _cpu_{family} with {stand_ins['cc']}" in output, output
+    assert f"building _cpu for {family} with {stand_ins['cc']}" in output, output
+    assert f"{ffi} holds another configuration's build" in output, output
     assert CRAY_MARK in output  # on the compilers' command lines
-    ffi = lib / "mpi4jax_dist" / "_ffi"
-    (cpu,) = ffi.glob(f"_cpu_{family}.*.so")
-    assert list(ffi.glob(f"_mpiabi_{family}.*.so")), sorted(ffi.iterdir())
+    cpu = ffi / f"_cpu{suffix}"
+    assert cpu.stat().st_size > 0, "the kept module was shipped as up to date"
+    assert (ffi / f"_mpiabi{suffix}").is_file(), sorted(ffi.iterdir())
+    built = json.loads(record.read_text())
+    assert built["family"] == family, built
+    assert built["modules"] == {"cpu": cpu.name, "mpiabi": f"_mpiabi{suffix}"}
     assert not (source / "build").exists()
     loaded = util.run_command(
         [
             sys.executable,
             "-c",
             LOAD_BUILT,
-            f"mpi4jax_dist._ffi._cpu_{family}",
+            "mpi4jax_dist._ffi._cpu",
             str(cpu),
         ],
         env=util.clean_env(),

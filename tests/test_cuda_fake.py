@@ -8,7 +8,7 @@ report of a kernel that failed before the call, run against a runtime whose
 a random delay. What it cannot show: the real runtime's and driver's behaviour,
 and the speed (tools/gpu_check.sh runs on a GPU).
 
-The module is compiled here with the compiler and flags setup.py uses (its
+The module is compiled here with the compiler and flags the build uses (conf/'s
 functions: the MPI's mpicc, the CUDA headers it would build against), in about
 6 s; the test skips where there are no CUDA headers.
 """
@@ -34,12 +34,13 @@ FFI = util.ROOT / "mpi4jax_dist" / "_ffi"
 @pytest.fixture(scope="module")
 def fake_module(tmp_path_factory) -> str:
     """Build ``_cuda_fake`` into a folder of its own; return the folder."""
-    setup = util.load_setup()
+    cudaconfig, mpiconfig = util.load_conf("cudaconfig"), util.load_conf("mpiconfig")
     # The headers only: the fake runtime stands in for the library.
-    cuda, why = setup.find_cuda({k: v for k, v in os.environ.items()})
+    cuda, why = cudaconfig.find_cuda({k: v for k, v in os.environ.items()})
     if cuda is None:
         pytest.skip(f"no CUDA headers to compile cuda.cc against: {why}")
-    compile_args, link_args = setup.split_flags(setup.mpicc_flags(setup.find_mpicc()))
+    flags = mpiconfig.mpicc_flags(mpiconfig.find_mpicc())
+    compile_args, link_args = mpiconfig.split_flags(flags)
     out = tmp_path_factory.mktemp("cuda_fake")
     target = out / f"_cuda_fake{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     cmd = [

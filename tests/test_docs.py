@@ -135,13 +135,15 @@ def _documented() -> set[str]:
 
 
 def test_every_variable_is_in_the_table():
-    """Every variable _config.py (and setup.py, for the build) names is a row of a
-    table of docs/configuration.rst."""
+    """Every variable _config.py (and conf/, the build) names is a row of a table
+    of docs/configuration.rst."""
     documented = _documented()
     named = _environment_names(util.ROOT / "mpi4jax_dist" / "_config.py")
     # Not variables: PROXY_SETTINGS lists what counts as a proxy setting.
     named -= {"all_proxy", "ftp_proxy", "no_proxy", "no_grpc_proxy"}
-    named |= _environment_names(util.ROOT / "setup.py")
+    for name in ("mpiconfig", "cudaconfig"):  # where the build reads the environment
+        named |= _environment_names(util.ROOT / "conf" / f"{name}.py")
+    assert {"MPI4PY_BUILD_MPICC", "MPI4JAX_DIST_BUILD_CUDA"} <= named, named
     missing = sorted(named - documented)
     assert not missing, f"not in docs/configuration.rst: {missing}"
 

@@ -8,8 +8,9 @@ or run). A message is what reaches the user through a *sink*: ``raise X(...)``
 ``critical``, ``sys.stderr.write`` and ``print(..., file=sys.stderr)``, argparse's
 ``parser.error``, ``pytest.skip``, a line the diagnostics add to their ``problems``
 or ``warnings``, the ``(_ERROR, text)`` rank 0 broadcasts for every rank to raise,
-and in C/C++ an ``ffi::Error`` (the error XLA raises), ``PyErr_SetString``,
-``PyErr_Format`` and ``fprintf(stderr, ...)``.
+and in C/C++ an ``ffi::Error`` (the error XLA raises), the ``std::runtime_error``
+and ``std::invalid_argument`` that nanobind raises as ``RuntimeError`` and
+``ValueError``, ``PyErr_SetString``, ``PyErr_Format`` and ``fprintf(stderr, ...)``.
 
 A message is a template: its literal *chunks* (one string literal, or one constant
 piece of an f-string, each whole) and *holes* (whatever is formatted in). Local
@@ -55,7 +56,7 @@ FFI = ROOT / "mpi4jax_dist" / "_ffi"
 EXCLUDED_FILES = {
     # Generates the wrapper's C from mpi4jax_dist/_ffi/mpiabi_names.txt at build
     # time; its errors are about that file of the source tree, not about a setup.
-    "mpi4jax_dist/_ffi/mpiabi_gen.py": "the build's code generator",
+    "conf/mpiabi_gen.py": "the build's code generator",
 }
 # Messages a user cannot cause (checks of the package's own invariants, or text
 # that is Python's own), by file and a piece of the message, with the reason.
@@ -67,11 +68,11 @@ EXCLUDED = {
         "before the bootstrap ran",
     ): "call order, internal",
     ("mpi4jax_dist/_ffi/cpu.cc", "the tie has"): "overlap binds equal arity",
-    ("mpi4jax_dist/_ffi/mpi_helpers.h", "operand and result differ"): "XLA aliases",
-    ("mpi4jax_dist/_ffi/mpi_helpers.h", "unknown op code"): "Python checks first",
-    ("mpi4jax_dist/_ffi/mpi_helpers.h", "cannot reduce this element"): "as above",
-    ("mpi4jax_dist/_ffi/mpi_helpers.h", "but its wait returns"): "XLA's shapes",
-    ("mpi4jax_dist/_ffi/module_helpers.h", "MPI_Get_library_version"): "MPI bug",
+    ("mpi4jax_dist/_ffi/allreduce.h", "operand and result differ"): "XLA aliases",
+    ("mpi4jax_dist/_ffi/allreduce.h", "unknown op code"): "Python checks first",
+    ("mpi4jax_dist/_ffi/allreduce.h", "cannot reduce this element"): "as above",
+    ("mpi4jax_dist/_ffi/iallreduce.h", "but its wait returns"): "XLA's shapes",
+    ("mpi4jax_dist/_ffi/module_common.h", "MPI_Get_library_version"): "MPI bug",
     ("mpi4jax_dist/_ffi/cuda.cc", "set_staging_bytes("): "_config validates first",
 }
 
@@ -622,13 +623,15 @@ def _bindings(node):
 def python_sources() -> dict[str, str]:
     paths = sorted((ROOT / "mpi4jax_dist").rglob("*.py"))
     paths += [ROOT / "pytest_mpi4jax_dist.py", ROOT / "setup.py"]
+    paths += sorted((ROOT / "conf").glob("*.py"))  # the build's machinery
     return {p.relative_to(ROOT).as_posix(): p.read_text() for p in paths}
 
 
 # --- C and C++ ----------------------------------------------------------------------
 
 _C_SINK = re.compile(
-    r"\b(ffi::Error(?:::\w+)?|PyErr_SetString|PyErr_Format|fprintf)\s*\("
+    r"\b(ffi::Error(?:::\w+)?|std::runtime_error|std::invalid_argument"
+    r"|PyErr_SetString|PyErr_Format|fprintf)\s*\("
 )
 _C_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _C_CONSTANT = re.compile(
@@ -855,7 +858,12 @@ def test_extraction_finds_the_messages():
     ):
         assert kind in kinds, (kind, sorted(kinds))
     paths = {m.path for m in messages}
-    assert {"setup.py", "pytest_mpi4jax_dist.py", "mpi4jax_dist/_ffi/cpu.cc"} <= paths
+    assert {
+        "conf/mpiconfig.py",
+        "conf/cudaconfig.py",
+        "pytest_mpi4jax_dist.py",
+        "mpi4jax_dist/_ffi/cpu.cc",
+    } <= paths
     rendered = [m.render() for m in messages]
     # A parameter filled in from the caller, through three functions.
     assert any(

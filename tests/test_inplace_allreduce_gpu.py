@@ -372,7 +372,7 @@ def test_mpi_cuda_support_none_outside_mpi():
             f"no CUDA module built for mpi4py's MPI ({family}; built: "
             f"{sorted(builds) or 'none'}): mpi4jax_dist was installed without CUDA"
         )
-    module = f"mpi4jax_dist._ffi._cuda_{family}"
+    module = "mpi4jax_dist._ffi._cuda"
     proc = util.run_command(
         [sys.executable, "-c", SUPPORT_WITHOUT_MPI, module],
         env=util.clean_env(),

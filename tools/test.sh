@@ -46,9 +46,12 @@ done
 # and each MPI's mpi4py under the other's mpiexec: the mismatch must be caught.
 # Those whose check is the package's logic alone, alike under every MPI (marked
 # same_under_every_mpi: no launcher, a switch, a message), ran under MPICH above.
+# Each environment runs its own installed copy (its build is for its MPI; the
+# tree's is .venv's): PYTHONSAFEPATH=1 keeps the tree's package off sys.path.
 other_mpi=(-m "not same_under_every_mpi")
 if [ -x "$ompi/bin/mpiexec" ]; then
-    run env PATH="$ompi/bin:$PATH" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
+    in_ompi=(env PATH="$ompi/bin:$PATH" PYTHONSAFEPATH=1)
+    run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
         tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
         tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
@@ -56,7 +59,7 @@ if [ -x "$ompi/bin/mpiexec" ]; then
     # has no MPI_Allreduce_c: counts above INT_MAX go in chunks there, and a
     # non-blocking one is refused. (Open MPI refuses root without the two
     # variables; elsewhere they change nothing.)
-    run env PATH="$ompi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    run "${in_ompi[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
         -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
         tests/test_iallreduce.py tests/test_inplace_allreduce.py
@@ -69,7 +72,7 @@ fi
 # allreduces, and the bootstrap benchmark once, printing its table.
 impi=${VENV_IMPI:-$here/.venv-impi}
 if [ -x "$impi/bin/mpiexec" ]; then
-    in_impi=(env PATH="$impi/bin:$PATH")
+    in_impi=(env PATH="$impi/bin:$PATH" PYTHONSAFEPATH=1)
     if [ -x "$ompi/bin/python" ]; then
         in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
     fi

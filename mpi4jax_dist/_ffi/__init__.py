@@ -1,20 +1,20 @@
-"""The compiled XLA FFI handlers, built by ``pip install`` once per MPI family.
+"""The compiled XLA FFI handlers, built by ``pip install`` against one MPI.
 
-``setup.py`` compiles ``cpu.cc`` against the MPI of the wrapper found first
-(``$MPICC``, the virtual environment's own ``mpicc``, mpi4py's, the one on
-``PATH``, Cray's ``cc``: setup.py's docstring) into
-``_cpu_mpich``, ``_cpu_openmpi`` or ``_cpu_impi``: one source tree can serve
-virtual environments with MPICH, Open MPI and Intel MPI (editable installs build
-in place). :func:`load` picks the build that matches the MPI mpi4py has loaded,
-checks that both call the same library, and registers the handler with JAX.
-Where ``setup.py`` found CUDA it also built ``cuda.cc`` into ``_cuda_mpich`` or
-``_cuda_openmpi``, which :func:`load_cuda` registers for the CUDA platform under
-the same target names. Beside them ``setup.py`` builds ``mpiabi.c``, a plain C
-library and not a module, into ``_mpiabi_mpich``, ``_mpiabi_openmpi`` or
-``_mpiabi_impi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
+The build (``conf/builder.py``) compiles ``cpu.cc`` into ``_cpu``, against the MPI
+of the compiler wrapper it finds (``$MPICC``, the virtual environment's own
+``mpicc``, mpi4py's, the one on ``PATH``, Cray's ``cc``); where it finds CUDA,
+``cuda.cc`` into ``_cuda``; and ``mpiabi.c``, a plain C library and not a module,
+into ``_mpiabi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
 reach that MPI (jaxlib's MPItrampoline loads the library named by
-``MPITRAMPOLINE_LIB``); :func:`mpiabi_library` says which one to name. Nothing
-here runs at import.
+``MPITRAMPOLINE_LIB``). Beside them it writes a record of the build
+(``_build.cpython-312-x86_64-linux-gnu.json``: this Python's, named as its modules
+are), which names the MPI family they call. One build per install: each
+environment installs its own copy.
+
+:func:`load` checks that the build calls the library mpi4py has loaded and
+registers its handlers with JAX; :func:`load_cuda` does the same for the CUDA
+platform under the same target names; :func:`mpiabi_library` says which library
+to name. Nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import pkgutil
 import re
@@ -37,7 +38,7 @@ from .. import _mpi
 ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
 TOKEN_AFTER_TARGET = "mpi4jax_dist_token_after"
 # The non-blocking allreduce's start, test and wait, and overlap's tie
-# (mpi4jax_dist._iallreduce): on the CPU only.
+# (mpi4jax_dist.ops.iallreduce): on the CPU only.
 IALLREDUCE_TARGETS = (
     "mpi4jax_dist_iallreduce_start",
     "mpi4jax_dist_iallreduce_test",
@@ -46,64 +47,60 @@ IALLREDUCE_TARGETS = (
 )
 
 _HERE = Path(__file__).resolve().parent
+# The build's record (conf/builder.py), named for this Python as its modules are:
+# _build.cpython-312-x86_64-linux-gnu.json.
+_SUFFIX = os.path.splitext(importlib.machinery.EXTENSION_SUFFIXES[0])[0]
+_RECORD = _HERE / f"_build{_SUFFIX}.json"
 
 
 def built(kind: str = "cpu") -> dict[str, Path]:
-    """Return the extension builds present, ``{family: path}``.
+    """Return this install's build of ``kind``: ``{family: path}``, the MPI family
+    it was built against (``mpich``, ``openmpi``, ``impi``) and its file, or ``{}``
+    where there is none.
 
     Args:
         kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers, or
-            ``"mpiabi"``, the MPIABI wrapper libraries. The prefixes ``_cpu_``,
-            ``_cuda_`` and ``_mpiabi_`` never match each other's files.
+            ``"mpiabi"``, the MPIABI wrapper library.
     """
-    found = {}
-    prefix = f"_{kind}_"
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        for path in _HERE.glob(f"{prefix}*{suffix}"):
-            # "_cpu_mpich.cpython-311-x86_64-linux-gnu.so" also ends in ".so":
-            # the family is the name up to the first dot, whichever suffix matched.
-            family = path.name[len(prefix) :].split(".")[0]
-            found.setdefault(family, path)
-    return found
+    try:
+        record = json.loads(_RECORD.read_text())
+        path = _HERE / record["modules"][kind]
+        family = record["family"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # not built, or not this way (the record is the build's list)
+    return {family: path} if path.is_file() else {}
 
 
 def mpiabi_library(family: str | None = None) -> Path | None:
     """Return the MPIABI wrapper library to name in ``MPITRAMPOLINE_LIB``, or None.
 
-    The wrapper must be the build for the MPI that mpi4py will load: both then
-    share one MPI library in the process. This is called before ``import jax``
+    The wrapper must be built for the MPI that mpi4py will load: both then share
+    one MPI library in the process. This is called before ``import jax``
     (MPItrampoline opens the library when jaxlib loads), so it imports neither jax
     nor ``mpi4py.MPI`` and initializes no MPI. The rule:
 
-    1. ``family`` given (``mpich``, ``openmpi``, ``impi``): that build, or None.
+    1. ``family`` given (``mpich``, ``openmpi``, ``impi``): the build if it is for
+       that family, else None.
     2. Else the family of the MPI library mpi4py loads, by its
        ``MPI_Get_library_version`` (:func:`~mpi4jax_dist._mpi.family`; MPI lets
-       that be called before
-       ``MPI_Init``): mpi4py's own if ``mpi4py.MPI`` is already imported, else the
-       library mpi4py's loader picks (``MPI4PY_LIBMPI``, then this environment's
-       ``lib``, then the system's), opened with ``ctypes``. That family's build,
-       or None if it is not built: a wrapper for another MPI would load a second
-       MPI library into the process.
-    3. Where no MPI library is found, or it is none we can name: the one build,
-       if exactly one family is built (what :func:`load` does too), else None.
-
-    One source tree can hold builds for several families (editable installs into
-    ``.venv``, ``.venv-ompi`` and ``.venv-impi``); an installed package holds the
-    one for the MPI it was built against.
+       that be called before ``MPI_Init``): mpi4py's own if ``mpi4py.MPI`` is
+       already imported, else the library mpi4py's loader picks
+       (``MPI4PY_LIBMPI``, then this environment's ``lib``, then the system's),
+       opened with ``ctypes``. The build if it is for that family, else None: a
+       wrapper for another MPI would load a second MPI library into the process.
+    3. Where no MPI library is found, or it is none we can name: the build.
 
     Returns:
-        The path of ``_mpiabi_<family>.<ext>`` in this directory, or None.
+        The path of ``_mpiabi.<ext>`` in this directory, or None.
     """
     builds = built("mpiabi")
-    if family is not None:
-        return builds.get(family)
     if not builds:
         return None
-    version = _mpi4py_library_version()
-    wanted = _mpi.family(version) if version else None
-    if wanted is not None:
-        return builds.get(wanted)
-    return next(iter(builds.values())) if len(builds) == 1 else None
+    ((built_for, path),) = builds.items()
+    if family is None:
+        version = _mpi4py_library_version()
+        family = _mpi.family(version) if version else None
+    return path if family in (None, built_for) else None
 
 
 def _mpi4py_library_version() -> str | None:
@@ -203,8 +200,9 @@ def load():
         ``iallreduce_handlers``, ``pending_requests``, ``complete_pending``).
 
     Raises:
-        ImportError: no build for mpi4py's MPI, or a build that calls another
-            MPI library than mpi4py does; the message names both.
+        ImportError: no build, or one for another MPI than mpi4py's, or one
+            that calls another MPI library than mpi4py does; the message names
+            both.
     """
     return _load("cpu", "cpu", built())
 
@@ -235,7 +233,7 @@ def load_cuda():
     builds = built("cuda")
     if not builds:
         raise ImportError(
-            f"mpi4jax_dist has no CUDA handler: no _cuda_* module in {_HERE}, so "
+            f"mpi4jax_dist has no CUDA handler: no _cuda module in {_HERE}, so "
             f"no CUDA toolkit was found when it was installed (setup.py looks at "
             f"$CUDA_HOME, nvcc on PATH, /usr/local/cuda, and the nvidia-cuda-runtime "
             f"wheel of JAX's CUDA plugin). Reinstall where CUDA's headers are, for "
@@ -328,16 +326,16 @@ def cuda_mismatch(
 
 
 def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
-    """Import ``_{kind}_{family}`` for mpi4py's MPI, check that it calls mpi4py's
-    library, call ``prepare(module, path)`` (which may raise), and then register
-    its handlers with JAX for ``platform``."""
+    """Import ``_{kind}`` if it was built for mpi4py's MPI, check that it calls
+    mpi4py's library, call ``prepare(module, path)`` (which may raise), and then
+    register its handlers with JAX for ``platform``."""
     import jax
     from mpi4py import MPI
 
     theirs = MPI.Get_library_version()
     wanted = _mpi.family(theirs)
     if wanted is None and len(builds) == 1:
-        # An MPI we cannot name: try the one build; the check below still holds.
+        # An MPI we cannot name: try the build; the check below still holds.
         wanted = next(iter(builds))
     if wanted not in builds:
         have = ", ".join(f"{k} ({v.name})" for k, v in sorted(builds.items()))
@@ -348,7 +346,7 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
             f"this MPI's mpicc first on PATH: pip install --no-build-isolation "
             f"--force-reinstall --no-deps <path to mpi4jax_dist>."
         )
-    module = importlib.import_module(f"._{kind}_{wanted}", __name__)
+    module = importlib.import_module(f"._{kind}", __name__)
     problem = mismatch(
         module.library_version(), module.HEADER_MPI, theirs, builds[wanted]
     )
@@ -363,7 +361,7 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
         TOKEN_AFTER_TARGET, module.token_after_handler(), platform=platform
     )
     # The non-blocking allreduce's handlers, where the module has them (the CPU
-    # module, built from this tree).
+    # module).
     if hasattr(module, "iallreduce_handlers"):
         for target, handler in zip(
             IALLREDUCE_TARGETS, module.iallreduce_handlers(), strict=True

@@ -1,23 +1,21 @@
 // The CPU handlers of mpi4jax_dist.allreduce and of the non-blocking
-// mpi4jax_dist.iallreduce (start, test, wait), and the Python module that hands
-// them to JAX (jax.ffi.register_ffi_target).
-//
-// Built once per MPI family (setup.py names the module _cpu_mpich or
-// _cpu_openmpi through MPI4JAX_DIST_MODULE), so that one source tree can serve
-// virtual environments with different MPIs.
+// mpi4jax_dist.iallreduce (start, test, wait, overlap's tie), and the Python
+// module _cpu that hands them to JAX (jax.ffi.register_ffi_target).
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
-#include "mpi_helpers.h"
-#include "module_helpers.h"
+#include "allreduce.h"
+#include "iallreduce.h"
+#include "module_common.h"
+#include "request_table.h"
+#include "stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -48,11 +46,10 @@ ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
   const size_t count = x.element_count();
   if (count == 0) return ffi::Error::Success();
   return AllreduceChunked(x.untyped_data(), y->untyped_data(), count,
-                          x.size_bytes() / count, dtype, op, comm,
-                          chunk_bytes);
+                          x.size_bytes() / count, dtype, op, comm, chunk_bytes);
 }
 
-// The non-blocking allreduce (mpi_helpers.h has the logic). The start: x and a
+// The non-blocking allreduce (iallreduce.h has the logic). The start: x and a
 // token in; x (aliased) and the request's handle out, once MPI_Iallreduce is
 // posted. The test and the wait take x and the handle back (x aliased), and
 // after them the results of the work placed before them (RemainingArgs): never
@@ -63,16 +60,15 @@ ffi::Error IallreduceStartCpuImpl(ffi::AnyBuffer x, ffi::Token,
                                   ffi::Result<ffi::BufferR0<ffi::S32>> handle,
                                   int64_t comm_id, int32_t op_code,
                                   int32_t check, int64_t uid,
-                                  std::string_view site, int64_t latency_ns) {
+                                  std::string_view site) {
   return IallreduceStart(x, *y, comm_id, op_code, AgreementFor(check), uid,
-                         site, latency_ns, handle->typed_data());
+                         site, handle->typed_data());
 }
 
-ffi::Error IallreduceTestCpuImpl(ffi::AnyBuffer x,
-                                 ffi::BufferR0<ffi::S32> handle, ffi::Token,
-                                 ffi::RemainingArgs,
-                                 ffi::Result<ffi::AnyBuffer> y,
-                                 ffi::Result<ffi::BufferR0<ffi::S32>> handle_out) {
+ffi::Error IallreduceTestCpuImpl(
+    ffi::AnyBuffer x, ffi::BufferR0<ffi::S32> handle, ffi::Token,
+    ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> y,
+    ffi::Result<ffi::BufferR0<ffi::S32>> handle_out) {
   const int32_t h = *handle.typed_data();
   *handle_out->typed_data() = h;
   // Aliased, XLA hands one buffer; were it ever two, pass the values on.
@@ -82,9 +78,8 @@ ffi::Error IallreduceTestCpuImpl(ffi::AnyBuffer x,
   return IallreduceTest(h);
 }
 
-ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer,
-                                 ffi::BufferR0<ffi::S32> handle, ffi::Token,
-                                 ffi::RemainingArgs,
+ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer, ffi::BufferR0<ffi::S32> handle,
+                                 ffi::Token, ffi::RemainingArgs,
                                  ffi::Result<ffi::AnyBuffer> y) {
   return IallreduceWait(*y, *handle.typed_data());
 }
@@ -95,17 +90,18 @@ ffi::Error IallreduceWaitCpuImpl(ffi::AnyBuffer,
 // wrote the handle, a dependency that XLA keeps through its passes (unlike an
 // optimization barrier, which XLA:CPU removes before scheduling) and that its
 // runtime, ordering thunks by the buffers they use, honours too.
-ffi::Error IallreduceTieCpuImpl(ffi::BufferR0<ffi::S32>, ffi::RemainingArgs args,
+ffi::Error IallreduceTieCpuImpl(ffi::BufferR0<ffi::S32>,
+                                ffi::RemainingArgs args,
                                 ffi::RemainingRets rets) {
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
-        "mpi4jax_dist.Request.overlap: the tie has " + std::to_string(args.size()) +
-        " arrays in but " + std::to_string(rets.size()) + " out");
+        "mpi4jax_dist.Request.overlap: the tie has " +
+        std::to_string(args.size()) + " arrays in but " +
+        std::to_string(rets.size()) + " out");
   }
   for (size_t i = 0; i < args.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i);
-    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out =
-        rets.get<ffi::AnyBuffer>(i);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(i);
     if (!in.has_value()) return in.error();
     if (!out.has_value()) return out.error();
     // Aliased, XLA hands one buffer; were it ever two, pass the values on.
@@ -137,8 +133,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceStartCpu,
                                   .Attr<int32_t>("op")
                                   .Attr<int32_t>("check")
                                   .Attr<int64_t>("uid")
-                                  .Attr<std::string_view>("site")
-                                  .Attr<int64_t>("latency_ns"));
+                                  .Attr<std::string_view>("site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceTestCpu,
                               mpi4jax_dist::IallreduceTestCpuImpl,
@@ -170,186 +165,85 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCpu,
                                   .Attr<int64_t>("chunk_bytes")
                                   .Attr<int32_t>("check"));
 
-// The token after the allreduce: mpi4jax_dist::TokenAfterImpl (mpi_helpers.h).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistTokenAfterCpu,
-                              mpi4jax_dist::TokenAfterImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Token>());
+// The token after the allreduce: mpi4jax_dist::TokenAfterImpl (allreduce.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Mpi4jaxDistTokenAfterCpu, mpi4jax_dist::TokenAfterImpl,
+    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::Token>());
 
 // ---------------------------------------------------------------------------
-// The Python module: the handler as a capsule, and what the MPI is.
+// The Python module: the handlers as capsules, what the MPI is, the counts,
+// and the non-blocking allreduce's requests in flight.
 
 namespace {
 
-PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistAllreduceCpu),
-                       nullptr, nullptr);
-}
+namespace nb = nanobind;
 
-PyObject* TokenHandler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistTokenAfterCpu),
-                       nullptr, nullptr);
-}
-
-PyObject* IallreduceHandlers(PyObject*, PyObject*) {
-  return Py_BuildValue(
-      "(NNNN)",
-      PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistIallreduceStartCpu),
-                    nullptr, nullptr),
-      PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistIallreduceTestCpu),
-                    nullptr, nullptr),
-      PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistIallreduceWaitCpu),
-                    nullptr, nullptr),
-      PyCapsule_New(reinterpret_cast<void*>(&Mpi4jaxDistIallreduceTieCpu),
-                    nullptr, nullptr));
-}
-
-// The shared counts, and the non-blocking allreduce's.
-PyObject* GetStatsDict(PyObject*, PyObject*) {
-  PyObject* dict = mpi4jax_dist::StatsDict();
-  if (dict == nullptr) return nullptr;
-  const mpi4jax_dist::RequestStats& r = mpi4jax_dist::GetRequestStats();
-  const std::pair<const char*, int64_t> counts[] = {
-      {"iallreduce_starts", r.starts.load()},
-      {"iallreduce_large_count_starts", r.large_count_starts.load()},
-      {"iallreduce_waits", r.waits.load()},
-      {"iallreduce_done_before_wait", r.done_before_wait.load()},
-      {"iallreduce_wait_slack_ns", r.wait_slack_ns.load()},
-      {"iallreduce_wait_blocked_ns", r.wait_blocked_ns.load()},
-      {"iallreduce_tests", r.tests.load()},
-      {"iallreduce_tests_done", r.tests_done.load()},
-      {"iallreduce_max_pending", r.max_pending.load()},
-  };
-  for (const auto& [name, value] : counts) {
-    PyObject* number = PyLong_FromLongLong(value);
-    if (number == nullptr || PyDict_SetItemString(dict, name, number) < 0) {
-      Py_XDECREF(number);
-      Py_DECREF(dict);
-      return nullptr;
-    }
-    Py_DECREF(number);
-  }
-  return dict;
-}
-
-PyObject* ResetStats(PyObject*, PyObject*) {
-  mpi4jax_dist::GetStats().Reset();
-  mpi4jax_dist::GetRequestStats().Reset();
-  Py_RETURN_NONE;
-}
-
-PyObject* InfoList(const std::vector<mpi4jax_dist::RequestTable::Info>& infos) {
-  PyObject* list = PyList_New(0);
-  if (list == nullptr) return nullptr;
+// Requests as (handle, uid, site) tuples.
+nb::list InfoList(const std::vector<mpi4jax_dist::RequestTable::Info>& infos) {
+  nb::list list;
   for (const auto& info : infos) {
-    PyObject* item = Py_BuildValue("(iLs#)", info.handle,
-                                   static_cast<long long>(info.uid),
-                                   info.site.data(),
-                                   static_cast<Py_ssize_t>(info.site.size()));
-    if (item == nullptr || PyList_Append(list, item) < 0) {
-      Py_XDECREF(item);
-      Py_DECREF(list);
-      return nullptr;
-    }
-    Py_DECREF(item);
+    list.append(nb::make_tuple(info.handle, info.uid, info.site));
   }
   return list;
 }
 
-PyObject* PendingRequests(PyObject*, PyObject*) {
-  return InfoList(mpi4jax_dist::RequestTable::Get().Pending());
-}
-
-// complete_pending(handles, timeout_s): see CompletePending (mpi_helpers.h).
-PyObject* CompletePending(PyObject*, PyObject* args) {
-  PyObject* sequence = nullptr;
-  double timeout_s = 0;
-  if (!PyArg_ParseTuple(args, "Od", &sequence, &timeout_s)) return nullptr;
-  PyObject* fast = PySequence_Fast(sequence, "handles must be a sequence");
-  if (fast == nullptr) return nullptr;
-  std::vector<int32_t> handles;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    const long value = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
-    if (value == -1 && PyErr_Occurred()) {
-      Py_DECREF(fast);
-      return nullptr;
-    }
-    handles.push_back(static_cast<int32_t>(value));
-  }
-  Py_DECREF(fast);
-  std::vector<mpi4jax_dist::RequestTable::Info> left;
-  Py_BEGIN_ALLOW_THREADS;
-  left = mpi4jax_dist::CompletePending(handles, timeout_s);
-  Py_END_ALLOW_THREADS;
-  return InfoList(left);
-}
-
-PyMethodDef kMethods[] = {
-    MPI4JAX_DIST_TIMEOUT_METHODS
-    {"register_comm", mpi4jax_dist::RegisterComm, METH_VARARGS,
-     "register_comm(fortran_handle): the communicator's id for compiled calls "
-     "(see CommRegistry in mpi_helpers.h). MPI must be initialized."},
-    {"allreduce_handler", Handler, METH_NOARGS,
-     "Return the XLA FFI handler of the CPU allreduce as a PyCapsule."},
-    {"token_after_handler", TokenHandler, METH_NOARGS,
-     "Return the XLA FFI handler that makes a token after a buffer."},
-    {"library_version", mpi4jax_dist::LibraryVersion, METH_NOARGS,
-     "Return MPI_Get_library_version() of the MPI this module calls."},
-    {"stats", GetStatsDict, METH_NOARGS,
-     "Return counts of handler calls and the MPI calls they made."},
-    {"reset_stats", ResetStats, METH_NOARGS, "Set every count to zero."},
-    {"iallreduce_handlers", IallreduceHandlers, METH_NOARGS,
-     "Return the XLA FFI handlers of the non-blocking allreduce's start, test, "
-     "wait and overlap's tie as PyCapsules."},
-    {"pending_requests", PendingRequests, METH_NOARGS,
-     "Return the non-blocking allreduce's requests in flight as (handle, uid, "
-     "site) tuples."},
-    {"complete_pending", CompletePending, METH_VARARGS,
-     "complete_pending(handles, timeout_s): complete the pending requests of "
-     "handles (all when empty) by polling MPI_Test for at most timeout_s "
-     "seconds; return those left pending as (handle, uid, site)."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-#define MPI4JAX_DIST_STR2(x) #x
-#define MPI4JAX_DIST_STR(x) MPI4JAX_DIST_STR2(x)
-#define MPI4JAX_DIST_CAT2(a, b) a##b
-#define MPI4JAX_DIST_CAT(a, b) MPI4JAX_DIST_CAT2(a, b)
-
-#ifndef MPI4JAX_DIST_MODULE
-#error "setup.py defines MPI4JAX_DIST_MODULE, the module's name (_cpu_mpich)"
-#endif
-
-PyModuleDef kModule = {
-    PyModuleDef_HEAD_INIT,
-    MPI4JAX_DIST_STR(MPI4JAX_DIST_MODULE),
-    "mpi4jax_dist's XLA FFI handlers for the CPU, built against one MPI.",
-    -1,
-    kMethods,
-    nullptr,
-    nullptr,
-    nullptr,
-    nullptr,
-};
-
 }  // namespace
 
-PyMODINIT_FUNC MPI4JAX_DIST_CAT(PyInit_, MPI4JAX_DIST_MODULE)(void) {
-  PyObject* module = PyModule_Create(&kModule);
-  if (module == nullptr) return nullptr;
-  const std::string header = mpi4jax_dist::HeaderMpiLibrary();
-  if (PyModule_AddStringConstant(module, "HEADER_MPI", header.c_str()) < 0 ||
-      PyModule_AddObject(module, "MPI_STANDARD",
-                         Py_BuildValue("(ii)", MPI_VERSION, MPI_SUBVERSION)) <
-          0 ||
-      PyModule_AddObject(module, "LARGE_COUNT",
-                         PyBool_FromLong(MPI4JAX_DIST_LARGE_COUNT)) < 0 ||
-      // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_helpers.h).
-      PyModule_AddObject(module, "ALLREDUCE_LARGE_COUNT",
-                         PyBool_FromLong(MPI4JAX_DIST_ALLREDUCE_C)) < 0) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
+NB_MODULE(_cpu, m) {
+  using mpi4jax_dist::EncapsulateFfiHandler;
+  m.doc() =
+      "mpi4jax_dist's XLA FFI handlers for the CPU, built against one MPI.";
+  mpi4jax_dist::DefineCommon(m);
+  m.def(
+      "allreduce_handler",
+      [] { return EncapsulateFfiHandler(Mpi4jaxDistAllreduceCpu); },
+      "Return the XLA FFI handler of the CPU allreduce as a PyCapsule.");
+  m.def(
+      "token_after_handler",
+      [] { return EncapsulateFfiHandler(Mpi4jaxDistTokenAfterCpu); },
+      "Return the XLA FFI handler that makes a token after a buffer.");
+  m.def(
+      "iallreduce_handlers",
+      [] {
+        return nb::make_tuple(
+            EncapsulateFfiHandler(Mpi4jaxDistIallreduceStartCpu),
+            EncapsulateFfiHandler(Mpi4jaxDistIallreduceTestCpu),
+            EncapsulateFfiHandler(Mpi4jaxDistIallreduceWaitCpu),
+            EncapsulateFfiHandler(Mpi4jaxDistIallreduceTieCpu));
+      },
+      "Return the XLA FFI handlers of the non-blocking allreduce's start, "
+      "test, wait and overlap's tie as PyCapsules.");
+  m.def(
+      "stats",
+      [] {
+        return mpi4jax_dist::StatsDict({mpi4jax_dist::GetStatsItems(),
+                                        mpi4jax_dist::GetRequestStatsItems()});
+      },
+      "Return counts of handler calls and the MPI calls they made.");
+  m.def(
+      "reset_stats",
+      [] {
+        mpi4jax_dist::GetStats().Reset();
+        mpi4jax_dist::GetRequestStats().Reset();
+      },
+      "Set every count to zero.");
+  m.def(
+      "pending_requests",
+      [] { return InfoList(mpi4jax_dist::RequestTable::Get().Pending()); },
+      "Return the non-blocking allreduce's requests in flight as (handle, uid, "
+      "site) tuples.");
+  m.def(
+      "complete_pending",
+      [](const std::vector<int32_t>& handles, double timeout_s) {
+        std::vector<mpi4jax_dist::RequestTable::Info> left;
+        {
+          nb::gil_scoped_release release;
+          left = mpi4jax_dist::CompletePending(handles, timeout_s);
+        }
+        return InfoList(left);
+      },
+      nb::arg("handles"), nb::arg("timeout_s"),
+      "Complete the pending requests of `handles` (all when empty) by polling "
+      "MPI_Test for at most `timeout_s` seconds (CompletePending in "
+      "iallreduce.h); return those left pending as (handle, uid, site).");
 }

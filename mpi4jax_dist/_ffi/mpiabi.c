@@ -4,8 +4,8 @@
  * (jax_cpu_collectives_implementation="mpi"). They call MPI through MPItrampoline
  * 5.3.1, linked into jaxlib: when jaxlib loads, MPItrampoline dlopens the library
  * named by MPITRAMPOLINE_LIB and resolves every name of its ABI ("MPIABI" 2.9) in it
- * with dlsym. This is that library, built by setup.py against the MPI mpi4py loads,
- * once per MPI family (_mpiabi_mpich, _mpiabi_openmpi, _mpiabi_impi).
+ * with dlsym. This is that library, built by conf/builder.py into _mpiabi against
+ * the MPI mpi4py loads.
  *
  * The ABI, from MPItrampoline's public mpiabi.h: handles are uintptr_t; MPIABI_Status
  * is a union big enough for any native MPI_Status, then MPI_SOURCE, MPI_TAG and
@@ -17,7 +17,7 @@
  *
  * This file holds the functions implemented by hand: everything XLA calls (the
  * functions tagged "xla" in mpiabi_names.txt; the build fails without one) and a few
- * more that are cheap and useful. mpiabi_gen.py writes the rest, included below as
+ * more that are cheap and useful. conf/mpiabi_gen.py writes the rest, included as
  * mpiabi_generated.h: the constants and a stub for every other function, which
  * says it is not implemented and aborts. A function here is exported when its
  * definition starts a line with "MPIABI_API <type> MPIABI_<Name>(": that is how
@@ -579,7 +579,7 @@ MPIABI_API int MPIXABI_Query_ze_support(void) {
   return query_support("MPIX_Query_ze_support");
 }
 
-/* ---- The constants and the stubs (mpiabi_gen.py) ---- */
+/* ---- The constants and the stubs (conf/mpiabi_gen.py) ---- */
 
 #include "mpiabi_generated.h"
 

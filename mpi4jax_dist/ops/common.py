@@ -12,7 +12,7 @@ import numpy as np
 from .. import _compat, _config
 from ..faults import hangs
 
-# Ops by the code the handler knows them by (OpFromCode in _ffi/mpi_helpers.h).
+# Ops by the code the handler knows them by (OpFromCode in _ffi/op_dtype.h).
 OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
 
 _ARITHMETIC = ("SUM", "PROD")
@@ -94,7 +94,7 @@ def check_mpi(who: str = "mpi4jax_dist.allreduce") -> None:
 
     XLA runs the handlers on its worker threads, so MPI must let any thread call
     it: ``MPI_THREAD_MULTIPLE``, or ``MPI_THREAD_SERIALIZED``, where the extension
-    makes its MPI calls under one lock (``MpiGuard`` in ``_ffi/mpi_helpers.h``).
+    makes its MPI calls under one lock (``MpiGuard`` in ``_ffi/mpi_guard.h``).
     """
     from mpi4py import MPI
 

@@ -1,5 +1,6 @@
-// The CUDA allreduce's device-side path (ReduceDeviceBuffer in cuda.cc) over a
-// CUDA runtime made of host threads, as a Python module:
+// The CUDA allreduce's device-side path (ReduceDeviceBuffer in
+// mpi4jax_dist/_ffi/cuda_staging.h) over a CUDA runtime made of host threads,
+// as a Python module:
 // tests/test_cuda_fake.py builds it and runs tests/scripts/cuda_fake_job.py
 // under mpiexec on the CPU, where there is no GPU.
 //
@@ -11,8 +12,8 @@
 // switches, pinned allocations and frees are counted, and a sticky error can be
 // set that every wait then returns, as after a kernel that failed.
 
-#define MPI4JAX_DIST_MODULE _cuda_fake_unused
-#include "cuda.cc"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -21,6 +22,9 @@
 #include <functional>
 #include <random>
 #include <thread>
+
+#include "cuda_staging.h"
+#include "stats.h"
 
 namespace fake {
 
@@ -305,6 +309,55 @@ PyObject* Reduce(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// The CUDA module's staging functions and counts, over the same C++ (cuda.cc
+// binds them with nanobind; a plain module here, built without it).
+PyObject* SetStagingBytes(PyObject*, PyObject* args) {
+  unsigned long long bytes = 0;
+  if (!PyArg_ParseTuple(args, "K", &bytes)) return nullptr;
+  if (bytes < mpi4jax_dist::kMinStagingBytes) {
+    PyErr_SetString(PyExc_ValueError, "set_staging_bytes: too few bytes");
+    return nullptr;
+  }
+  if (!mpi4jax_dist::Pool().SetBytes(static_cast<size_t>(bytes))) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "set_staging_bytes: buffers of another size exist");
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* StagingBytes(PyObject*, PyObject*) {
+  return PyLong_FromSize_t(mpi4jax_dist::Pool().bytes());
+}
+
+PyObject* ReleasePinned(PyObject*, PyObject*) {
+  return PyLong_FromSize_t(mpi4jax_dist::Pool().Release());
+}
+
+PyObject* GetStatsDict(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (dict == nullptr) return nullptr;
+  for (const mpi4jax_dist::StatsItems& items :
+       {mpi4jax_dist::GetStatsItems(), mpi4jax_dist::GetCudaStatsItems()}) {
+    for (const auto& [name, value] : items) {
+      PyObject* number = PyLong_FromLongLong(value);
+      if (number == nullptr || PyDict_SetItemString(dict, name, number) < 0) {
+        Py_XDECREF(number);
+        Py_DECREF(dict);
+        return nullptr;
+      }
+      Py_DECREF(number);
+    }
+  }
+  return dict;
+}
+
+PyObject* ResetStats(PyObject*, PyObject*) {
+  mpi4jax_dist::GetStats().Reset();
+  mpi4jax_dist::ResetCudaStats();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kFakeMethods[] = {
     {"new_stream", NewStream, METH_NOARGS, "A fake stream: its handle."},
     {"free_stream", FreeStream, METH_VARARGS, "End a fake stream."},
@@ -317,7 +370,7 @@ PyMethodDef kFakeMethods[] = {
      "configure(delay_us=, sticky_error=, events_ignored=, current_device=)."},
     {"counts", Counts, METH_NOARGS, "What the fake runtime was asked to do."},
     {"reduce", Reduce, METH_VARARGS, "ReduceDeviceBuffer with MPI.SUM."},
-    // The CUDA module's own functions, on this build.
+    // The CUDA module's staging functions and counts.
     {"set_staging_bytes", SetStagingBytes, METH_VARARGS, nullptr},
     {"staging_bytes", StagingBytes, METH_NOARGS, nullptr},
     {"release_pinned", ReleasePinned, METH_NOARGS, nullptr},

@@ -1,12 +1,12 @@
 """Generate the MPIABI wrapper's constants and stubs from ``mpiabi_names.txt``.
 
 jaxlib's MPItrampoline resolves several hundred names in the wrapper library
-(``mpiabi.c``, built by ``setup.py`` into ``_mpiabi_<family>``). Most of them are
+(``mpi4jax_dist/_ffi/mpiabi.c``, built into ``_mpiabi``). Most of them are
 constants and functions XLA never uses; this module writes them, so that
-``mpiabi.c`` holds only the hand-written functions. ``setup.py`` runs it at build
-time and writes the result into the build directory, where ``mpiabi.c`` includes
-it as ``mpiabi_generated.h``: nothing generated is committed, and the name list is
-the one source of truth.
+``mpiabi.c`` holds only the hand-written functions. The build (conf/builder.py)
+runs it and writes the result into the build directory, where ``mpiabi.c``
+includes it as ``mpiabi_generated.h``: nothing generated is committed, and the
+name list beside ``mpiabi.c`` is the one source of truth.
 
 What it writes, for the native MPI whose ``mpi.h`` ``mpiabi.c`` included first:
 
@@ -19,8 +19,7 @@ What it writes, for the native MPI whose ``mpi.h`` ``mpiabi.c`` included first:
 - a stub ``MPIABI_<Name>`` for every function ``mpiabi.c`` does not define, which
   says so on stderr and aborts (``mpiabi_not_implemented`` in ``mpiabi.c``).
 
-Stdlib only: ``setup.py`` loads it by path, before the package can be imported.
-Run as a script to see the output: ``python mpiabi_gen.py [OUT]``.
+Stdlib only. Run as a script to see the output: ``python conf/mpiabi_gen.py [OUT]``.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-NAMES = HERE / "mpiabi_names.txt"
-SOURCE = HERE / "mpiabi.c"
+# The wrapper's C source and its name list, in the package.
+FFI = Path(__file__).resolve().parent.parent / "mpi4jax_dist" / "_ffi"
+NAMES = FFI / "mpiabi_names.txt"
+SOURCE = FFI / "mpiabi.c"
 HEADER = "mpiabi_generated.h"
 
 # The handle types and their classes' null handles.

@@ -1,0 +1,116 @@
+// What the two Python modules (_cpu, _cuda) share, bound with nanobind: the MPI
+// they call, the communicator registry, the collective timeout, the counts, and
+// handlers handed to jax.ffi.register_ffi_target as capsules.
+
+#ifndef MPI4JAX_DIST_FFI_MODULE_COMMON_H_
+#define MPI4JAX_DIST_FFI_MODULE_COMMON_H_
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "comm_registry.h"
+#include "mpi_base.h"
+#include "stats.h"
+#include "timeout.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace mpi4jax_dist {
+
+namespace nb = nanobind;
+
+// An XLA FFI handler as the capsule jax.ffi.register_ffi_target takes.
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* handler) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL)");
+  return nb::capsule(reinterpret_cast<void*>(handler));
+}
+
+// A dict of counts, for a module's stats().
+inline nb::dict StatsDict(const std::vector<StatsItems>& groups) {
+  nb::dict dict;
+  for (const StatsItems& items : groups) {
+    for (const auto& [name, value] : items) dict[name] = value;
+  }
+  return dict;
+}
+
+// What both modules define: the MPI they call (library_version, HEADER_MPI,
+// MPI_STANDARD, LARGE_COUNT, ALLREDUCE_LARGE_COUNT), the communicator registry
+// (register_comm, call_counts) and the collective timeout
+// (set_collective_timeout, alarm).
+inline void DefineCommon(nb::module_& m) {
+  m.def(
+      "library_version",
+      [] {
+        // Callable before MPI_Init: the library this module calls at run time.
+        char text[MPI_MAX_LIBRARY_VERSION_STRING];
+        int length = 0;
+        if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) {
+          throw std::runtime_error("MPI_Get_library_version failed");
+        }
+        return nb::bytes(text, length).attr("decode")("utf-8", "replace");
+      },
+      "Return MPI_Get_library_version() of the MPI this module calls.");
+  m.def(
+      "register_comm",
+      [](int64_t handle) {
+        int64_t id = 0;
+        ffi::Error error = CheckMpiUsable("mpi4jax_dist");
+        if (error.success()) {
+          // Under MPI_THREAD_SERIALIZED this waits for the MPI lock
+          // (MpiGuard), which a running program's allreduce may hold.
+          nb::gil_scoped_release release;
+          error = CommRegistry::Get().Register(handle, &id);
+        }
+        if (error.failure()) throw std::runtime_error(error.message());
+        return id;
+      },
+      nb::arg("fortran_handle"),
+      "Return the communicator's id for compiled calls (CommRegistry in "
+      "comm_registry.h), registering it first. MPI must be initialized.");
+  m.def(
+      "call_counts", [] { return CommRegistry::Get().CallCounts(); },
+      "Return the calls entered on each registered communicator, by id.");
+  m.def(
+      "set_collective_timeout",
+      [](double seconds, bool watchdog, bool stacks_on_signal) {
+        TimeoutSettings& settings = GetTimeoutSettings();
+        settings.timeout_ns =
+            seconds > 0 ? static_cast<int64_t>(seconds * 1e9) : 0;
+        settings.watchdog = watchdog;
+        settings.stacks_on_signal = stacks_on_signal;
+      },
+      nb::arg("seconds"), nb::arg("watchdog"), nb::arg("stacks_on_signal"),
+      "Poll every wait against a deadline of `seconds` (0: off; "
+      "TimeoutSettings "
+      "in timeout.h).");
+  m.def(
+      "alarm",
+      []() -> nb::object {
+        Alarm& alarm = GetAlarm();
+        std::lock_guard<std::mutex> lock(alarm.mu);
+        if (!alarm.raised) return nb::none();
+        return nb::make_tuple(alarm.who, alarm.comm_id, alarm.call,
+                              alarm.waited_s);
+      },
+      "Return (who, comm id, call, seconds waited) of this process's first "
+      "timed-out call, or None.");
+  m.attr("HEADER_MPI") = HeaderMpiLibrary();
+  m.attr("MPI_STANDARD") = nb::make_tuple(MPI_VERSION, MPI_SUBVERSION);
+  m.attr("LARGE_COUNT") = static_cast<bool>(MPI4JAX_DIST_LARGE_COUNT);
+  // Whether the blocking allreduce calls MPI_Allreduce_c (mpi_base.h).
+  m.attr("ALLREDUCE_LARGE_COUNT") = static_cast<bool>(MPI4JAX_DIST_ALLREDUCE_C);
+}
+
+}  // namespace mpi4jax_dist
+
+#endif  // MPI4JAX_DIST_FFI_MODULE_COMMON_H_

@@ -1,0 +1,225 @@
+// The non-blocking allreduce's requests in flight, between a start and its
+// wait: each holds a slot and the memory MPI reduces into (never XLA's buffer,
+// which XLA may free while MPI still writes), and XLA carries its handle, an
+// int32, from the start to the test and the wait.
+
+#ifndef MPI4JAX_DIST_FFI_REQUEST_TABLE_H_
+#define MPI4JAX_DIST_FFI_REQUEST_TABLE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "comm_registry.h"
+#include "mpi_base.h"
+#include "mpi_guard.h"
+#include "stats.h"
+#include "timeout.h"
+
+namespace mpi4jax_dist {
+
+constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
+
+// One request in flight.
+struct PendingRequest {
+  MPI_Request request = MPI_REQUEST_NULL;
+  // The ranks' agreement, when this start checks it (see AgreementValues and
+  // AdvanceDeferred): MPI_REQUEST_NULL else. `deferred` while the reduction
+  // waits for it, with what to post then; `disagreed` once it said no.
+  MPI_Request agreement = MPI_REQUEST_NULL;
+  int64_t agreement_mine[kAgreementValues] = {};
+  int64_t agreement_most[kAgreementValues] = {};
+  bool deferred = false;
+  bool disagreed = false;
+  size_t count = 0;
+  MPI_Datatype dtype = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  // The memory MPI reduces into, owned here (see above), and the message's
+  // size; capacity is what `data` holds, kept between requests when small.
+  std::unique_ptr<char[]> data;
+  size_t capacity = 0;
+  size_t bytes = 0;
+  // The start op's id from tracing (0: an eager start, not checked), and where
+  // in Python it was made, for the messages.
+  int64_t uid = 0;
+  std::string site;
+  // The communicator's id and the start's number among its calls (see
+  // CallContext), for a wait that times out.
+  int64_t comm_id = 0;
+  int64_t call = 0;
+  // When the start posted it (steady clock, ns; see SteadyNs).
+  int64_t posted_ns = 0;
+  int32_t generation = 0;
+  bool active = false;
+};
+
+// The requests in flight. A handle is generation * kMaxRequests + slot index,
+// so that a handle whose slot was freed and taken again (a wait run twice, a
+// handle from an earlier run) is refused rather than taken for another request.
+// Slots are never moved (unique_ptr), so a handler may use its slot outside the
+// lock: data dependencies order the start, tests and wait of one request.
+class RequestTable {
+ public:
+  static constexpr int32_t kMaxRequests = 4096;
+  static constexpr int32_t kMaxGeneration = INT32_MAX / kMaxRequests - 1;
+  // A completed slot keeps at most this much memory for its next request (a
+  // fresh allocation each time costs its page faults: for 64 MiB, as much as
+  // the two copies).
+  static constexpr size_t kKeepBytes = size_t{64} << 20;
+
+  struct Info {
+    int32_t handle;
+    int64_t uid;
+    std::string site;
+  };
+
+  // Never destroyed: a request still pending at exit keeps its memory until
+  // the process ends, whatever runs after static destructors.
+  static RequestTable& Get() {
+    static RequestTable* table = new RequestTable();
+    return *table;
+  }
+
+  // Take a slot for a start (op `uid`, made at `site`) of `bytes`, copy them
+  // from `operand` into the slot's memory, and post its requests with
+  // `post(slot)` (an MPI return code) under the table's lock, so that no one
+  // finds the slot half made. Refused when that start's previous
+  // request is still pending (its wait did not run), or when kMaxRequests
+  // are; the slot is freed again when `post` fails.
+  template <typename Post>
+  ffi::Error Take(int64_t uid, std::string_view site, const void* operand,
+                  size_t bytes, int64_t posted_ns, Post post, int* rc,
+                  int32_t* handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    PendingRequest* free = nullptr;
+    size_t index = 0;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      PendingRequest& s = *slots_[i];
+      if (s.active && uid != 0 && s.uid == uid) {
+        return ffi::Error(
+            ffi::ErrorCode::kFailedPrecondition,
+            std::string(kIallreduceName) + ": the start made at " +
+                std::string(site) +
+                " runs again while its previous request is still pending: "
+                "its req.wait() did not run (is it in a branch that was "
+                "not taken, or was the request kept out of the function?). "
+                "Every start needs its wait, on every run.");
+      }
+      if (!s.active && free == nullptr) {
+        free = &s;
+        index = i;
+      }
+    }
+    if (free == nullptr) {
+      if (slots_.size() >= static_cast<size_t>(kMaxRequests)) {
+        return ffi::Error(
+            ffi::ErrorCode::kResourceExhausted,
+            std::string(kIallreduceName) + ": " + std::to_string(kMaxRequests) +
+                " requests are pending, none waited on; the start made at " +
+                std::string(site) +
+                " is refused. Waits are missing: every start needs its "
+                "req.wait().");
+      }
+      slots_.push_back(std::make_unique<PendingRequest>());
+      free = slots_.back().get();
+      index = slots_.size() - 1;
+    }
+    if (free->capacity < bytes) {
+      // Uninitialized: the copy below fills what MPI reads.
+      free->data.reset(new (std::nothrow) char[bytes]);
+      free->capacity = free->data ? bytes : 0;
+      if (!free->data) {
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                          std::string(kIallreduceName) +
+                              ": no memory for the " + std::to_string(bytes) +
+                              " bytes MPI reduces into (the start made at " +
+                              std::string(site) + ")");
+      }
+    }
+    if (bytes > 0) std::memcpy(free->data.get(), operand, bytes);
+    free->request = MPI_REQUEST_NULL;
+    free->agreement = MPI_REQUEST_NULL;
+    free->deferred = free->disagreed = false;
+    {
+      MpiGuard guard;  // after mu_: see MpiGuard's lock order
+      *rc = post(free);
+    }
+    if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
+    free->bytes = bytes;
+    free->comm_id = CurrentCall().comm_id;
+    free->call = CurrentCall().call;
+    free->uid = uid;
+    free->posted_ns = posted_ns;
+    free->site.assign(site.data(), site.size());
+    free->generation = free->generation % kMaxGeneration + 1;
+    free->active = true;
+    *handle = free->generation * kMaxRequests + static_cast<int32_t>(index);
+    ++active_;
+    RequestStats& stats = GetRequestStats();
+    int64_t seen = stats.max_pending.load(std::memory_order_relaxed);
+    while (active_ > seen && !stats.max_pending.compare_exchange_weak(
+                                 seen, active_, std::memory_order_relaxed)) {
+    }
+    return ffi::Error::Success();
+  }
+
+  // The pending request of `handle`, or an error naming what is wrong.
+  ffi::Error Find(int32_t handle, const char* who, PendingRequest** slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int32_t index = handle % kMaxRequests;
+    const int32_t generation = handle / kMaxRequests;
+    if (handle > 0 && static_cast<size_t>(index) < slots_.size() &&
+        slots_[index]->active && slots_[index]->generation == generation) {
+      *slot = slots_[index].get();
+      return ffi::Error::Success();
+    }
+    return ffi::Error::InvalidArgument(
+        std::string(who) + ": request handle " + std::to_string(handle) +
+        " is not pending: it was waited on already, or comes from another run "
+        "(a request cannot leave the function that started it).");
+  }
+
+  // Free the slot of a completed request (MPI is done with its memory).
+  void Free(PendingRequest* slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slot->active) --active_;
+    slot->active = false;
+    slot->request = MPI_REQUEST_NULL;
+    slot->agreement = MPI_REQUEST_NULL;
+    // Small memory stays for the next start; large goes back.
+    if (slot->capacity > kKeepBytes) {
+      slot->data.reset();
+      slot->capacity = 0;
+    }
+  }
+
+  std::vector<Info> Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Info> pending;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const PendingRequest& s = *slots_[i];
+      if (s.active) {
+        pending.push_back(
+            {s.generation * kMaxRequests + static_cast<int32_t>(i), s.uid,
+             s.site});
+      }
+    }
+    return pending;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<PendingRequest>> slots_;
+  int64_t active_ = 0;
+};
+
+}  // namespace mpi4jax_dist
+
+#endif  // MPI4JAX_DIST_FFI_REQUEST_TABLE_H_

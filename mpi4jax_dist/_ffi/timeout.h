@@ -1,0 +1,174 @@
+// The collective timeout (MPI4JAX_DIST_COLLECTIVE_TIMEOUT, set from
+// mpi4jax_dist/_hangs.py): on, every wait of the handlers polls MPI_Test
+// against a deadline; past it the call raises the process's alarm for the
+// watchdog, or ends the job itself (MPI_Abort) where none runs. A timed-out
+// call never returns: MPI may still write into XLA's buffer.
+
+#ifndef MPI4JAX_DIST_FFI_TIMEOUT_H_
+#define MPI4JAX_DIST_FFI_TIMEOUT_H_
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "mpi_base.h"
+#include "mpi_guard.h"
+
+namespace mpi4jax_dist {
+
+// Nanoseconds on the steady clock: the collective timeout's deadlines and the
+// wait's counts of time.
+inline int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// What Python set (set_collective_timeout): the timeout (0: off), whether its
+// watchdog thread runs (it needs MPI_THREAD_MULTIPLE), and whether SIGUSR1
+// dumps this process's stacks.
+struct TimeoutSettings {
+  std::atomic<int64_t> timeout_ns{0};
+  std::atomic<bool> watchdog{false};
+  std::atomic<bool> stacks_on_signal{false};
+};
+
+inline TimeoutSettings& GetTimeoutSettings() {
+  static TimeoutSettings settings;
+  return settings;
+}
+
+constexpr int64_t kAlarmGraceS = 60;
+
+// The call this thread is in (XLA runs a handler on one thread from entry to
+// return): what a timeout names.
+struct CallContext {
+  const char* who = "mpi4jax_dist.allreduce";
+  int64_t comm_id = 0;
+  // This call's number among the calls on its communicator in this process
+  // (1 for the first); the watchdog compares it with the other ranks' counts.
+  int64_t call = 0;
+  int64_t deadline_ns = 0;  // 0: no timeout
+  bool alarmed = false;
+};
+
+inline CallContext& CurrentCall() {
+  thread_local CallContext context;
+  return context;
+}
+
+// Start the deadline of the call this thread enters now.
+inline void EnterCall(const char* who, int64_t comm_id, int64_t call) {
+  CallContext& context = CurrentCall();
+  const int64_t timeout = GetTimeoutSettings().timeout_ns.load();
+  context.who = who;
+  context.comm_id = comm_id;
+  context.call = call;
+  context.deadline_ns = timeout > 0 ? SteadyNs() + timeout : 0;
+  context.alarmed = false;
+}
+
+// The first timed-out call of this process, for the watchdog.
+struct Alarm {
+  std::mutex mu;
+  bool raised = false;
+  std::string who;
+  int64_t comm_id = 0;
+  int64_t call = 0;
+  double waited_s = 0;
+};
+
+inline Alarm& GetAlarm() {
+  static Alarm* alarm = new Alarm();  // never destroyed, as the MPI lock
+  return *alarm;
+}
+
+inline int WorldRank() {
+  int rank = -1;
+  MpiGuard guard;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+// No watchdog, or none that ended the job in time: say so and end the job.
+[[noreturn]] inline void AbortTimedOut(const CallContext& context,
+                                       const char* why) {
+  const double timeout_s = GetTimeoutSettings().timeout_ns.load() / 1e9;
+  if (GetTimeoutSettings().stacks_on_signal.load()) {
+    // Python's faulthandler prints this process's stacks
+    // (mpi4jax_dist/_hangs.py); its reader thread needs a moment.
+    std::raise(SIGUSR1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  std::fprintf(stderr,
+               "mpi4jax_dist: rank %d: %s (call %lld on communicator id %lld) "
+               "waited %g s (MPI4JAX_DIST_COLLECTIVE_TIMEOUT); %s; MPI_Abort "
+               "ends the job.\n",
+               WorldRank(), context.who, static_cast<long long>(context.call),
+               static_cast<long long>(context.comm_id), timeout_s, why);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+// Past the deadline: raise the alarm once (or end the job where no watchdog
+// will); kAlarmGraceS later, end the job here.
+inline void CheckDeadline(CallContext& context) {
+  if (context.deadline_ns == 0) return;
+  const int64_t now = SteadyNs();
+  if (now <= context.deadline_ns) return;
+  const TimeoutSettings& settings = GetTimeoutSettings();
+  if (!context.alarmed) {
+    context.alarmed = true;
+    if (!settings.watchdog.load()) {
+      AbortTimedOut(context,
+                    "no watchdog asks the other ranks (it needs "
+                    "MPI_THREAD_MULTIPLE and more than one rank)");
+    }
+    Alarm& alarm = GetAlarm();
+    std::lock_guard<std::mutex> lock(alarm.mu);
+    if (!alarm.raised) {
+      alarm.raised = true;
+      alarm.who = context.who;
+      alarm.comm_id = context.comm_id;
+      alarm.call = context.call;
+      alarm.waited_s =
+          (now - context.deadline_ns) / 1e9 + settings.timeout_ns.load() / 1e9;
+    }
+    return;
+  }
+  if (now > context.deadline_ns + kAlarmGraceS * 1000000000LL) {
+    AbortTimedOut(context, "the watchdog did not end the job in time");
+  }
+}
+
+// Complete `request`: MPI_Wait without a timeout; with one, MPI_Test polled
+// (each test under the MPI lock where MPI is serialized) and the deadline
+// checked every 64 tests.
+inline int WaitRequest(MPI_Request* request) {
+  CallContext& context = CurrentCall();
+  if (context.deadline_ns == 0) {
+    MpiGuard guard;
+    return MPI_Wait(request, MPI_STATUS_IGNORE);
+  }
+  for (uint32_t i = 1;; ++i) {
+    int done = 0, rc = MPI_SUCCESS;
+    {
+      MpiGuard guard;
+      rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS || done) return rc;
+    if (i % 64 == 0) CheckDeadline(context);
+  }
+}
+
+}  // namespace mpi4jax_dist
+
+#endif  // MPI4JAX_DIST_FFI_TIMEOUT_H_
