@@ -128,6 +128,24 @@ two_ranks_only = pytest.mark.skipif(
 )
 
 
+# The files that hold tests marked mpi: the only ones collected under mpiexec
+# (--with-mpi, tests/conftest.py): the unmarked tests of the others, run on every
+# rank, would only repeat the serial session. tests/test_ci.py fails where a file
+# with a test marked mpi is missing here.
+MPI_FILES = frozenset(
+    {
+        "test_allreduce_bench.py",
+        "test_bad_input.py",
+        "test_cg.py",
+        "test_cg_dropin.py",
+        "test_iallreduce.py",
+        "test_inplace_allreduce.py",
+        "test_inplace_allreduce_gpu.py",
+        "test_mpi.py",
+    }
+)
+
+
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that
 # are about them.
 _CHOICES = (

@@ -38,6 +38,8 @@ if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 run "${other[@]}" timeout -k 10 1200 python -m pytest
+# Under mpiexec every rank collects only the files with tests marked mpi
+# (tests/conftest.py).
 for n in 2 4; do
     run timeout -k 10 900 mpiexec -n "$n" python -m pytest --with-mpi -q -p no:cacheprovider
 done
