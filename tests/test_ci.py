@@ -1,8 +1,8 @@
 """What tools/test.sh runs where: under mpiexec, only the files of util.MPI_FILES
-are collected (tests/conftest.py).
+are collected (tests/conftest.py); at 4 ranks, only the tests marked more_ranks.
 
-The test reads the serial session's own collection, so it checks something when
-it collects every file (python -m pytest, as CI runs it) and skips otherwise.
+The tests read the serial session's own collection, so they check something when
+it collects every file (python -m pytest, as CI runs it) and skip otherwise.
 """
 
 import pytest
@@ -32,3 +32,12 @@ def test_every_file_with_mpi_tests_is_collected_under_mpiexec(items):
     )
     stale = sorted(util.MPI_FILES - with_mpi)
     assert not stale, f"files in MPI_FILES (tests/util.py) without MPI tests: {stale}"
+
+
+def test_tests_at_four_ranks_are_mpi_tests(items):
+    serial = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("more_ranks") and not item.get_closest_marker("mpi")
+    ]
+    assert not serial, f"marked more_ranks, not mpi (every rank runs them): {serial}"

