@@ -3,9 +3,9 @@
 # then with peers under mpiexec -n 2, and those that need more ranks under -n 4, in
 # .venv (Python >= 3.12, the newest JAX); then, where tools/setup.sh built them
 # (--all), the launch tests under Open MPI's and Intel MPI's mpiexec, the tests on a
-# Slurm cluster of network namespaces (as root), the serial and 2-rank tests on the
-# oldest JAX that setup.cfg allows, and the serial tests on Python 3.11 with its last
-# JAX. Needs tools/setup.sh first.
+# Slurm cluster of network namespaces (as root), the serial tests of what meets JAX
+# and the 2-rank tests on the oldest JAX that setup.cfg allows, and the serial tests
+# of what meets JAX on Python 3.11 with its last JAX. Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -107,26 +107,28 @@ else
     echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
 fi
 
+# The two stages of another JAX below run, serially, the tests of what meets JAX
+# (initialize, its clients and backends, the compiled ops, jit/shard_map/
+# custom_linear_solve, its caches): not the launcher, network, limit and benchmark
+# tests, whose JAX calls are those of the tests kept (CI's time: they are a third of
+# the serial suite's, and run in .venv's). Nor the packaging test: setup.sh built
+# these environments' package from a copy of the tree against their JAX already,
+# and .venv's run builds the sdist.
+meets_jax=()
+for name in test_packaging test_launch test_launch_detection \
+    test_coordinator_scale test_benchmarks test_memory_bench \
+    test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
+    test_docs test_docs_errors test_build_mpicc; do
+    meets_jax+=("--ignore=tests/$name.py")
+done
+
 # The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax), installed
 # from a copy of the tree: PYTHONSAFEPATH keeps the tree's package off sys.path.
 jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 if [ -x "$jaxmin/bin/python" ]; then
     in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
-    # Serially, the tests of what meets JAX (initialize, its clients and backends,
-    # the compiled ops, jit/shard_map/custom_linear_solve, its caches): not the
-    # launcher, network, limit and benchmark tests, whose JAX calls are those of
-    # the tests kept (CI's time: they are a third of the serial suite's). Nor the
-    # packaging test: setup.sh built this environment's package from a copy of the
-    # tree against this JAX already, and .venv's run builds the sdist.
-    ignored=()
-    for name in test_packaging test_launch test_launch_detection \
-        test_coordinator_scale test_benchmarks test_memory_bench \
-        test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
-        test_docs test_docs_errors test_build_mpicc; do
-        ignored+=("--ignore=tests/$name.py")
-    done
     run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-        "${ignored[@]}"
+        "${meets_jax[@]}"
     run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
         -q -p no:cacheprovider
 else
@@ -134,13 +136,12 @@ else
 fi
 
 # Python 3.11 with the last JAX for it (tools/setup.sh --with-py311): the serial
-# suite, from a copy of the tree as above. Not the packaging test, as above:
-# setup.sh built this environment's package with this Python from a copy of the
-# tree, and .venv's run builds the sdist and installs it (CI's time: a minute).
+# tests of what meets JAX, as above (the others run in .venv's, on Python 3.12),
+# from a copy of the tree as above.
 py311=${VENV_PY311:-$here/.venv-py311}
 if [ -x "$py311/bin/python" ]; then
     run env PATH="$py311/bin:$PATH" PYTHONSAFEPATH=1 timeout -k 10 1200 python \
-        -m pytest -q -p no:cacheprovider --ignore=tests/test_packaging.py
+        -m pytest -q -p no:cacheprovider "${meets_jax[@]}"
 else
     echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
 fi
