@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 import pytest  # noqa: E402
+import util  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +16,15 @@ def world(jax_world):
     """JAX initialized once per test process through mpi4jax_dist: the package's
     own pytest plugin's fixture (turned on in pyproject.toml)."""
     return jax_world
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under mpiexec (--with-mpi), skip the files without tests marked mpi
+    (util.MPI_FILES). A file named on the command line is collected all the same."""
+    if (
+        config.getoption("--with-mpi")
+        and collection_path.suffix == ".py"
+        and collection_path.name not in util.MPI_FILES
+    ):
+        return True
+    return None

@@ -19,11 +19,6 @@ from mpi4jax_dist import cg
 from mpi4jax_dist.solvers import counting
 
 mpi = pytest.mark.mpi(min_size=2)
-# Every variant on 2 ranks; on 4, classic (JAX's) alone, to keep CI's time.
-VARIANTS = [
-    v if v == "classic" else pytest.param(v, marks=util.two_ranks_only)
-    for v in cg.VARIANTS
-]
 PARAMS, SAMPLES = 40, 24  # per rank: fewer samples than parameters, as in SR
 EPS = 1e-3
 
@@ -113,7 +108,7 @@ def test_their_call_gives_jax_answer_bit_for_bit(sr):
 
 
 @mpi
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", cg.VARIANTS)
 def test_every_variant_reaches_the_answer(sr, variant):
     x, info = mpi4jax_dist.cg(
         sr.A_of(sr.J), sr.f, tol=1e-10, maxiter=500, variant=variant
@@ -197,8 +192,16 @@ class Split:
         self.block = slice(comm.rank * self.BLOCK, (comm.rank + 1) * self.BLOCK)
 
 
+# At 4 ranks, classic alone: the drop-in's comm= over four blocks (every variant's
+# reductions over four ranks are test_cg.py's problem A).
 @mpi
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(v, marks=util.more_ranks) if v == "classic" else v
+        for v in cg.VARIANTS
+    ],
+)
 def test_split_vectors_reduce_their_dot_products(x64, variant):
     import jax.numpy as jnp
     import mpi4jax
@@ -223,6 +226,7 @@ def test_split_vectors_reduce_their_dot_products(x64, variant):
 
 
 @mpi
+@util.more_ranks  # psum over a mesh of four
 def test_sharded_vectors_reduce_over_the_mesh(x64):
     import jax.numpy as jnp
     from jax import lax

