@@ -537,6 +537,7 @@ def debug_checks(env: Mapping[str, str] | None = None) -> bool:
 STACKS = "MPI4JAX_DIST_STACKS"
 HANG_DIR = "MPI4JAX_DIST_HANG_DIR"
 COLLECTIVE_TIMEOUT = "MPI4JAX_DIST_COLLECTIVE_TIMEOUT"
+HANG_TIMEOUT = "MPI4JAX_DIST_HANG_TIMEOUT"
 
 
 def stacks_on_signal(env: Mapping[str, str] | None = None) -> bool:
@@ -563,8 +564,36 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
     Raises:
         ValueError: the value is not a non-negative number of seconds.
     """
+    return _seconds(
+        COLLECTIVE_TIMEOUT,
+        "how long a collective may wait (longer than the slowest rank's work "
+        "between two collectives, e.g. 600)",
+        env,
+    )
+
+
+def hang_timeout(env: Mapping[str, str] | None = None) -> float | None:
+    """Return ``MPI4JAX_DIST_HANG_TIMEOUT`` in seconds, or None (off).
+
+    How long the ranks of a job may all make no progress (no rank's main thread
+    running Python) while they stand at different places, whatever they wait in,
+    before the job is taken for hung: every rank's stacks, one report, the job
+    ends. Unset, empty or ``0``: off.
+
+    Raises:
+        ValueError: the value is not a non-negative number of seconds.
+    """
+    return _seconds(
+        HANG_TIMEOUT,
+        "how long every rank may go without progress (longer than the longest "
+        "step of the program, e.g. 900)",
+        env,
+    )
+
+
+def _seconds(name: str, meaning: str, env: Mapping[str, str] | None) -> float | None:
     env = environ() if env is None else env
-    value = env.get(COLLECTIVE_TIMEOUT, "").strip()
+    value = env.get(name, "").strip()
     if not value:
         return None
     try:
@@ -573,8 +602,7 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
         seconds = -1.0
     if not seconds >= 0 or seconds == float("inf"):
         raise ValueError(
-            f"{COLLECTIVE_TIMEOUT}={value!r} is not a number of seconds. Set it to "
-            f"how long a collective may wait (longer than the slowest rank's work "
-            f"between two collectives, e.g. 600), or 0 or nothing to turn it off."
+            f"{name}={value!r} is not a number of seconds. Set it to {meaning}, "
+            f"or 0 or nothing to turn it off."
         )
     return seconds or None

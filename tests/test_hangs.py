@@ -9,6 +9,7 @@ Without the timeout the same job waits out the stall (the fault the timeout
 guards against).
 """
 
+import json
 import re
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import util
 
 from mpi4jax_dist import _config
 from mpi4jax_dist.diagnostics import hangs as diagnostics_hangs
-from mpi4jax_dist.faults import hangs
+from mpi4jax_dist.faults import hangs, stacks
 
 pytestmark = util.skip_in_mpi_job
 
@@ -289,6 +290,144 @@ def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
     assert lines[3] == "no stacks from rank 999"
 
 
+def test_summarize_quotes_the_source_as_it_was_when_dumped(tmp_path):
+    """The stacks file carries each frame's line as the file read at the dump; the
+    file changed since (a user editing the job's script) does not change the quote;
+    a file without them is read now, and the summary says so."""
+    code = tmp_path / "job.py"
+    code.write_text("def step():\n    total = allreduce(x)\n")
+    frames = [(str(code), 2, "step")]
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    fake_stacks(dumps, 0, 2, frames)
+    dump = (dumps / "rank-0.txt").read_text()
+    (dumps / "rank-0.txt").write_text(dump + "".join(stacks.source_lines(dump)))
+    code.write_text("def step():\n    total = psum(x)  # edited after the job\n")
+    lines = diagnostics_hangs.summarize(dumps).splitlines()
+    assert lines[1] == "1 rank at job.py:2 in step: `total = allreduce(x)`: rank 0"
+    fake_stacks(dumps, 0, 2, frames)  # without the source lines
+    lines = diagnostics_hangs.summarize(dumps).splitlines()
+    assert lines[1] == (
+        "1 rank at job.py:2 in step: `total = psum(x)  # edited after the job` "
+        "(as the file reads now): rank 0"
+    )
+
+
+def test_groups_alike_but_for_their_callers_are_told_apart(tmp_path):
+    inner = [("/v/site-packages/jax/_src/pxla.py", 413, "__call__")]
+    inner += [("/home/u/cg.py", 123, "solve")]
+    for rank in range(3):
+        fake_stacks(tmp_path, rank, 4, inner + [("/home/u/run.py", 10, "main")])
+    fake_stacks(tmp_path, 3, 4, inner + [("/home/u/warmup.py", 7, "warm")])
+    lines = diagnostics_hangs.summarize(tmp_path).splitlines()
+    shared = "at cg.py:123 in solve, inside jax (pxla.py:413 in __call__)"
+    assert lines[1] == f"3 ranks {shared}, via run.py:10 in main: ranks 0-2"
+    assert lines[2] == f"1 rank {shared}, via warmup.py:7 in warm: rank 3"
+
+
 def test_summarize_without_files_says_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="MPI4JAX_DIST_HANG_DIR="):
         diagnostics_hangs.summarize(tmp_path)
+
+
+def test_the_watchdog_wakes_at_most_about_once_a_second(tmp_path):
+    """benchmarks/idle.py's count of the watchdog thread's wake-ups while the job
+    sleeps: about 60 a minute (it polled every 20 ms, 3,000 a minute, before)."""
+    out = tmp_path / "idle.json"
+    env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "60"})
+    util.run_mpi(
+        util.ROOT / "benchmarks" / "idle.py",
+        2,
+        *("--seconds", "4", "--json", out),
+        env=env,
+        timeout=120,
+    )
+    threads = json.loads(out.read_text())["threads"]
+    watchdog = threads["mpi4jax_dist-watchdog"]
+    assert watchdog["threads"] == 1
+    assert 0 < watchdog["wakeups_per_min"] <= 90, watchdog
+
+
+# --- the hang timeout ---------------------------------------------------------------
+
+HANG_S = 2
+HANG_REPORT = re.compile(
+    r"mpi4jax_dist: no rank of 4 made progress for [\d.]+ s "
+    r"\(MPI4JAX_DIST_HANG_TIMEOUT\), and they do not all stand at one place: the job "
+    r"is hung\. "
+    r"Where the ranks stand, the odd ones out first:\n"
+    r"  1 rank at stall\.py:\d+ in stalled_compute: `time\.sleep\(seconds\)`: rank 3\n"
+    r"  3 ranks (.*): ranks 0-2\n"
+)
+
+
+def hang(mode, **env):
+    env = {_config.HANG_TIMEOUT: str(HANG_S), "MODE": mode, **env}
+    return stall(timeout=None, **env)
+
+
+@pytest.mark.parametrize(
+    "mode, inside",
+    [
+        ("mpi4jax", r"at stall\.py:\d+ in <module>"),
+        ("psum", r"at stall\.py:\d+ in <lambda>"),
+        ("sync", r"at stall\.py:\d+ in sync"),
+        ("barrier", r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`"),
+    ],
+)
+def test_the_hang_timeout_names_the_stalled_rank_whatever_the_others_wait_in(
+    mode, inside
+):
+    """Rank 3 sleeps 120 s; ranks 0-2 wait in mpi4jax's allreduce, a psum over
+    JAX's own collectives, sync_global_devices or an mpi4py barrier, none of
+    which the collective timeout bounds (the package's own allreduce: the test
+    below). Without the hang timeout each waits out the stall (as
+    test_without_the_timeout_the_job_waits_out_the_stall shows for the package's)."""
+    if mode == "mpi4jax":
+        pytest.importorskip("mpi4jax")
+    proc, ended = hang(mode, STALL_S=120)
+    assert proc.returncode != 0, show(proc)
+    report = HANG_REPORT.search(proc.stderr)
+    assert report, show(proc)
+    assert re.search(inside, report.group(1)), report.group(0)
+    took = ended - stalled_at(proc)
+    assert HANG_S < took < HANG_S + 30, took
+    assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
+    assert proc.stdout.count("DONE") == 0
+
+
+@pytest.mark.parametrize("mode", ["steps", "together"])
+def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode):
+    """No false alarm: every rank makes 0.1 s steps for 4 timeouts (progress), or
+    every rank sleeps 4 timeouts at one line (no progress, but at one place)."""
+    proc, _ = hang(mode, STALL_S=4 * HANG_S)
+    assert proc.returncode == 0, show(proc)
+    assert "the job is hung" not in proc.stderr, show(proc)
+    assert proc.stdout.count("DONE") == 4
+
+
+def test_the_hang_timeout_names_a_rank_that_cannot_answer():
+    """Rank 3 holds the GIL while the others wait in the package's allreduce: its
+    watchdog takes no part, and the report says it did not answer rather than
+    where it stands."""
+    proc, _ = hang("allreduce", GIL="1", STALL_S=60)
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
+        r"  no answer from rank 3 in 10 s \(a thread holding Python's GIL, or a "
+        r"stopped process\): where it stands is unknown\n"
+        r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n"
+        r"The stacks of the ranks that answered: on stderr",
+        proc.stderr,
+    ), show(proc)
+
+
+def test_below_thread_multiple_the_hang_timeout_says_it_is_not_in_force():
+    env = util.clean_env(
+        **QUIET, MPI4PY_RC_THREAD_LEVEL="serialized", **{_config.HANG_TIMEOUT: "5"}
+    )
+    code = "import jax, mpi4jax_dist; jax.distributed.initialize()"
+    proc = util.run_mpi(["-c", code], 2, env=env, timeout=120)
+    assert proc.stderr.count("MPI4JAX_DIST_HANG_TIMEOUT is not in force") == 1, show(
+        proc
+    )

@@ -706,6 +706,7 @@ def test_a_rank_stalled_on_one_node_is_named_by_the_timeout():
     line = next(x for x in output.splitlines() if "waited" in x and "call 4" in x)
     assert "in mpi4jax_dist.allreduce, call 4 on communicator 'MPI_COMM_WORLD'" in line
     assert "not entered by rank 3 (their last call there: 3)" in line, line
+    assert "no answer" not in line, line  # every rank's watchdog answered rank 0
     assert re.search(
         r"^\[rank 3\] .*stall\.py\", line \d+ in stalled_compute$", output, re.M
     ), output
@@ -714,6 +715,29 @@ def test_a_rank_stalled_on_one_node_is_named_by_the_timeout():
         f"ended {ended:.1f} s after rank 3 stalled ({since:.1f} s seen at once): "
         f"{line}"
     )
+
+
+def test_a_rank_stalled_on_one_node_is_found_by_the_hang_timeout():
+    """Rank 3 (node2) sleeps while the others wait in a psum over JAX's own
+    collectives (Gloo across the nodes), which no timeout of the package's ops
+    bounds: MPI4JAX_DIST_HANG_TIMEOUT ends the job, rank 3 named apart."""
+    env = _env(**STALL_ENV, MODE="psum", MPI4JAX_DIST_HANG_TIMEOUT=10)
+    cmd = ["srun", "--time=5", "--nodes=2", "--ntasks-per-node=2", "--mpi=pmi2"]
+    with _running([*cmd, "python", STALL], env) as proc:
+        stalled = _wait_for_line(proc, "STALL", 120)
+        assert stalled, "the job never stalled"
+        output, _ = proc.communicate(timeout=120)
+        ended = time.time() - float(stalled.split()[1])
+    assert proc.returncode != 0, output
+    report = re.search(
+        r"mpi4jax_dist: no rank of 4 made progress .*\n"
+        r"  1 rank at stall\.py:\d+ in stalled_compute: .*: rank 3\n"
+        r"  3 ranks at stall\.py:\d+ in <lambda>.*: ranks 0-2\n",
+        output,
+    )
+    assert report, output
+    assert 10 < ended < 60, ended
+    print(f"ended {ended:.1f} s after rank 3 stalled:\n{report.group(0)}")
 
 
 def test_scancel_signal_usr1_gives_every_rank_stacks(tmp_path):

@@ -102,7 +102,7 @@ inline int WorldRank() {
   const double timeout_s = GetTimeoutSettings().timeout_ns.load() / 1e9;
   if (GetTimeoutSettings().stacks_on_signal.load()) {
     // Python's faulthandler prints this process's stacks
-    // (mpi4jax_dist/_hangs.py); its reader thread needs a moment.
+    // (mpi4jax_dist/faults/hangs.py); its reader thread needs a moment.
     std::raise(SIGUSR1);
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
@@ -166,6 +166,12 @@ inline int WaitRequest(MPI_Request* request) {
     }
     if (rc != MPI_SUCCESS || done) return rc;
     if (i % 64 == 0) CheckDeadline(context);
+    // Past the deadline this call only waits for the watchdog to end the job:
+    // leave it MPI and the core, which its report's messages need (a tight
+    // MPI_Test loop kept a rank's watchdog from answering rank 0 for 10 s).
+    if (context.alarmed) {
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
   }
 }
 

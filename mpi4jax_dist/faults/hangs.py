@@ -21,11 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import _config
+from . import progress, stacks
 
 logger = logging.getLogger("mpi4jax_dist")
 
-# How often the watchdog looks for an alarm or a message (local calls only).
-POLL_S = 0.02
+# How often the watchdog looks for an alarm or a message (local calls only): once a
+# second, so that a rank where nothing is wrong is not woken more often (OS jitter
+# is what HPC codes measure); a hang is reported at most a few polls later. Once
+# something is wrong here (this rank's alarm, a message of the watchdogs), every
+# URGENT_POLL_S: MPI moves the report's messages only while the watchdog calls it,
+# against the main thread's own polling of a timed-out call.
+POLL_S = 1.0
+URGENT_POLL_S = 0.02
 # How long rank 0 waits for every rank's stacks and count, once it asked.
 REPLY_S = 10.0
 # The pipe faulthandler writes into: a dump of all threads is a few KiB; the
@@ -63,10 +70,17 @@ def timeout_s() -> float | None:
     return _config.collective_timeout()
 
 
-def install(rank: int, size: int, timeout: float | None, comm=None) -> None:
+def install(
+    rank: int,
+    size: int,
+    timeout: float | None,
+    comm=None,
+    hang_timeout: float | None = None,
+) -> None:
     """Install what this module does in a bootstrapped process (once): the stacks
     on ``SIGUSR1``, the job's collective timeout, and with ``comm`` (the watchdog's
-    communicator, from the bootstrap) the watchdog thread."""
+    communicator, from the bootstrap) the watchdog thread, which also keeps the
+    hang timeout where one is set."""
     with _state.lock:
         if _state.bootstrapped:
             return
@@ -74,10 +88,16 @@ def install(rank: int, size: int, timeout: float | None, comm=None) -> None:
         _state.timeout_s, _state.bootstrapped = timeout, True
     if _config.stacks_on_signal():
         _state.stacks = _install_signal()
-    if timeout is not None and comm is not None:
-        _state.watchdog = _Watchdog(comm)
+    if comm is not None and (timeout is not None or hang_timeout is not None):
+        _state.watchdog = _Watchdog(comm, hang_timeout)
         _state.watchdog.start()
         atexit.register(_state.watchdog.stop)
+    elif hang_timeout is not None and rank == 0 and size > 1:
+        logger.warning(
+            "mpi4jax_dist: %s is not in force: the watchdog that keeps it needs "
+            "MPI_THREAD_MULTIPLE, and this job's MPI gave less.",
+            _config.HANG_TIMEOUT,
+        )
     configure_loaded_modules()
 
 
@@ -198,7 +218,11 @@ def write_stacks(text: str, reason: str) -> str:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank-{rank}.txt"
         partial = folder / f".rank-{rank}.txt.{os.getpid()}"
-        partial.write_text("".join(f"# {h}\n" for h in header) + text)
+        partial.write_text(
+            "".join(f"# {h}\n" for h in header)
+            + text
+            + "".join(stacks.source_lines(text))
+        )
         partial.replace(path)  # a reader sees a whole dump or the one before
         return str(folder)
     prefix = f"[rank {rank}] "
@@ -213,58 +237,139 @@ def write_stacks(text: str, reason: str) -> str:
 
 
 class _Watchdog(threading.Thread):
-    """Every rank's thread for the collective timeout (docs/design.rst)."""
+    """Every rank's thread for the collective and hang timeouts (docs/design.rst)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, hang_timeout_s: float | None = None):
         super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._stopping = threading.Event()
         self._alarm_sent = False
         self._reporting = False
+        self.hang_timeout_s = hang_timeout_s
+        self.progress = progress.Progress()
+        self.verdict = progress.Verdict(comm) if hang_timeout_s else None
+        self.period_s = progress.period_s(hang_timeout_s or 0.0, POLL_S)
+        self._said_one_place = False
+        self._urgent = False
+        self._sent: list = []  # this rank's alarm, sent without waiting
 
     def stop(self) -> None:
-        """Stop polling before MPI is finalized (an atexit handler)."""
+        """Stop polling before MPI is finalized (an atexit handler); with the hang
+        timeout, end the verdict's chain alike on every rank first."""
         self._stopping.set()
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=2 * POLL_S + 1)
+            self.join(timeout=POLL_S + 2)
+        if self.verdict is not None and not self.is_alive():
+            self.verdict.finish(deadline_s=max(10.0, 3 * self.period_s))
 
     def run(self) -> None:
         from mpi4py import MPI
 
-        while not self._stopping.wait(POLL_S):
+        while not self._stopping.wait(URGENT_POLL_S if self._urgent else POLL_S):
             try:
                 message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
                 while message is not None:
+                    self._urgent = True
                     self._handle(message.recv())
                     message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
                 if not self._alarm_sent:
                     alarm = _local_alarm()
                     if alarm is not None:
-                        self._alarm_sent = True
+                        self._alarm_sent = self._urgent = True
                         alarm["rank"] = self.rank
                         if self.rank == 0:
                             self._report(alarm)
                         else:
-                            self.comm.send(alarm, dest=0, tag=_TAG)
+                            # Not waited for: this thread must go on answering
+                            # rank 0, which may be asking already.
+                            self._sent.append(self.comm.isend(alarm, dest=0, tag=_TAG))
+                if self.verdict is not None and not self._reporting:
+                    self._watch_progress(time.monotonic())
             except Exception as err:  # a watchdog that dies says why
                 if not self._stopping.is_set():
                     logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
                 return
+
+    def _watch_progress(self, now: float) -> None:
+        """The hang timeout: look at the main thread, read the last verdict, post
+        the next one a period after the last."""
+        self.progress.look(now)
+        stuck_s = self.progress.stuck_for(now)
+        result = self.verdict.test()
+        if result is not None and result["all_stuck"]:
+            if not result["one_place"]:
+                self._urgent = True  # rank 0 asks for the stacks now
+                if self.rank == 0:
+                    self._report_hang(stuck_s)
+                return  # the others wait for rank 0's request for their stacks
+            if self.rank == 0 and not self._said_one_place:
+                self._said_one_place = True
+                logger.info(
+                    "mpi4jax_dist: every rank has stood at one place for %g s or "
+                    "more: one long step, not taken for a hang (%s).",
+                    self.hang_timeout_s,
+                    _config.HANG_TIMEOUT,
+                )
+        if not self.verdict.pending:
+            if now - (self.verdict.posted_at or -1e18) >= self.period_s:
+                stuck = stuck_s >= self.hang_timeout_s
+                place = progress.place_key(self.progress.place()) if stuck else 0
+                self.verdict.post(now, stuck, place)
+        elif (
+            self.rank == 0
+            and stuck_s >= self.hang_timeout_s
+            and now - self.verdict.posted_at >= self.hang_timeout_s + self.period_s
+        ):
+            # A rank has not taken part for longer than the timeout: its watchdog
+            # cannot run (a thread holding the GIL, a stopped process).
+            self._report_hang(stuck_s)
 
     def _handle(self, message: dict) -> None:
         kind = message.get("kind")
         if kind == "alarm" and self.rank == 0 and not self._reporting:
             self._report(message)
         elif kind == "dump":
+            self._reporting = True  # rank 0 reports: this rank posts no verdict more
             where = dump(message["reason"])
+            place = self.progress.place()
             reply = {
                 "kind": "reply",
                 "rank": self.rank,
                 "count": _count_of(message["group"]),
                 "where": where,
+                "place": [tuple(f) for f in place],
+                "source": _sources_of(place),
             }
             self.comm.send(reply, dest=0, tag=_TAG)
+
+    def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
+        """Rank 0: ask every rank for its stacks, count and place; return the
+        replies by rank (this one's included) and where the stacks went, after at
+        most ``REPLY_S``."""
+        ask = {"kind": "dump", "reason": reason, "group": group}
+        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
+        place = self.progress.place()
+        replies = {
+            0: {
+                "count": _count_of(group),
+                "place": [tuple(f) for f in place],
+                "source": _sources_of(place),
+            }
+        }
+        where = {dump(reason)}
+        deadline = time.monotonic() + REPLY_S
+        while len(replies) < self.size and time.monotonic() < deadline:
+            message = self.comm.improbe()
+            if message is None:
+                time.sleep(1e-3)
+                continue
+            reply = message.recv()
+            if reply.get("kind") == "reply":
+                replies[reply["rank"]] = reply
+                where.add(reply["where"])
+        del requests  # eager sends; MPI_Abort ends them
+        return replies, where
 
     def _report(self, alarm: dict) -> None:
         """Rank 0: ask every rank for its stacks and count, say who is missing, and
@@ -276,23 +381,69 @@ class _Watchdog(threading.Thread):
             f"rank {alarm['rank']}'s {alarm['who']} waited {alarm['waited_s']:.3g} s "
             f"({_config.COLLECTIVE_TIMEOUT})"
         )
-        ask = {"kind": "dump", "reason": reason, "group": alarm["group"]}
-        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
-        counts = {0: _count_of(alarm["group"])}
-        where = {dump(reason)}
-        deadline = time.monotonic() + REPLY_S
-        while len(counts) < self.size and time.monotonic() < deadline:
-            message = self.comm.improbe()
-            if message is None:
-                time.sleep(1e-3)
-                continue
-            reply = message.recv()
-            if reply.get("kind") == "reply":
-                counts[reply["rank"]] = reply["count"]
-                where.add(reply["where"])
+        replies, where = self._ask_every_rank(reason, alarm["group"])
+        counts = {rank: reply["count"] for rank, reply in replies.items()}
         logger.critical("%s", report_line(alarm, counts, self.size, where))
-        del requests  # eager sends; MPI_Abort ends them
         _mpi.abort(self.comm, 1)
+
+    def _report_hang(self, stuck_s: float) -> None:
+        """Rank 0: every rank's stacks, the ranks grouped by where they stand (the
+        odd ones out first), and the end of the job (never returns)."""
+        from .. import _mpi
+
+        self._reporting = True
+        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
+        replies, where = self._ask_every_rank(reason, None)
+        logger.critical("%s", hang_report(replies, self.size, stuck_s, where))
+        _mpi.abort(self.comm, 1)
+
+
+def _sources_of(place) -> list[str]:
+    import linecache
+
+    return [linecache.getline(f.file, f.line).strip() for f in place]
+
+
+def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
+    """The hang timeout's report: one line per place the ranks stand at, the odd
+    ones out first, then the ranks that did not answer and where the stacks are."""
+    groups: dict = {}
+    sources: dict = {}
+    for rank, reply in sorted(replies.items()):
+        frames = tuple(stacks.Frame(*f) for f in reply["place"])
+        groups.setdefault(frames, []).append(rank)
+        for frame, text in zip(frames, reply["source"], strict=True):
+            if text:
+                sources.setdefault((frame.file, frame.line), text)
+    summaries = stacks.told_apart(
+        {frames: stacks.where(list(frames), sources) for frames in groups}
+    )
+    ordered = sorted(groups.items(), key=lambda item: (len(item[1]), min(item[1])))
+    lines = [
+        f"mpi4jax_dist: no rank of {size} made progress for {stuck_s:.3g} s "
+        f"({_config.HANG_TIMEOUT}), and they do not all stand at one place: the "
+        f"job is hung. Where the ranks stand, the odd ones out first:"
+    ]
+    silent = [r for r in range(size) if r not in replies]
+    if silent:
+        lines.append(
+            f"  no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
+            f"holding Python's GIL, or a stopped process): where it stands is unknown"
+        )
+    for frames, ranks in ordered:
+        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
+        lines.append(f"  {count} {summaries[frames]}: {ranks_text(ranks)}")
+    whose = "The stacks of the ranks that answered" if silent else "Every rank's stacks"
+    places = sorted(w for w in where if w)
+    if places == ["stderr"]:
+        lines.append(f"{whose}: on stderr, as [rank N] lines.")
+    elif places:
+        shown = [p for p in places if p != "stderr"]
+        lines.append(
+            f"{whose}: in {', '.join(shown)} "
+            f"(python -m mpi4jax_dist --hangs {shown[0]})."
+        )
+    return "\n".join(lines) + "\nMPI_Abort ends the job."
 
 
 def _local_alarm() -> dict | None:

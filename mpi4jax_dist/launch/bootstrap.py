@@ -92,6 +92,8 @@ class Bootstrap:
         collective_timeout_s: ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` (None: off), this
             process's until rank 0's arrives with the coordinator address, rank
             0's after: no wait here lasts longer.
+        hang_timeout_s: ``MPI4JAX_DIST_HANG_TIMEOUT`` (None: off), rank 0's
+            once it arrived, as above.
         log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
         timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
             rank 0's ``service_listening``; the others' ``released``).
@@ -108,6 +110,7 @@ class Bootstrap:
     collective_timeout_s: float | None = field(
         default_factory=_config.collective_timeout
     )
+    hang_timeout_s: float | None = field(default_factory=_config.hang_timeout)
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
     # Kept from run() for release(): the private communicator (thread mode), the
@@ -210,18 +213,19 @@ class Bootstrap:
                     status,
                     RELEASE_MODES.index(mode),
                     text,
-                    self.collective_timeout_s or 0.0,
+                    (self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0),
                 )
             self._wait(
                 comm.Ibcast(message, root=0),
                 deadline,
                 "rank 0 to send the coordinator address",
             )
-            status, mode_index, text, timeout = _decode(message)
+            status, mode_index, text, (timeout, hang) = _decode(message)
             if status != _OK:
                 raise RuntimeError(text)
             # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
             self.collective_timeout_s = timeout or None
+            self.hang_timeout_s = hang or None
             if size > 1:
                 self.release_mode = RELEASE_MODES[mode_index]
             # Kept for the release: the private communicator in thread mode; in
@@ -524,24 +528,34 @@ def _check_launch_size(base, info) -> None:
         )
 
 
-# Rank 0's message: status, release mode, the collective timeout (float64
-# seconds, 0: off), then the text.
-_TEXT_AT = 10
+# Rank 0's message: status, release mode, the collective and hang timeouts (float64
+# seconds each, 0: off), then the text.
+_TIMEOUTS_AT, _TEXT_AT = 2, 18
 
 
 def _encode(
-    buffer: np.ndarray, status: int, mode: int, text: str, timeout_s: float = 0.0
+    buffer: np.ndarray,
+    status: int,
+    mode: int,
+    text: str,
+    timeouts: tuple[float, float] = (0.0, 0.0),
 ) -> None:
     data = text.encode()[: buffer.size - _TEXT_AT]
     buffer[0], buffer[1] = status, mode
-    buffer[2:_TEXT_AT] = np.frombuffer(np.float64(timeout_s).tobytes(), np.uint8)
+    packed = np.array(timeouts, dtype=np.float64).tobytes()
+    buffer[_TIMEOUTS_AT:_TEXT_AT] = np.frombuffer(packed, np.uint8)
     buffer[_TEXT_AT : _TEXT_AT + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
-def _decode(buffer: np.ndarray) -> tuple[int, int, str, float]:
+def _decode(buffer: np.ndarray) -> tuple[int, int, str, tuple[float, float]]:
     text = bytes(buffer[_TEXT_AT:]).rstrip(b"\0").decode(errors="replace")
-    timeout_s = float(np.frombuffer(bytes(buffer[2:_TEXT_AT]), np.float64)[0])
-    return int(buffer[0]), int(buffer[1]), text, timeout_s
+    timeouts = np.frombuffer(bytes(buffer[_TIMEOUTS_AT:_TEXT_AT]), np.float64)
+    return (
+        int(buffer[0]),
+        int(buffer[1]),
+        text,
+        (float(timeouts[0]), float(timeouts[1])),
+    )
 
 
 # --- the process's one bootstrap ------------------------------------------------------

@@ -46,8 +46,8 @@ def start(topo: bootstrap.Topology) -> None:
        communicators (:func:`mpi4jax_dist.xla_mpi.use_private_world`);
     3. fail-fast: a rank that raises, exits non-zero or gets SIGTERM ends the job
        (:func:`mpi4jax_dist.faults.failfast.install`);
-    4. stacks on SIGUSR1, the job's collective timeout and, with one, the
-       watchdog thread on a duplicate of the job's communicator
+    4. stacks on SIGUSR1, the job's collective and hang timeouts and, with
+       either, the watchdog thread on a duplicate of the job's communicator
        (:func:`mpi4jax_dist.faults.hangs.install`);
     5. JAX's proxy warning off where only launcher variables set it off;
     6. the address JAX's Gloo collectives publish;
@@ -61,7 +61,11 @@ def start(topo: bootstrap.Topology) -> None:
     failfast.install(topo.rank, topo.size)
     current = bootstrap.current()
     hangs.install(
-        topo.rank, topo.size, current.collective_timeout_s, _watchdog_comm(current)
+        topo.rank,
+        topo.size,
+        current.collective_timeout_s,
+        _watchdog_comm(current),
+        hang_timeout=current.hang_timeout_s,
     )
     _silence_false_proxy_alarm(topo)
     _choose_gloo_address(topo)
@@ -88,10 +92,12 @@ def _world_for_xla():
 
 def _watchdog_comm(current: bootstrap.Bootstrap):
     """A duplicate of the job's communicator for the hang watchdog, or None where
-    there is to be none: no collective timeout (rank 0's setting), one rank, or MPI
-    below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release mode says so alike on
-    every rank)."""
-    if current.collective_timeout_s is None or current.release_mode != "thread":
+    there is to be none: neither the collective nor the hang timeout (rank 0's
+    settings), one rank, or MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release
+    mode says so alike on every rank)."""
+    if current.collective_timeout_s is None and current.hang_timeout_s is None:
+        return None
+    if current.release_mode != "thread":
         return None
     if "watchdog" not in _comms:
         _comms["watchdog"] = current.duplicate("watchdog")

@@ -2,11 +2,18 @@
 
 Every rank makes 3 jitted ``mpi4jax_dist.allreduce`` calls, prints ``READY``; then
 rank ``STALL_RANK`` (default the last) prints ``STALL <epoch seconds>`` and sleeps
-``STALL_S`` seconds in ``stalled_compute`` while the others enter a 4th call
-(``MODE=allreduce``, the default) or wait on an ``iallreduce`` (``MODE=iallreduce``).
-With ``GIL=1`` the stalled rank holds Python's GIL instead of sleeping (a C call
-that never releases it: ``time.sleep`` inside ``ctypes.pythonapi``). Prints
-``DONE`` at the end.
+``STALL_S`` seconds in ``stalled_compute`` while the others wait, by ``MODE``: in a
+4th call (``allreduce``, the default), on an ``iallreduce`` (``iallreduce``), in a
+jitted ``mpi4jax.allreduce`` (``mpi4jax``), in a ``shard_map`` ``psum`` across the
+processes (``psum``: JAX's own CPU collectives), in
+``multihost_utils.sync_global_devices`` (``sync``) or in an mpi4py
+``comm.Barrier()`` (``barrier``). With ``GIL=1`` the stalled rank holds Python's
+GIL instead of sleeping (a C call that never releases it: ``usleep`` through
+``ctypes.PyDLL``). Prints ``DONE`` at the end.
+
+Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=steps``
+(every rank makes short jitted steps for ``STALL_S`` seconds) and ``MODE=together``
+(every rank sleeps ``STALL_S`` seconds at one line, then takes a step).
 """
 
 import ctypes
@@ -35,7 +42,50 @@ def overlapped(x):
     return request.wait()
 
 
-later = step if mode == "allreduce" else jax.jit(overlapped)
+def waits(mode):
+    """What the ranks that do not stall wait in."""
+    if mode in ("allreduce", "steps", "together"):
+        return step
+    if mode == "iallreduce":
+        return jax.jit(overlapped)
+    if mode == "mpi4jax":
+        import mpi4jax
+
+        return jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm) / size)
+    if mode == "psum":
+        from jax.sharding import PartitionSpec
+
+        from mpi4jax_dist import _compat
+
+        mesh = mpi4jax_dist.global_mesh()
+        summed = jax.jit(
+            _compat.shard_map(
+                lambda a: jax.lax.psum(a, "ranks"),
+                mesh=mesh,
+                in_specs=PartitionSpec("ranks"),
+                out_specs=PartitionSpec("ranks"),
+            )
+        )
+        return lambda x: mpi4jax_dist.to_local(summed(mpi4jax_dist.to_global(x, mesh)))
+    if mode == "sync":
+        from jax.experimental import multihost_utils
+
+        def sync(x):
+            multihost_utils.sync_global_devices("stall")
+            return x
+
+        return sync
+    if mode == "barrier":
+
+        def barrier(x):
+            comm.Barrier()
+            return x
+
+        return barrier
+    raise SystemExit(f"stall.py: MODE={mode!r} is not one of the modes it knows")
+
+
+later = waits(mode)
 x = jnp.ones(4)
 for _ in range(3):
     x = step(x)
@@ -52,7 +102,13 @@ def stalled_compute():
         time.sleep(seconds)
 
 
-if rank == stall:
+if mode == "steps":  # the same number of steps on every rank: 0.1 s each at least
+    for _ in range(int(float(os.environ.get("STALL_S", "10")) * 10)):
+        x = step(x).block_until_ready()
+        time.sleep(0.1)
+elif mode == "together":
+    stalled_compute()
+elif rank == stall:
     print(f"STALL {time.time():.3f}", flush=True)
     stalled_compute()
 x = later(x).block_until_ready()

@@ -1,0 +1,135 @@
+"""The hang timeout (``MPI4JAX_DIST_HANG_TIMEOUT``): whether this rank's main thread
+makes progress, and the job's verdict, one small non-blocking reduction a period on
+the watchdog's communicator. docs/design.rst, *When a rank hangs*."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .stacks import Frame
+
+# The verdict's reduction: MIN over [stuck, place, -place, stopping] (int64).
+_STUCK, _PLACE, _NEG_PLACE, _STOPPING = range(4)
+
+
+def period_s(timeout_s: float, poll_s: float) -> float:
+    """How often a rank posts its state: a fifth of the timeout, at least the
+    watchdog's poll and at most a minute (the report comes at most about two
+    periods after the timeout)."""
+    return min(max(timeout_s / 5, poll_s), 60.0)
+
+
+# A C callback that Python's main thread runs when it next executes bytecode
+# (Py_AddPendingCall): what tells "ran Python" from "waits in C".
+_PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class Progress:
+    """This rank's main thread, looked at by the watchdog thread: progress is the
+    main thread having run Python since the last look.
+
+    Each look leaves the interpreter a pending call (``Py_AddPendingCall``), which
+    only the main thread runs, and only between two bytecode instructions: the next
+    look finds it run if the thread ran Python meanwhile, however short (a loop of
+    jitted steps, each a wait in C, runs some between steps), and not run if it
+    waited in C all along (MPI, Gloo, a sleep), whatever woke it there.
+    """
+
+    def __init__(self, main: threading.Thread | None = None):
+        self.main_id = (main or threading.main_thread()).ident
+        self.last_progress = time.monotonic()
+        self._ran = True  # the first look arms the first call
+        self._callback = _PENDING_CALL(self._mark)  # kept: C holds its address
+        self._add = ctypes.pythonapi.Py_AddPendingCall
+        self._add.argtypes = [_PENDING_CALL, ctypes.c_void_p]
+        self._add.restype = ctypes.c_int
+
+    def _mark(self, _arg) -> int:
+        self._ran = True
+        return 0
+
+    def look(self, now: float) -> None:
+        if not self._ran:
+            return  # the main thread has run no Python since the last call's arming
+        self.last_progress = now
+        self._ran = False
+        if self._add(self._callback, None) != 0:  # the queue is full: no verdict
+            self._ran = True
+
+    def stuck_for(self, now: float) -> float:
+        return now - self.last_progress
+
+    def place(self) -> list[Frame]:
+        """The main thread's stack, innermost frame first."""
+        frame = sys._current_frames().get(self.main_id)
+        frames = []
+        while frame is not None:
+            code = frame.f_code
+            frames.append(Frame(code.co_filename, frame.f_lineno or 0, code.co_name))
+            frame = frame.f_back
+        return frames
+
+
+def place_key(frames: list[Frame]) -> int:
+    """A stack as a non-negative int64: equal stacks, equal keys."""
+    text = "\n".join(f"{f.file}:{f.line}:{f.function}" for f in frames)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Verdict:
+    """The job's state once a period: every rank posts an ``MPI_Iallreduce`` (MIN)
+    of whether it is stuck, its place (twice, to see whether all are alike) and
+    whether it is stopping; the next is posted once the last completed, so every
+    rank's chain holds the same reductions. O(log P) messages of 32 bytes per rank
+    per period, none of them on the user's communicators."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._send = np.zeros(4, dtype=np.int64)
+        self._recv = np.zeros(4, dtype=np.int64)
+        self._request = None
+        self.posted_at: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._request is not None
+
+    def post(self, now: float, stuck: bool, place: int, stopping: bool = False) -> None:
+        from mpi4py import MPI
+
+        self._send[:] = (int(stuck), place, -place, int(stopping))
+        self._request = self.comm.Iallreduce(self._send, self._recv, op=MPI.MIN)
+        self.posted_at = now
+
+    def test(self) -> dict | None:
+        """The last reduction's result once it completed (then the next may be
+        posted), else None."""
+        if self._request is None or not self._request.Test():
+            return None
+        self._request = None
+        return {
+            "all_stuck": bool(self._recv[_STUCK]),
+            "one_place": int(self._recv[_PLACE]) == -int(self._recv[_NEG_PLACE]),
+            "all_stopping": bool(self._recv[_STOPPING]),
+        }
+
+    def finish(self, deadline_s: float) -> bool:
+        """Post reductions that say this rank stops until one says every rank does
+        (no reduction is left pending at ``MPI_Finalize``); give up at the
+        deadline. Return whether the chain ended."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self._request is None:
+                self.post(time.monotonic(), False, 0, stopping=True)
+            result = self.test()
+            if result is not None and result["all_stopping"]:
+                return True
+            time.sleep(0.005)
+        return False

@@ -1,0 +1,127 @@
+"""Python stacks as faulthandler writes them: parsed into frames, each frame's source
+line captured when the dump is written, and groups of ranks summarized by where
+their main thread stands (the collective and hang timeouts' reports, ``--hangs``)."""
+
+from __future__ import annotations
+
+import linecache
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_HEADER = re.compile(r"^# mpi4jax_dist stacks: rank (\d+) of (\d+)")
+_MAIN = re.compile(r"^# main thread (0x[0-9a-fA-F]+)")
+# A source line as it read when the dump was written (source_lines).
+_SOURCE = re.compile(r"^# line (.*):(\d+): (.*)$")
+# Paths of code that is not the user's: what a stack's summary looks past.
+_LIBRARY = re.compile(
+    r"(site-packages|dist-packages|/lib/python\d|[\\/](jax|jaxlib|mpi4jax|"
+    r"mpi4jax_dist|mpi4py|numpy)[\\/]|^<frozen )"
+)
+
+
+class Frame(NamedTuple):
+    file: str
+    line: int
+    function: str
+
+
+def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
+    """Return (rank, size, {thread id: [frames, innermost first]}) of one file, the
+    main thread's stack under the key ``"main"``, and under ``"source"`` the source
+    lines the file holds ({(file, line): text})."""
+    rank = size = main = None
+    threads: dict = {"source": {}}
+    current = None
+    for line in text.splitlines():
+        if m := _SOURCE.match(line):
+            threads["source"][m.group(1), int(m.group(2))] = m.group(3)
+        elif m := _HEADER.match(line):
+            rank, size = int(m.group(1)), int(m.group(2))
+        elif m := _MAIN.match(line):
+            main = int(m.group(1), 16)
+        elif m := _THREAD.match(line):
+            current = threads.setdefault(int(m.group(1), 16), [])
+        elif (m := _FRAME.match(line)) and current is not None:
+            current.append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+    if main in threads:
+        threads["main"] = threads[main]
+    return rank, size, threads
+
+
+def where(frames: list[Frame], sources: dict | None = None) -> str:
+    """``at cg.py:123 in solve: `r = allreduce(r)`, inside jax (pxla.py:413)``: the
+    innermost frame of the user's code (its source line as the stacks file holds
+    it, else as the file reads now, said so) and, where library code runs inside
+    it, the innermost library frame."""
+    if not frames:
+        return "with no Python frames"
+    user = next((f for f in frames if not _LIBRARY.search(f.file)), None)
+    text = ""
+    if user is not None:
+        text = f"at {Path(user.file).name}:{user.line} in {user.function}"
+        source = (sources or {}).get((user.file, user.line))
+        if source:
+            text += f": `{source}`"
+        elif source := linecache.getline(user.file, user.line).strip():
+            text += f": `{source}` (as the file reads now)"
+    inner = frames[0]
+    if inner is not user:
+        package = _package(inner.file)
+        text += (", inside " if text else "inside ") + (
+            f"{package} ({Path(inner.file).name}:{inner.line} in {inner.function})"
+        )
+    return text
+
+
+def _package(path: str) -> str:
+    """The package a library file belongs to (``jax``), or its folder's name."""
+    parts = Path(path).parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts) - 1:
+            return parts[parts.index(marker) + 1]
+    match = _LIBRARY.search(path)
+    if match and match.group(2):
+        return match.group(2)
+    return Path(path).parent.name or path
+
+
+def told_apart(summaries: dict) -> dict:
+    """Groups whose summaries are alike (the same innermost frames, other callers
+    further out) get the innermost frame where their stack differs from the others':
+    ``..., via cg.py:40 in load``."""
+    alike = defaultdict(list)
+    for frames, text in summaries.items():
+        alike[text].append(frames)
+    told = dict(summaries)
+    for stacks in alike.values():
+        if len(stacks) < 2:
+            continue
+        for frames in stacks:
+            others = [f for f in stacks if f is not frames]
+            for depth, frame in enumerate(frames):
+                if any(len(o) <= depth or o[depth] != frame for o in others):
+                    name = Path(frame.file).name
+                    told[frames] += f", via {name}:{frame.line} in {frame.function}"
+                    break
+    return told
+
+
+def source_lines(text: str) -> list[str]:
+    """The source line of each frame of a dump, as its file reads now (when the
+    dump is written): ``# line PATH:N: TEXT``, once per place. ``--hangs`` quotes
+    these, not the file as it reads later, when the job's code may have changed."""
+    linecache.checkcache()
+    lines, seen = [], set()
+    for match in map(_FRAME.match, text.splitlines()):
+        if match is None or match.groups()[:2] in seen:
+            continue
+        seen.add(match.groups()[:2])
+        file, line = match.group(1), int(match.group(2))
+        source = linecache.getline(file, line).strip()
+        if source:
+            lines.append(f"# line {file}:{line}: {source}\n")
+    return lines
