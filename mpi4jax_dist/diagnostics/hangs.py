@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import _config
 from ..faults import stacks as stack_text
-from ..faults.hangs import ranks_text
+from ..faults.stacks import ranks_text
 
 
 def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
@@ -42,20 +42,15 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
             sources.setdefault(place, source)
     seen = sorted(r for ranks in groups.values() for r in ranks)
     size = max(sizes) if sizes else len(seen)
-    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), min(item[1])))
     lines = [f"mpi4jax_dist: stacks of {len(seen)} of {size} ranks in {folder}"]
-    summaries = stack_text.told_apart(
-        {frames: stack_text.where(list(frames), sources) for frames in groups}
-    )
-    for frames, ranks in ordered:
-        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
-        lines.append(f"{count} {summaries[frames]}: {ranks_text(ranks)}")
+    lines += stack_text.group_lines(groups, sources, odd_first=False)
     absent = sorted(set(range(size)) - set(seen))
     if absent:
         lines.append(f"no stacks from {ranks_text(absent)}")
     if unreadable:
         lines.append(f"not a stacks file: {', '.join(unreadable)}")
-    for frames, ranks in sorted(ordered, key=lambda item: len(item[1]))[:stacks]:
+    smallest = sorted(groups.items(), key=lambda item: (len(item[1]), min(item[1])))
+    for frames, ranks in smallest[:stacks]:
         lines.append("")
         lines.append(f"{ranks_text(ranks)}, main thread (most recent call first):")
         lines += [f"  {f.file}:{f.line} in {f.function}" for f in frames]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .. import _config
 from . import progress, stacks
+from .stacks import ranks_text  # noqa: F401 (diagnostics' and the tests' name)
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -339,7 +340,7 @@ class _Watchdog(threading.Thread):
                 "count": _count_of(message["group"]),
                 "where": where,
                 "place": [tuple(f) for f in place],
-                "source": _sources_of(place),
+                "source": stacks.quote(place),
             }
             self.comm.send(reply, dest=0, tag=_TAG)
 
@@ -354,7 +355,7 @@ class _Watchdog(threading.Thread):
             0: {
                 "count": _count_of(group),
                 "place": [tuple(f) for f in place],
-                "source": _sources_of(place),
+                "source": stacks.quote(place),
             }
         }
         where = {dump(reason)}
@@ -398,12 +399,6 @@ class _Watchdog(threading.Thread):
         _mpi.abort(self.comm, 1)
 
 
-def _sources_of(place) -> list[str]:
-    import linecache
-
-    return [linecache.getline(f.file, f.line).strip() for f in place]
-
-
 def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
     """The hang timeout's report: one line per place the ranks stand at, the odd
     ones out first, then the ranks that did not answer and where the stacks are."""
@@ -415,10 +410,6 @@ def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
         for frame, text in zip(frames, reply["source"], strict=True):
             if text:
                 sources.setdefault((frame.file, frame.line), text)
-    summaries = stacks.told_apart(
-        {frames: stacks.where(list(frames), sources) for frames in groups}
-    )
-    ordered = sorted(groups.items(), key=lambda item: (len(item[1]), min(item[1])))
     lines = [
         f"mpi4jax_dist: no rank of {size} made progress for {stuck_s:.3g} s "
         f"({_config.HANG_TIMEOUT}), and they do not all stand at one place: the "
@@ -430,20 +421,25 @@ def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
             f"  no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
             f"holding Python's GIL, or a stopped process): where it stands is unknown"
         )
-    for frames, ranks in ordered:
-        count = f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''}"
-        lines.append(f"  {count} {summaries[frames]}: {ranks_text(ranks)}")
+    lines += [
+        "  " + line for line in stacks.group_lines(groups, sources, odd_first=True)
+    ]
     whose = "The stacks of the ranks that answered" if silent else "Every rank's stacks"
+    if went := _stacks_went(where):
+        lines.append(f"{whose}: {went}.")
+    return "\n".join(lines) + "\nMPI_Abort ends the job."
+
+
+def _stacks_went(where: set) -> str | None:
+    """Where the ranks wrote their stacks, for a report: ``on stderr, as [rank N]
+    lines`` or ``in DIR (python -m mpi4jax_dist --hangs DIR)``."""
     places = sorted(w for w in where if w)
     if places == ["stderr"]:
-        lines.append(f"{whose}: on stderr, as [rank N] lines.")
-    elif places:
-        shown = [p for p in places if p != "stderr"]
-        lines.append(
-            f"{whose}: in {', '.join(shown)} "
-            f"(python -m mpi4jax_dist --hangs {shown[0]})."
-        )
-    return "\n".join(lines) + "\nMPI_Abort ends the job."
+        return "on stderr, as [rank N] lines"
+    shown = [p for p in places if p != "stderr"]
+    if not shown:
+        return None
+    return f"in {', '.join(shown)} (python -m mpi4jax_dist --hangs {shown[0]})"
 
 
 def _local_alarm() -> dict | None:
@@ -574,30 +570,6 @@ def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
             f"; no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
             f"holding Python's GIL, or a stopped process)"
         )
-    places = sorted(w for w in where if w)
-    if places == ["stderr"]:
-        line += "; every rank's stacks: on stderr, as [rank N] lines"
-    elif places:
-        shown = [p for p in places if p != "stderr"]
-        line += (
-            f"; every rank's stacks: in {', '.join(shown)} "
-            f"(python -m mpi4jax_dist --hangs {shown[0]})"
-        )
+    if went := _stacks_went(where):
+        line += f"; every rank's stacks: {went}"
     return line + ". MPI_Abort ends the job."
-
-
-def ranks_text(ranks, limit: int = 8) -> str:
-    """``rank 3``, ``ranks 0-2, 7`` (runs of consecutive ranks; at most ``limit``
-    runs, then how many more ranks)."""
-    ranks = sorted(set(ranks))
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    rest = sum(b - a + 1 for a, b in runs[limit:])
-    if rest:
-        text += f" and {rest} more"
-    return ("rank " if len(ranks) == 1 else "ranks ") + text

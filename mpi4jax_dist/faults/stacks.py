@@ -110,18 +110,56 @@ def told_apart(summaries: dict) -> dict:
     return told
 
 
+def quote(frames) -> list[str]:
+    """Each frame's source line, as its file reads now ("" where there is none)."""
+    return [linecache.getline(f.file, f.line).strip() for f in frames]
+
+
 def source_lines(text: str) -> list[str]:
     """The source line of each frame of a dump, as its file reads now (when the
     dump is written): ``# line PATH:N: TEXT``, once per place. ``--hangs`` quotes
     these, not the file as it reads later, when the job's code may have changed."""
     linecache.checkcache()
-    lines, seen = [], set()
+    places = {}
     for match in map(_FRAME.match, text.splitlines()):
-        if match is None or match.groups()[:2] in seen:
-            continue
-        seen.add(match.groups()[:2])
-        file, line = match.group(1), int(match.group(2))
-        source = linecache.getline(file, line).strip()
-        if source:
-            lines.append(f"# line {file}:{line}: {source}\n")
-    return lines
+        if match is not None:
+            places.setdefault((match.group(1), int(match.group(2))), None)
+    frames = [Frame(file, line, "") for file, line in places]
+    return [
+        f"# line {f.file}:{f.line}: {source}\n"
+        for f, source in zip(frames, quote(frames), strict=True)
+        if source
+    ]
+
+
+def group_lines(groups: dict, sources: dict, odd_first: bool) -> list[str]:
+    """One line per group of ranks standing at one stack ({frames: ranks}):
+    ``3 ranks at cg.py:123 in solve: ...: ranks 0-2``, the smallest groups first
+    (``odd_first``) or the largest."""
+    summaries = told_apart({frames: where(list(frames), sources) for frames in groups})
+    sign = 1 if odd_first else -1
+    ordered = sorted(
+        groups.items(), key=lambda item: (sign * len(item[1]), min(item[1]))
+    )
+    return [
+        f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''} {summaries[frames]}: "
+        f"{ranks_text(ranks)}"
+        for frames, ranks in ordered
+    ]
+
+
+def ranks_text(ranks, limit: int = 8) -> str:
+    """``rank 3``, ``ranks 0-2, 7`` (runs of consecutive ranks; at most ``limit``
+    runs, then how many more ranks)."""
+    ranks = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    rest = sum(b - a + 1 for a, b in runs[limit:])
+    if rest:
+        text += f" and {rest} more"
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
