@@ -6,6 +6,9 @@ One build per install, as mpi4jax builds its bridge, into ``mpi4jax_dist/_ffi``:
   (``cpu.cc``, bound with nanobind);
 - ``_cuda``: the CUDA handler (``cuda.cc``), where a CUDA runtime is found
   (:mod:`cudaconfig`): a module of its own, so that ``_cpu`` never needs CUDA;
+- ``_stacks``: a small C module (``stacks.c``, no nanobind, no XLA) whose thread
+  writes a rank's stacks without Python's GIL and answers rank 0's requests for
+  them (:mod:`mpi4jax_dist.faults.hangs`);
 - ``_mpiabi``: not a Python module but a plain C library, the MPIABI wrapper that
   jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI collectives
   on CPU. It links against MPI alone (``-Wl,--no-undefined`` checks that) and
@@ -41,7 +44,7 @@ from setuptools import Extension
 from setuptools.command.build_ext import build_ext
 
 PACKAGE = "mpi4jax_dist._ffi"
-KINDS = ("cpu", "cuda", "mpiabi")
+KINDS = ("cpu", "cuda", "stacks", "mpiabi")
 FFI = Path(*PACKAGE.split("."))
 ROOT = Path(__file__).resolve().parent.parent
 # The build's record, named for this Python as its modules are (editable installs
@@ -71,6 +74,7 @@ def extensions() -> list[Extension]:
         )
         for kind in KINDS[:2]
     ] + [
+        Extension(f"{PACKAGE}._stacks", [str(FFI / "stacks.c")], language="c"),
         Extension(
             f"{PACKAGE}._mpiabi",
             [str(FFI / "mpiabi.c")],
@@ -173,6 +177,10 @@ class BuildExt(build_ext):
                 # Everything resolved at link time: MPI, libdl and libc, never Python.
                 ext.extra_link_args = [*link_args, "-ldl", "-Wl,--no-undefined"]
                 continue
+            if kind == "stacks":
+                ext.extra_compile_args = ["-O2", "-Wall", "-Wextra", *others]
+                ext.extra_link_args = [*link_args, "-lpthread"]
+                continue
             ext.extra_compile_args = [*cxx, *others]
             ext.extra_link_args = [*link_args, "-Wl,--gc-sections"]
             if kind == "cuda":
@@ -240,7 +248,7 @@ class BuildExt(build_ext):
         if ext.language == "c++":
             if self.nanobind_object not in ext.extra_objects:
                 ext.extra_objects = [self.nanobind_object, *ext.extra_objects]
-        else:
+        elif ext.name.endswith("._mpiabi"):
             # The wrapper's generated constants and stubs, written into the build
             # directory (never into the source tree) and included by mpiabi.c.
             generated = os.path.abspath(os.path.join(self.build_temp, "mpiabi"))

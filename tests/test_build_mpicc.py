@@ -343,7 +343,11 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     assert (ffi / f"_mpiabi{suffix}").is_file(), sorted(ffi.iterdir())
     built = json.loads(record.read_text())
     assert built["family"] == family, built
-    assert built["modules"] == {"cpu": cpu.name, "mpiabi": f"_mpiabi{suffix}"}
+    assert built["modules"] == {
+        "cpu": cpu.name,
+        "stacks": f"_stacks{suffix}",
+        "mpiabi": f"_mpiabi{suffix}",
+    }
     assert not (source / "build").exists()
     loaded = util.run_command(
         [

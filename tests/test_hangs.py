@@ -15,13 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 import util
 
 from mpi4jax_dist import _config
 from mpi4jax_dist.diagnostics import hangs as diagnostics_hangs
-from mpi4jax_dist.faults import hangs, stacks
+from mpi4jax_dist.faults import hangs
 
 pytestmark = util.skip_in_mpi_job
 
@@ -95,12 +96,38 @@ def test_without_the_timeout_the_job_waits_out_the_stall():
     assert proc.stdout.count("DONE") == 4
 
 
-def test_a_rank_holding_the_gil_is_named_as_not_answering():
+def test_a_rank_holding_the_gil_answers_from_c_with_its_stacks():
+    """Rank 3 holds the GIL (a long C call): its Python cannot answer, its C
+    thread (_stacks) does, with stacks written all the same; the line says where
+    it stands and never that it entered the call."""
     proc, _ = stall(GIL=1)
     assert proc.returncode != 0, show(proc)
     found = LINE.search(proc.stderr)
     assert found, show(proc)
-    assert "no answer from rank 3 in" in found.group(3), found.group(0)
+    said = found.group(3)
+    assert said.startswith(
+        "entered by every rank that could say; rank 3 answered "
+    ), said
+    assert re.search(
+        r"rank 3 answered only from C, without Python \(a thread holds the GIL\), so "
+        r"whether each entered is unknown: rank 3 stands at stall\.py:\d+ "
+        r"in stalled_compute: `ctypes\.PyDLL\(None\)\.usleep\(.*\)`;",
+        said,
+    ), said
+    assert "no answer" not in said, said
+    assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
+
+
+def test_a_stopped_rank_is_named_as_not_answering():
+    """Rank 3 is stopped (SIGSTOP): neither its Python nor its C thread answers,
+    and the line says so, not that it entered the call."""
+    proc, _ = stall(STOP=1)
+    assert proc.returncode != 0, show(proc)
+    found = LINE.search(proc.stderr)
+    assert found, show(proc)
+    assert found.group(3).startswith(
+        "entered by every rank that could say; no " "answer from rank 3 in 10 s"
+    ), found.group(0)
     assert stack_headers(proc.stderr) == {"0", "1", "2"}, show(proc)
 
 
@@ -180,9 +207,13 @@ def test_sigusr1_writes_every_rank_stacks_and_the_job_goes_on(tmp_path):
 
 
 def test_hangs_groups_the_ranks_by_stack(tmp_path):
-    job = launch(**{_config.HANG_DIR: str(tmp_path)})
+    """SIGUSR1 while rank 3 holds the GIL (a long C call): every rank's stacks are
+    written all the same (faulthandler into a pipe that a C thread drains), its
+    source lines quoted as they read then; --hangs groups them."""
+    job = launch(GIL="1", **{_config.HANG_DIR: str(tmp_path)})
     try:
         wait_for_stall(job)
+        signalled = time.time()
         job.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + 30
         while (
@@ -202,14 +233,24 @@ def test_hangs_groups_the_ranks_by_stack(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"mpi4jax_dist: stacks of 4 of 4 ranks in {tmp_path}"
+    came = re.fullmatch(
+        r"dumped from (\S+) to (\S+) \(the ranks' clocks\), each written within "
+        r"([\d.e-]+) s",
+        lines[1],
+    )
+    assert came, lines
+    first = datetime.fromisoformat(came.group(1)).timestamp()
+    assert abs(first - signalled) < 5, (lines[1], signalled)
+    assert float(came.group(3)) < 5, lines[1]
     assert re.fullmatch(
         r"3 ranks at stall\.py:\d+ in <module>: `x = later\(x\)\.block_until_ready\(\)`"
         r", inside jax \(.*\): ranks 0-2",
-        lines[1],
+        lines[2],
     ), lines
     assert re.fullmatch(
-        r"1 rank at stall\.py:\d+ in stalled_compute: `time\.sleep\(seconds\)`: rank 3",
-        lines[2],
+        r"1 rank at stall\.py:\d+ in stalled_compute: "
+        r"`ctypes\.PyDLL\(None\)\.usleep\(int\(seconds \* 1e6\)\)`: rank 3",
+        lines[3],
     ), lines
 
 
@@ -255,7 +296,8 @@ def test_rank_lists():
 def fake_stacks(folder, rank, size, frames):
     lines = [
         f"# mpi4jax_dist stacks: rank {rank} of {size}",
-        "# host h pid 1 time t reason SIGUSR1",
+        f"# host h pid 1 signal 2026-12-05T00:00:0{rank % 10}.250+0000 written "
+        f"2026-12-05T00:00:0{rank % 10}.300+0000 reason SIGUSR1",
         "# main thread 0x00000000000000aa",
         "Thread 0x00000000000000bb (most recent call first):",
         '  File "/x/threading.py", line 1 in run',
@@ -283,11 +325,15 @@ def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
         lines[0] == f"mpi4jax_dist: stacks of {size - 1} of {size} ranks in {tmp_path}"
     )
     assert lines[1] == (
+        "dumped from 2026-12-05T00:00:00.250+00:00 to 2026-12-05T00:00:09.250+00:00 "
+        "(the ranks' clocks), each written within 0.05 s"
+    )
+    assert lines[2] == (
         "1997 ranks at cg.py:123 in solve, inside jax (pxla.py:413 in __call__): "
         "ranks 0-16, 18-998, 1000-1499, 1501-1999"
     )
-    assert lines[2] == "2 ranks at io.py:88 in read_chunk: ranks 17, 1500"
-    assert lines[3] == "no stacks from rank 999"
+    assert lines[3] == "2 ranks at io.py:88 in read_chunk: ranks 17, 1500"
+    assert lines[4] == "no stacks from rank 999"
 
 
 def test_summarize_quotes_the_source_as_it_was_when_dumped(tmp_path):
@@ -301,13 +347,14 @@ def test_summarize_quotes_the_source_as_it_was_when_dumped(tmp_path):
     dumps.mkdir()
     fake_stacks(dumps, 0, 2, frames)
     dump = (dumps / "rank-0.txt").read_text()
-    (dumps / "rank-0.txt").write_text(dump + "".join(stacks.source_lines(dump)))
+    # As _ffi/stacks.c writes them (a live job's test: test_hangs_groups_...).
+    (dumps / "rank-0.txt").write_text(dump + f"# line {code}:2: total = allreduce(x)\n")
     code.write_text("def step():\n    total = psum(x)  # edited after the job\n")
     lines = diagnostics_hangs.summarize(dumps).splitlines()
-    assert lines[1] == "1 rank at job.py:2 in step: `total = allreduce(x)`: rank 0"
+    assert lines[2] == "1 rank at job.py:2 in step: `total = allreduce(x)`: rank 0"
     fake_stacks(dumps, 0, 2, frames)  # without the source lines
     lines = diagnostics_hangs.summarize(dumps).splitlines()
-    assert lines[1] == (
+    assert lines[2] == (
         "1 rank at job.py:2 in step: `total = psum(x)  # edited after the job` "
         "(as the file reads now): rank 0"
     )
@@ -321,8 +368,8 @@ def test_groups_alike_but_for_their_callers_are_told_apart(tmp_path):
     fake_stacks(tmp_path, 3, 4, inner + [("/home/u/warmup.py", 7, "warm")])
     lines = diagnostics_hangs.summarize(tmp_path).splitlines()
     shared = "at cg.py:123 in solve, inside jax (pxla.py:413 in __call__)"
-    assert lines[1] == f"3 ranks {shared}, via run.py:10 in main: ranks 0-2"
-    assert lines[2] == f"1 rank {shared}, via warmup.py:7 in warm: rank 3"
+    assert lines[2] == f"3 ranks {shared}, via run.py:10 in main: ranks 0-2"
+    assert lines[3] == f"1 rank {shared}, via warmup.py:7 in warm: rank 3"
 
 
 def test_summarize_without_files_says_how_to_get_them(tmp_path):
@@ -406,18 +453,19 @@ def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode
     assert proc.stdout.count("DONE") == 4
 
 
-def test_the_hang_timeout_names_a_rank_that_cannot_answer():
+def test_the_hang_timeout_places_a_rank_holding_the_gil():
     """Rank 3 holds the GIL while the others wait in the package's allreduce: its
-    watchdog takes no part, and the report says it did not answer rather than
-    where it stands."""
+    watchdog takes no part, its C thread answers with its stacks, and the report
+    places it by them."""
     proc, _ = hang("allreduce", GIL="1", STALL_S=60)
     assert proc.returncode != 0, show(proc)
     assert re.search(
         r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
-        r"  no answer from rank 3 in 10 s \(a thread holding Python's GIL, or a "
-        r"stopped process\): where it stands is unknown\n"
+        r"  rank 3 answered only from C, without Python \(a thread holds the GIL\): "
+        r"placed below by the main thread of the stacks written\n"
+        r"  1 rank at stall\.py:\d+ in stalled_compute: `ctypes.*: rank 3\n"
         r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n"
-        r"The stacks of the ranks that answered: on stderr",
+        r"Every rank's stacks: on stderr",
         proc.stderr,
     ), show(proc)
 

@@ -216,13 +216,12 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     ffi = util.ROOT / "mpi4jax_dist" / "_ffi"
     sources = {f"mpi4jax_dist/_ffi/{p.name}" for p in ffi.iterdir()}
-    sources = {s for s in sources if s.endswith((".cc", ".h"))}
+    sources = {s for s in sources if s.endswith((".cc", ".c", ".h"))}
     assert len(sources) >= 3
     wanted = sources | {"setup.py", "setup.cfg", "pyproject.toml"}
     conf = {f"conf/{p.name}" for p in (util.ROOT / "conf").iterdir() if p.is_file()}
     assert {"conf/mpiconfig.py", "conf/cudaconfig.py", "conf/builder.py"} <= conf
     wanted |= conf | {
-        "mpi4jax_dist/_ffi/mpiabi.c",
         "mpi4jax_dist/_ffi/mpiabi_names.txt",
     }
     wanted |= {"pytest_mpi4jax_dist.py", "mpi4jax_dist/__init__.py"}
@@ -240,7 +239,12 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
     # One build: the modules, the MPI wrapper, and the record naming their MPI.
     prefix = "mpi4jax_dist/_ffi/_"
     built = {n[len(prefix) - 1 :].split(".")[0] for n in names if n.startswith(prefix)}
-    assert built - {"_cuda", "__init__"} == {"_build", "_cpu", "_mpiabi"}, names
+    assert built - {"_cuda", "__init__"} == {
+        "_build",
+        "_cpu",
+        "_stacks",
+        "_mpiabi",
+    }, names
     # The build machinery stays out of the package.
     assert not [n for n in names if "mpiabi_gen" in n or n.startswith("conf/")]
     assert "pytest_mpi4jax_dist.py" in names

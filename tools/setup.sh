@@ -51,6 +51,8 @@ done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
+# Absolute: mpi4jax's build runs elsewhere and is handed this environment's mpicc.
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
 # shellcheck source=tools/find_python.sh
 source "$here/tools/find_python.sh"
 

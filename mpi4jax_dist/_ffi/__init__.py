@@ -325,11 +325,21 @@ def cuda_mismatch(
     return None
 
 
-def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
-    """Import ``_{kind}`` if it was built for mpi4py's MPI, check that it calls
-    mpi4py's library, call ``prepare(module, path)`` (which may raise), and then
-    register its handlers with JAX for ``platform``."""
-    import jax
+@functools.cache
+def load_stacks():
+    """Import ``_stacks`` (the thread that writes a rank's stacks without Python's
+    GIL, ``stacks.c``) if it was built for mpi4py's MPI and calls its library; it
+    registers nothing with JAX.
+
+    Raises:
+        ImportError: as :func:`load` does.
+    """
+    return _import("stacks", built("stacks"))[0]
+
+
+def _import(kind: str, builds: dict[str, Path]):
+    """Import ``_{kind}`` if it was built for mpi4py's MPI and check that it calls
+    mpi4py's library; return the module and its file."""
     from mpi4py import MPI
 
     theirs = MPI.Get_library_version()
@@ -352,8 +362,17 @@ def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
     )
     if problem:
         raise ImportError(problem)
+    return module, builds[wanted]
+
+
+def _load(kind: str, platform: str, builds: dict[str, Path], prepare=None):
+    """Import ``_{kind}`` (:func:`_import`), call ``prepare(module, path)`` (which
+    may raise), and then register its handlers with JAX for ``platform``."""
+    import jax
+
+    module, path = _import(kind, builds)
     if prepare is not None:
-        prepare(module, builds[wanted])
+        prepare(module, path)
     jax.ffi.register_ffi_target(
         ALLREDUCE_TARGET, module.allreduce_handler(), platform=platform
     )

@@ -101,8 +101,8 @@ inline int WorldRank() {
                                        const char* why) {
   const double timeout_s = GetTimeoutSettings().timeout_ns.load() / 1e9;
   if (GetTimeoutSettings().stacks_on_signal.load()) {
-    // Python's faulthandler prints this process's stacks
-    // (mpi4jax_dist/faults/hangs.py); its reader thread needs a moment.
+    // Python's faulthandler dumps this process's stacks into a pipe, which
+    // the _stacks module's C thread writes out (stacks.c): it needs a moment.
     std::raise(SIGUSR1);
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }

@@ -31,6 +31,7 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
     sizes = set()
     unreadable = []
     sources: dict = {}
+    times = []
     for path in files:
         rank, size, threads = stack_text.parse_stacks(path.read_text(errors="replace"))
         if rank is None:
@@ -40,9 +41,19 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
         groups[tuple(threads.get("main", []))].append(rank)
         for place, source in threads["source"].items():
             sources.setdefault(place, source)
+        if "times" in threads:
+            times.append(threads["times"])
     seen = sorted(r for ranks in groups.values() for r in ranks)
     size = max(sizes) if sizes else len(seen)
     lines = [f"mpi4jax_dist: stacks of {len(seen)} of {size} ranks in {folder}"]
+    if times:
+        came = sorted(t[0] for t in times)
+        late = max((t[1] - t[0]).total_seconds() for t in times)
+        lines.append(
+            f"dumped from {came[0].isoformat(timespec='milliseconds')} to "
+            f"{came[-1].isoformat(timespec='milliseconds')} (the ranks' clocks), "
+            f"each written within {late:.3g} s"
+        )
     lines += stack_text.group_lines(groups, sources, odd_first=False)
     absent = sorted(set(range(size)) - set(seen))
     if absent:

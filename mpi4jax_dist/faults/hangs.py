@@ -10,7 +10,6 @@ import atexit
 import faulthandler
 import logging
 import os
-import select
 import signal
 import socket
 import tempfile
@@ -18,7 +17,6 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import _config
 from . import progress, stacks
@@ -36,12 +34,18 @@ POLL_S = 1.0
 URGENT_POLL_S = 0.02
 # How long rank 0 waits for every rank's stacks and count, once it asked.
 REPLY_S = 10.0
+# Rank 0 asks the ranks whose Python has not answered in this long the C way
+# (_stacks's thread, which looks every C_POLL_S; both well within REPLY_S).
+PYTHON_REPLY_S = 3.0
+C_POLL_S = 3.0
 # The pipe faulthandler writes into: a dump of all threads is a few KiB; the
 # write end does not block, so that a full pipe cannot stall the signal handler.
 _PIPE_BYTES = 1 << 20
-# A dump is complete once its pipe has been quiet this long.
-_QUIET_S = 0.05
-_TAG = 31_415  # on the watchdog's own communicator: no user message meets it
+# On the watchdog's own communicator, where no user message meets them: the
+# watchdogs' messages (pickled), and rank 0's requests to _stacks's threads and
+# their replies (text).
+_TAG = 31_415
+_TAG_ASK_C, _TAG_REPLY_C = _TAG + 1, _TAG + 2
 
 
 @dataclass
@@ -49,6 +53,7 @@ class _State:
     rank: int = 0
     size: int = 1
     stacks: bool = False  # SIGUSR1 registered
+    writer: object = None  # the _stacks module, its thread started
     timeout_s: float | None = None  # the job's (rank 0's) once bootstrapped
     bootstrapped: bool = False
     watchdog: _Watchdog | None = None
@@ -87,12 +92,16 @@ def install(
             return
         _state.rank, _state.size = rank, size
         _state.timeout_s, _state.bootstrapped = timeout, True
-    if _config.stacks_on_signal():
-        _state.stacks = _install_signal()
+    _start_writer()
     if comm is not None and (timeout is not None or hang_timeout is not None):
         _state.watchdog = _Watchdog(comm, hang_timeout)
         _state.watchdog.start()
         atexit.register(_state.watchdog.stop)
+        if _state.writer is not None and rank != 0:
+            signum = signal.SIGUSR1 if _state.stacks else 0
+            _state.writer.answer(
+                comm.py2f(), signum, _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
+            )
     elif hang_timeout is not None and rank == 0 and size > 1:
         logger.warning(
             "mpi4jax_dist: %s is not in force: the watchdog that keeps it needs "
@@ -140,15 +149,17 @@ def note_comm(comm) -> None:
 # --- stacks ---------------------------------------------------------------------------
 
 
-def _install_signal() -> bool:
-    """Register faulthandler on SIGUSR1, writing into a pipe a thread drains."""
-    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
-        logger.info(
-            "mpi4jax_dist: SIGUSR1 has a handler of the program's own: no stacks "
-            "on SIGUSR1 (%s=0 silences this).",
-            _config.STACKS,
-        )
-        return False
+def _start_writer() -> None:
+    """Start ``_stacks``'s thread (C: it needs no GIL), which writes each dump that
+    faulthandler writes into its pipe, and register faulthandler on SIGUSR1 to
+    write there (unless the program handles SIGUSR1, or ``MPI4JAX_DIST_STACKS=0``)."""
+    from .. import _ffi
+
+    try:
+        writer = _ffi.load_stacks()
+    except ImportError as err:
+        logger.warning("mpi4jax_dist: no stacks will be written: %s", err)
+        return
     read_fd, write_fd = os.pipe()
     try:
         import fcntl
@@ -157,15 +168,27 @@ def _install_signal() -> bool:
     except (ImportError, AttributeError, OSError):
         pass  # the default 64 KiB pipe still holds a dump of a few threads
     os.set_blocking(write_fd, False)
-    threading.Thread(
-        target=_drain, args=(read_fd,), name="mpi4jax_dist-stacks", daemon=True
-    ).start()
+    directory = _config.hang_dir()
+    main = threading.main_thread().ident or 0
+    writer.start(
+        read_fd, _state.rank, _state.size, directory or "", socket.gethostname(), main
+    )
+    _state.writer = writer
+    if not _config.stacks_on_signal():
+        return
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        logger.info(
+            "mpi4jax_dist: SIGUSR1 has a handler of the program's own: no stacks "
+            "on SIGUSR1 (%s=0 silences this).",
+            _config.STACKS,
+        )
+        return
     # MPICH's MPI_Init installs a C handler of its own for SIGUSR1 (its process
     # failure notices): called after the dump. Chaining to the default action
     # instead would end the process.
     chain = _caught_in_c(signal.SIGUSR1)
     faulthandler.register(signal.SIGUSR1, file=write_fd, all_threads=True, chain=chain)
-    return True
+    _state.stacks = True
 
 
 def _caught_in_c(signum: int) -> bool:
@@ -180,58 +203,17 @@ def _caught_in_c(signum: int) -> bool:
     return False
 
 
-def _drain(read_fd: int) -> None:
-    """The stacks thread: each burst of faulthandler's output is one dump."""
-    while True:
-        chunks = [os.read(read_fd, 65536)]
-        while select.select([read_fd], [], [], _QUIET_S)[0]:
-            chunks.append(os.read(read_fd, 65536))
-        try:
-            write_stacks(b"".join(chunks).decode(errors="replace"), "SIGUSR1")
-        except Exception as err:  # never let the thread die: the next signal
-            logger.warning("mpi4jax_dist: could not write the stacks: %s", err)
-
-
-def dump(reason: str) -> str:
+def dump(reason: str) -> str | None:
     """Write this process's stacks now (all threads), as ``SIGUSR1`` does; return
-    where they went."""
+    where they went (``MPI4JAX_DIST_HANG_DIR`` or ``stderr``), None where no
+    stacks are written."""
+    if _state.writer is None:
+        return None
     with tempfile.TemporaryFile() as file:
         faulthandler.dump_traceback(file=file, all_threads=True)
         file.seek(0)
         text = file.read().decode(errors="replace")
-    return write_stacks(text, reason)
-
-
-def write_stacks(text: str, reason: str) -> str:
-    """Write ``text`` (faulthandler's dump) to ``MPI4JAX_DIST_HANG_DIR/rank-N.txt``
-    or to stderr, each line prefixed with the rank; return where."""
-    rank, size = _state.rank, _state.size
-    main = threading.main_thread().ident or 0
-    header = [
-        f"mpi4jax_dist stacks: rank {rank} of {size}",
-        f"host {socket.gethostname()} pid {os.getpid()} "
-        f"time {time.strftime('%Y-%m-%dT%H:%M:%S%z')} reason {reason}",
-        f"main thread 0x{main:016x}",
-    ]
-    directory = _config.hang_dir()
-    if directory is not None:
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"rank-{rank}.txt"
-        partial = folder / f".rank-{rank}.txt.{os.getpid()}"
-        partial.write_text(
-            "".join(f"# {h}\n" for h in header)
-            + text
-            + "".join(stacks.source_lines(text))
-        )
-        partial.replace(path)  # a reader sees a whole dump or the one before
-        return str(folder)
-    prefix = f"[rank {rank}] "
-    lines = [f"{header[0]} ({header[1]}; {header[2]}):", *text.splitlines()]
-    data = "".join(prefix + line + "\n" for line in lines).encode()
-    while data:  # one write where the pipe to the launcher takes it
-        data = data[os.write(2, data) :]
-    return "stderr"
+    return _state.writer.write(text, reason)
 
 
 # --- the watchdog ---------------------------------------------------------------------
@@ -259,6 +241,8 @@ class _Watchdog(threading.Thread):
         """Stop polling before MPI is finalized (an atexit handler); with the hang
         timeout, end the verdict's chain alike on every rank first."""
         self._stopping.set()
+        if _state.writer is not None:
+            _state.writer.stop_answering()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=POLL_S + 2)
         if self.verdict is not None and not self.is_alive():
@@ -345,9 +329,12 @@ class _Watchdog(threading.Thread):
             self.comm.send(reply, dest=0, tag=_TAG)
 
     def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
-        """Rank 0: ask every rank for its stacks, count and place; return the
-        replies by rank (this one's included) and where the stacks went, after at
-        most ``REPLY_S``."""
+        """Rank 0: ask every rank for its stacks, count and place; the ranks whose
+        Python has not answered in ``PYTHON_REPLY_S``, the C way (their stacks
+        and place only). Return the replies by rank (this one's included) and
+        where the stacks went, after at most ``REPLY_S``."""
+        from mpi4py import MPI
+
         ask = {"kind": "dump", "reason": reason, "group": group}
         requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
         place = self.progress.place()
@@ -359,11 +346,28 @@ class _Watchdog(threading.Thread):
             }
         }
         where = {dump(reason)}
-        deadline = time.monotonic() + REPLY_S
-        while len(replies) < self.size and time.monotonic() < deadline:
-            message = self.comm.improbe()
+        start = time.monotonic()
+        asked_c = False
+        while len(replies) < self.size and time.monotonic() < start + REPLY_S:
+            if not asked_c and time.monotonic() >= start + PYTHON_REPLY_S:
+                asked_c = True
+                text = reason.encode()
+                for r in range(1, self.size):
+                    if r not in replies:
+                        requests.append(
+                            self.comm.Isend([text, MPI.CHAR], dest=r, tag=_TAG_ASK_C)
+                        )
+            status = MPI.Status()
+            message = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if message is None:
                 time.sleep(1e-3)
+                continue
+            if status.Get_tag() == _TAG_REPLY_C:
+                data = bytearray(status.Get_count(MPI.CHAR))
+                message.Recv([data, MPI.CHAR])
+                held = _held_reply(data.decode(errors="replace"))
+                replies.setdefault(status.Get_source(), held)
+                where.add(held["where"])
                 continue
             reply = message.recv()
             if reply.get("kind") == "reply":
@@ -383,8 +387,7 @@ class _Watchdog(threading.Thread):
             f"({_config.COLLECTIVE_TIMEOUT})"
         )
         replies, where = self._ask_every_rank(reason, alarm["group"])
-        counts = {rank: reply["count"] for rank, reply in replies.items()}
-        logger.critical("%s", report_line(alarm, counts, self.size, where))
+        logger.critical("%s", report_line(alarm, replies, self.size, where))
         _mpi.abort(self.comm, 1)
 
     def _report_hang(self, stuck_s: float) -> None:
@@ -397,6 +400,24 @@ class _Watchdog(threading.Thread):
         replies, where = self._ask_every_rank(reason, None)
         logger.critical("%s", hang_report(replies, self.size, stuck_s, where))
         _mpi.abort(self.comm, 1)
+
+
+def _held_reply(text: str) -> dict:
+    """A reply of a rank's ``_stacks`` thread (where its stacks went, a newline,
+    the dump) as a watchdog's: its main thread's stack for its place (and where
+    that stands, as text), no count."""
+    went, _, dump_text = text.partition("\n")
+    _, _, threads = stacks.parse_stacks(dump_text)
+    place = threads.get("main", [])
+    sources = threads["source"]
+    return {
+        "count": None,
+        "held": True,
+        "where": went,
+        "place": [tuple(f) for f in place],
+        "source": [sources.get((f.file, f.line), "") for f in place],
+        "stands": stacks.where(place, sources),  # as the reports say it
+    }
 
 
 def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
@@ -418,8 +439,14 @@ def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
     silent = [r for r in range(size) if r not in replies]
     if silent:
         lines.append(
-            f"  no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
-            f"holding Python's GIL, or a stopped process): where it stands is unknown"
+            f"  no answer from {ranks_text(silent)} in {REPLY_S:g} s (stopped, or its "
+            f"MPI stuck): where it stands is unknown"
+        )
+    held = sorted(r for r, reply in replies.items() if reply.get("held"))
+    if held:
+        lines.append(
+            f"  {ranks_text(held)} answered only from C, without Python (a thread "
+            f"holds the GIL): placed below by the main thread of the stacks written"
         )
     lines += [
         "  " + line for line in stacks.group_lines(groups, sources, odd_first=True)
@@ -544,14 +571,16 @@ def _describe(comm) -> str:
     )
 
 
-def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
+def report_line(alarm: dict, replies: dict, size: int, where: set) -> str:
     """The one line of a timeout: the call, its communicator, the ranks that had not
-    entered it and those that did not answer."""
+    entered it, those that answered only from C, and those that did not answer."""
     group = alarm.get("group")
     members = range(size) if group is None or group[3] is None else group[3]
     call = alarm["call"]
+    counts = {r: reply["count"] for r, reply in replies.items()}
     missing = [r for r in members if counts.get(r) is not None and counts[r] < call]
-    silent = [r for r in range(size) if r not in counts]
+    held = sorted(r for r, reply in replies.items() if reply.get("held"))
+    silent = [r for r in range(size) if r not in replies]
     line = (
         f"mpi4jax_dist: rank {alarm['rank']} of {size} waited "
         f"{alarm['waited_s']:.3g} s in {alarm['who']}, call {call} on "
@@ -563,12 +592,20 @@ def report_line(alarm: dict, counts: dict, size: int, where: set) -> str:
             f"not entered by {ranks_text(missing)} (their last call there: "
             f"{', '.join(str(c) for c in last[:5])})"
         )
+    elif held or silent:
+        line += "entered by every rank that could say"
     else:
-        line += "every rank that answered had entered it"
+        line += "every rank had entered it"
+    if held:
+        line += (
+            f"; {ranks_text(held)} answered only from C, without Python (a thread "
+            f"holds the GIL), so whether each entered is unknown: rank "
+            f"{held[0]} stands {replies[held[0]]['stands']}"
+        )
     if silent:
         line += (
-            f"; no answer from {ranks_text(silent)} in {REPLY_S:g} s (a thread "
-            f"holding Python's GIL, or a stopped process)"
+            f"; no answer from {ranks_text(silent)} in {REPLY_S:g} s (stopped, or "
+            f"its MPI stuck)"
         )
     if went := _stacks_went(where):
         line += f"; every rank's stacks: {went}"

@@ -1,12 +1,14 @@
-"""Python stacks as faulthandler writes them: parsed into frames, each frame's source
-line captured when the dump is written, and groups of ranks summarized by where
-their main thread stands (the collective and hang timeouts' reports, ``--hangs``)."""
+"""Python stacks as faulthandler writes them and ``_ffi/stacks.c`` files them (a
+header, the dump, each frame's source line as it read then): parsed into frames,
+and groups of ranks summarized by where their main thread stands (the collective
+and hang timeouts' reports, ``--hangs``)."""
 
 from __future__ import annotations
 
 import linecache
 import re
 from collections import defaultdict
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,7 +16,9 @@ _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _HEADER = re.compile(r"^# mpi4jax_dist stacks: rank (\d+) of (\d+)")
 _MAIN = re.compile(r"^# main thread (0x[0-9a-fA-F]+)")
-# A source line as it read when the dump was written (source_lines).
+# When the dump came (the signal, or the request) and when it was written.
+_TIMES = re.compile(r"^# host .* signal (\S+) written (\S+) reason ")
+# A source line as it read when the dump was written (``_ffi/stacks.c``).
 _SOURCE = re.compile(r"^# line (.*):(\d+): (.*)$")
 # Paths of code that is not the user's: what a stack's summary looks past.
 _LIBRARY = re.compile(
@@ -31,14 +35,22 @@ class Frame(NamedTuple):
 
 def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
     """Return (rank, size, {thread id: [frames, innermost first]}) of one file, the
-    main thread's stack under the key ``"main"``, and under ``"source"`` the source
-    lines the file holds ({(file, line): text})."""
+    main thread's stack under the key ``"main"``, under ``"source"`` the source
+    lines the file holds ({(file, line): text}), and under ``"times"`` when the
+    dump came and when it was written (datetimes), where the header says."""
     rank = size = main = None
     threads: dict = {"source": {}}
     current = None
     for line in text.splitlines():
         if m := _SOURCE.match(line):
             threads["source"][m.group(1), int(m.group(2))] = m.group(3)
+        elif m := _TIMES.match(line):
+            try:
+                threads["times"] = tuple(
+                    datetime.strptime(t, "%Y-%m-%dT%H:%M:%S.%f%z") for t in m.groups()
+                )
+            except ValueError:
+                pass
         elif m := _HEADER.match(line):
             rank, size = int(m.group(1)), int(m.group(2))
         elif m := _MAIN.match(line):
@@ -113,23 +125,6 @@ def told_apart(summaries: dict) -> dict:
 def quote(frames) -> list[str]:
     """Each frame's source line, as its file reads now ("" where there is none)."""
     return [linecache.getline(f.file, f.line).strip() for f in frames]
-
-
-def source_lines(text: str) -> list[str]:
-    """The source line of each frame of a dump, as its file reads now (when the
-    dump is written): ``# line PATH:N: TEXT``, once per place. ``--hangs`` quotes
-    these, not the file as it reads later, when the job's code may have changed."""
-    linecache.checkcache()
-    places = {}
-    for match in map(_FRAME.match, text.splitlines()):
-        if match is not None:
-            places.setdefault((match.group(1), int(match.group(2))), None)
-    frames = [Frame(file, line, "") for file, line in places]
-    return [
-        f"# line {f.file}:{f.line}: {source}\n"
-        for f, source in zip(frames, quote(frames), strict=True)
-        if source
-    ]
 
 
 def group_lines(groups: dict, sources: dict, odd_first: bool) -> list[str]:

@@ -9,7 +9,8 @@ processes (``psum``: JAX's own CPU collectives), in
 ``multihost_utils.sync_global_devices`` (``sync``) or in an mpi4py
 ``comm.Barrier()`` (``barrier``). With ``GIL=1`` the stalled rank holds Python's
 GIL instead of sleeping (a C call that never releases it: ``usleep`` through
-``ctypes.PyDLL``). Prints ``DONE`` at the end.
+``ctypes.PyDLL``); with ``STOP=1`` it stops itself (``SIGSTOP``: not even C code
+of its own runs). Prints ``DONE`` at the end.
 
 Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=steps``
 (every rank makes short jitted steps for ``STALL_S`` seconds) and ``MODE=together``
@@ -18,6 +19,7 @@ Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=ste
 
 import ctypes
 import os
+import signal
 import time
 
 import jax
@@ -95,7 +97,9 @@ print(f"READY {rank}", flush=True)
 
 def stalled_compute():
     seconds = float(os.environ.get("STALL_S", "600"))
-    if os.environ.get("GIL") == "1":
+    if os.environ.get("STOP") == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif os.environ.get("GIL") == "1":
         # usleep through the C API with the GIL held: no Python thread runs.
         ctypes.PyDLL(None).usleep(int(seconds * 1e6))
     else:
