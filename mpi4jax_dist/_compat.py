@@ -341,6 +341,20 @@ def distributed_runtime():
     return lib._jax if since("jaxlib._jax") else lib.xla_extension
 
 
+def coordination_client():
+    """Return this process's client of JAX's coordination service once
+    ``jax.distributed`` is initialized, else None."""
+    return _distributed.global_state.client
+
+
+def coordination_counters() -> bool:
+    """Whether the coordination service's clients have atomic counters
+    (``key_value_increment``, from jaxlib 0.7.2 on)."""
+    return hasattr(
+        distributed_runtime().DistributedRuntimeClient, "key_value_increment"
+    )
+
+
 def runtime_heartbeat(timeout_s: int) -> dict:
     """Return the keyword arguments that give a runtime client or service of
     :func:`distributed_runtime` a heartbeat timeout of ``timeout_s`` seconds."""

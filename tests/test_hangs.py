@@ -20,7 +20,7 @@ from datetime import datetime
 import pytest
 import util
 
-from mpi4jax_dist import _config
+from mpi4jax_dist import _compat, _config
 from mpi4jax_dist.diagnostics import hangs as diagnostics_hangs
 from mpi4jax_dist.faults import hangs
 
@@ -470,10 +470,62 @@ def test_the_hang_timeout_places_a_rank_holding_the_gil():
     ), show(proc)
 
 
-def test_below_thread_multiple_the_hang_timeout_says_it_is_not_in_force():
-    env = util.clean_env(
-        **QUIET, MPI4PY_RC_THREAD_LEVEL="serialized", **{_config.HANG_TIMEOUT: "5"}
-    )
+SERIALIZED = {"MPI4PY_RC_THREAD_LEVEL": "serialized"}
+needs_counters = pytest.mark.skipif(
+    not _compat.coordination_counters(),
+    reason="below MPI_THREAD_MULTIPLE the hang timeout needs jaxlib 0.7.2 or newer",
+)
+
+
+@needs_counters
+@pytest.mark.parametrize(
+    "mode, inside",
+    [
+        ("psum", r"at stall\.py:\d+ in <lambda>"),
+        ("barrier", r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`"),
+    ],
+)
+def test_below_thread_multiple_the_hang_timeout_keeps_through_jax_s_service(
+    mode, inside
+):
+    """At MPI_THREAD_SERIALIZED (Cray MPICH's default) the watchdog may not call
+    MPI: the verdict goes through counters in JAX's coordination service."""
+    proc, ended = hang(mode, STALL_S=120, **SERIALIZED)
+    assert proc.returncode != 0, show(proc)
+    report = HANG_REPORT.search(proc.stderr)
+    assert report, show(proc)
+    assert re.search(inside, report.group(1)), report.group(0)
+    assert HANG_S < ended - stalled_at(proc) < HANG_S + 30
+    assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
+
+
+@needs_counters
+def test_below_thread_multiple_one_shared_long_step_is_no_hang():
+    proc, _ = hang("together", STALL_S=4 * HANG_S, **SERIALIZED)
+    assert proc.returncode == 0, show(proc)
+    assert "the job is hung" not in proc.stderr, show(proc)
+    assert proc.stdout.count("DONE") == 4
+
+
+@needs_counters
+def test_below_thread_multiple_a_rank_holding_the_gil_is_named():
+    """No MPI for the watchdogs, so no answer from C either: rank 3 is named as
+    not answering, the others placed."""
+    proc, _ = hang("allreduce", GIL="1", STALL_S=60, **SERIALIZED)
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
+        r"  no answer from rank 3 in [\d.]+ s \(a thread holding its GIL, or "
+        r"stopped\): where it stands is unknown\n"
+        r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n",
+        proc.stderr,
+    ), show(proc)
+
+
+def test_below_thread_multiple_without_counters_the_hang_timeout_says_so():
+    if _compat.coordination_counters():
+        pytest.skip("this jaxlib has the coordination service's counters")
+    env = util.clean_env(**QUIET, **SERIALIZED, **{_config.HANG_TIMEOUT: "5"})
     code = "import jax, mpi4jax_dist; jax.distributed.initialize()"
     proc = util.run_mpi(["-c", code], 2, env=env, timeout=120)
     assert proc.stderr.count("MPI4JAX_DIST_HANG_TIMEOUT is not in force") == 1, show(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from .. import _config
+from .. import _compat, _config
 from . import progress, stacks
 from .stacks import ranks_text  # noqa: F401 (diagnostics' and the tests' name)
 
@@ -102,12 +103,17 @@ def install(
             _state.writer.answer(
                 comm.py2f(), signum, _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
             )
-    elif hang_timeout is not None and rank == 0 and size > 1:
-        logger.warning(
-            "mpi4jax_dist: %s is not in force: the watchdog that keeps it needs "
-            "MPI_THREAD_MULTIPLE, and this job's MPI gave less.",
-            _config.HANG_TIMEOUT,
-        )
+    elif hang_timeout is not None and size > 1:
+        if _compat.coordination_counters():
+            # Below MPI_THREAD_MULTIPLE: the hang timeout without MPI.
+            _state.watchdog = _ServiceWatchdog(rank, size, hang_timeout)
+            _state.watchdog.start()
+        elif rank == 0:
+            logger.warning(
+                "mpi4jax_dist: %s is not in force: below MPI_THREAD_MULTIPLE it needs "
+                "jaxlib 0.7.2 or newer (the counters of JAX's coordination service).",
+                _config.HANG_TIMEOUT,
+            )
     configure_loaded_modules()
 
 
@@ -420,9 +426,148 @@ def _held_reply(text: str) -> dict:
     }
 
 
-def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
+class _ServiceWatchdog(threading.Thread):
+    """The hang timeout where the watchdog may not call MPI (below
+    ``MPI_THREAD_MULTIPLE``): the verdict through counters in JAX's coordination
+    service (:class:`~mpi4jax_dist.faults.progress.ServiceVerdict`), the request
+    for stacks and the replies through its keys, and ``MPI_Abort`` at the end.
+    Only a rank that is stuck looks for rank 0's request (once a period); rank 0
+    reads the verdict only while it is stuck itself."""
+
+    def __init__(self, rank: int, size: int, hang_timeout_s: float):
+        super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
+        self.rank, self.size = rank, size
+        self.hang_timeout_s = hang_timeout_s
+        self.period_s = progress.period_s(hang_timeout_s, POLL_S)
+        self.progress = progress.Progress()
+        self.verdict = progress.ServiceVerdict(rank, size, self.period_s)
+        self.prefix = progress.ServiceVerdict.PREFIX
+        self._stopping = threading.Event()
+        self._said_one_place = False
+        self._short_since: float | None = None  # rank 0: a rank has not counted
+        self._answered = False
+        self._counting = False  # counted once: the client is connected
+
+    def stop(self) -> None:
+        """Say that this rank stops (so that rank 0 takes a rank that no longer
+        counts for one that has ended, not for one that cannot answer)."""
+        self._stopping.set()
+        if self._counting:
+            try:
+                _compat.coordination_client().key_value_increment(
+                    f"{self.prefix}/stopping", 1
+                )
+            except Exception:  # the client is shut down: the job ends anyway
+                pass
+
+    def run(self) -> None:
+        while not self._stopping.wait(POLL_S):
+            try:
+                self._watch(time.monotonic())
+            except Exception as err:  # a watchdog that dies says why
+                if not self._stopping.is_set():
+                    logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
+                return
+
+    def _watch(self, now: float) -> None:
+        self.progress.look(now)
+        stuck_s = self.progress.stuck_for(now)
+        stuck = stuck_s >= self.hang_timeout_s
+        place = progress.place_key(self.progress.place()) if stuck else 0
+        wall = time.time()
+        if not self.verdict.post(wall, stuck, place):
+            return  # once a period
+        if not self._counting:
+            self._counting = True
+            atexit.register(self.stop)  # after JAX's client shutdown: before it
+        if not stuck:
+            self._short_since = None
+            return
+        if self.rank != 0:
+            if not self._answered:
+                self._answer()
+            return
+        result = self.verdict.read(wall, place)
+        if not result["all_alive"]:
+            if self.verdict.count(f"{self.prefix}/stopping"):
+                return  # ranks are ending: not a hang
+            self._short_since = self._short_since or now
+            if now - self._short_since >= self.hang_timeout_s + self.period_s:
+                self._report(stuck_s)  # a rank's watchdog cannot run
+            return
+        self._short_since = None
+        if result["all_stuck"] and not result["one_place"]:
+            self._report(stuck_s)
+        elif result["all_stuck"] and not self._said_one_place:
+            self._said_one_place = True
+            logger.info(
+                "mpi4jax_dist: every rank has stood at one place for %g s or "
+                "more: one long step, not taken for a hang (%s).",
+                self.hang_timeout_s,
+                _config.HANG_TIMEOUT,
+            )
+
+    def _answer(self) -> None:
+        """A stuck rank other than 0: rank 0's request for the stacks, if it has
+        made one, answered with them, where they went and this rank's place."""
+        client = _compat.coordination_client()
+        try:
+            reason = client.key_value_try_get(f"{self.prefix}/dump")
+        except Exception:  # no request
+            return
+        self._answered = True
+        place = self.progress.place()
+        reply = {
+            "rank": self.rank,
+            "where": dump(reason),
+            "place": [tuple(f) for f in place],
+            "source": stacks.quote(place),
+        }
+        client.key_value_set(f"{self.prefix}/reply/{self.rank}", json.dumps(reply))
+        client.key_value_increment(f"{self.prefix}/replied", 1)
+
+    def _report(self, stuck_s: float) -> None:
+        """Rank 0: ask for every rank's stacks and place, print the report and
+        end the job (never returns)."""
+        from mpi4py import MPI
+
+        from .. import _mpi
+
+        client = _compat.coordination_client()
+        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
+        client.key_value_set(f"{self.prefix}/dump", reason)
+        place = self.progress.place()
+        replies = {
+            0: {"place": [tuple(f) for f in place], "source": stacks.quote(place)}
+        }
+        where = {dump(reason)}
+        deadline = time.monotonic() + REPLY_S + self.period_s
+        while time.monotonic() < deadline:
+            if self.verdict.count(f"{self.prefix}/replied") >= self.size - 1:
+                break
+            time.sleep(0.1)
+        for _, text in client.key_value_dir_get(f"{self.prefix}/reply/"):
+            reply = json.loads(text)
+            replies[reply["rank"]] = reply
+            where.add(reply["where"])
+        silent = "a thread holding its GIL, or stopped"
+        logger.critical(
+            "%s", hang_report(replies, self.size, stuck_s, where, silent, self.period_s)
+        )
+        _mpi.abort(MPI.COMM_WORLD, 1)
+
+
+def hang_report(
+    replies: dict,
+    size: int,
+    stuck_s: float,
+    where: set,
+    silent_why: str = "stopped, or its MPI stuck",
+    waited_s: float = 0.0,
+) -> str:
     """The hang timeout's report: one line per place the ranks stand at, the odd
-    ones out first, then the ranks that did not answer and where the stacks are."""
+    ones out first, then the ranks that did not answer (``silent_why``: why a rank
+    may not, after ``REPLY_S`` and ``waited_s`` more) and where the stacks are."""
     groups: dict = {}
     sources: dict = {}
     for rank, reply in sorted(replies.items()):
@@ -439,8 +584,8 @@ def hang_report(replies: dict, size: int, stuck_s: float, where: set) -> str:
     silent = [r for r in range(size) if r not in replies]
     if silent:
         lines.append(
-            f"  no answer from {ranks_text(silent)} in {REPLY_S:g} s (stopped, or its "
-            f"MPI stuck): where it stands is unknown"
+            f"  no answer from {ranks_text(silent)} in {REPLY_S + waited_s:g} s "
+            f"({silent_why}): where it stands is unknown"
         )
     held = sorted(r for r, reply in replies.items() if reply.get("held"))
     if held:

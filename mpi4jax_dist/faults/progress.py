@@ -133,3 +133,66 @@ class Verdict:
                 return True
             time.sleep(0.005)
         return False
+
+
+class ServiceVerdict:
+    """The job's state once a period without MPI, for a watchdog that may not call
+    it (below ``MPI_THREAD_MULTIPLE``): counters in JAX's coordination service,
+    one set per period of ``period_s`` seconds of the wall clock (the ranks'
+    clocks agree to well within a period on a cluster).
+
+    Every rank adds 1 to the period's ``alive`` counter, and where it is stuck to
+    ``stuck`` and to the counter of its place: O(1) small messages per rank per
+    period, to the service on rank 0's host, which holds a handful of counters a
+    period. Rank 0 reads a period two periods back (every rank has counted by
+    then), three counters, and deletes the period before it.
+    """
+
+    PREFIX = "mpi4jax_dist/hang"
+
+    def __init__(self, rank: int, size: int, period_s: float):
+        self.rank, self.size, self.period_s = rank, size, period_s
+        self.posted_epoch: int | None = None
+
+    def epoch(self, wall: float) -> int:
+        return int(wall // self.period_s)
+
+    def _client(self):
+        from .. import _compat
+
+        return _compat.coordination_client()
+
+    def post(self, wall: float, stuck: bool, place: int) -> bool:
+        """Count this rank in the period of ``wall`` (once); return whether it did
+        now (a new period)."""
+        epoch = self.epoch(wall)
+        client = self._client()
+        if epoch == self.posted_epoch or client is None:
+            return False
+        self.posted_epoch = epoch
+        key = f"{self.PREFIX}/{epoch}"
+        client.key_value_increment(f"{key}/alive", 1)
+        if stuck:
+            client.key_value_increment(f"{key}/stuck", 1)
+            client.key_value_increment(f"{key}/place/{place:x}", 1)
+        if self.rank == 0:
+            client.key_value_delete(f"{self.PREFIX}/{epoch - 4}")
+        return True
+
+    def read(self, wall: float, place: int) -> dict:
+        """Rank 0: the period two before ``wall``'s: whether every rank counted
+        itself (``all_alive``), was stuck, and stood at rank 0's ``place``."""
+        key = f"{self.PREFIX}/{self.epoch(wall) - 2}"
+        alive = self.count(f"{key}/alive")
+        return {
+            "all_alive": alive >= self.size,
+            "all_stuck": self.count(f"{key}/stuck") >= self.size,
+            "one_place": self.count(f"{key}/place/{place:x}") >= self.size,
+        }
+
+    def count(self, key: str) -> int:
+        """A counter's value (0 where nobody has counted)."""
+        try:
+            return int(self._client().key_value_try_get(key))
+        except Exception:  # not there: nobody counted
+            return 0
