@@ -87,6 +87,7 @@ def test_the_timeout_names_the_rank_that_never_entered(mode, who):
     assert TIMEOUT_S < took < TIMEOUT_S + 30, took
 
 
+@util.same_under_every_jax
 def test_without_the_timeout_the_job_waits_out_the_stall():
     stall_s = TIMEOUT_S + 2  # a stall the timeout of the tests above would end
     proc, ended = stall(timeout=None, STALL_S=stall_s)
@@ -96,6 +97,7 @@ def test_without_the_timeout_the_job_waits_out_the_stall():
     assert proc.stdout.count("DONE") == 4
 
 
+@util.same_under_every_jax
 def test_a_rank_holding_the_gil_answers_from_c_with_its_stacks():
     """Rank 3 holds the GIL (a long C call): its Python cannot answer, its C
     thread (_stacks) does, with stacks written all the same; the line says where
@@ -118,6 +120,7 @@ def test_a_rank_holding_the_gil_answers_from_c_with_its_stacks():
     assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
 
 
+@util.same_under_every_jax
 def test_a_stopped_rank_is_named_as_not_answering():
     """Rank 3 is stopped (SIGSTOP): neither its Python nor its C thread answers,
     and the line says so, not that it entered the call."""
@@ -192,6 +195,7 @@ def wait_for_stall(job, limit=90):
     pytest.fail("the job never stalled: " + "".join(lines))
 
 
+@util.same_under_every_jax
 def test_sigusr1_writes_every_rank_stacks_and_the_job_goes_on(tmp_path):
     job = launch(STALL_S=8)
     try:
@@ -206,6 +210,7 @@ def test_sigusr1_writes_every_rank_stacks_and_the_job_goes_on(tmp_path):
     assert "reason SIGUSR1" in err
 
 
+@util.same_under_every_jax
 def test_hangs_groups_the_ranks_by_stack(tmp_path):
     """SIGUSR1 while rank 3 holds the GIL (a long C call): every rank's stacks are
     written all the same (faulthandler into a pipe that a C thread drains), its
@@ -254,6 +259,7 @@ def test_hangs_groups_the_ranks_by_stack(tmp_path):
     ), lines
 
 
+@util.same_under_every_jax
 def test_stacks_off_leaves_sigusr1_alone():
     code = (
         "import os, signal, time, jax, mpi4jax_dist\n"
@@ -377,6 +383,7 @@ def test_summarize_without_files_says_how_to_get_them(tmp_path):
         diagnostics_hangs.summarize(tmp_path)
 
 
+@util.same_under_every_jax
 def test_the_watchdog_wakes_at_most_about_once_a_second(tmp_path):
     """benchmarks/idle.py's count of the watchdog thread's wake-ups while the job
     sleeps: about 60 a minute (it polled every 20 ms, 3,000 a minute, before)."""

