@@ -80,7 +80,7 @@ def extensions() -> list[Extension]:
             [str(FFI / "mpiabi.c")],
             depends=[str(FFI / "mpiabi_names.txt"), "conf/mpiabi_gen.py"],
             language="c",
-        )
+        ),
     ]
 
 

@@ -296,11 +296,10 @@ static void answer_requests(void) {
     MPI_Get_count(&status, MPI_CHAR, &count);
     char reason[REASON_BYTES] = "";
     char *text = malloc((size_t)count + 1);
+    if (text == NULL) return; /* out of memory: rank 0 hears nothing from here */
     MPI_Mrecv(text, count, MPI_CHAR, &message, MPI_STATUS_IGNORE);
-    if (text != NULL) {
-      snprintf(reason, sizeof reason, "%.*s", count, text);
-      free(text);
-    }
+    snprintf(reason, sizeof reason, "%.*s", count, text);
+    free(text);
     struct timespec came;
     clock_gettime(CLOCK_REALTIME, &came);
     Text dump = {0}, whole = {0};
@@ -316,8 +315,9 @@ static void answer_requests(void) {
       if (raised) read_dump(&dump);
     }
     if (dump.size == 0) {
-      add(&dump, "(no stacks: faulthandler is not registered on a signal here)\n",
-          61);
+      static const char kNone[] =
+          "(no stacks: faulthandler is not registered on a signal here)\n";
+      add(&dump, kNone, sizeof kNone - 1);
     }
     char where[PATH_MAX];
     write_dump(dump.data, reason, &came, &whole, where, sizeof where);

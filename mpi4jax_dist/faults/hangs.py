@@ -479,7 +479,8 @@ class _ServiceWatchdog(threading.Thread):
             return  # once a period
         if not self._counting:
             self._counting = True
-            atexit.register(self.stop)  # after JAX's client shutdown: before it
+            # Registered after jax.distributed's shutdown, so run before it.
+            atexit.register(self.stop)
         if not stuck:
             self._short_since = None
             return
