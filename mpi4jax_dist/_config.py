@@ -10,6 +10,7 @@ interpreted in ``launch/detect.py``; this module only owns the ones that configu
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -598,11 +599,16 @@ def _seconds(name: str, meaning: str, env: Mapping[str, str] | None) -> float | 
         return None
     try:
         seconds = float(value)
+        wrong = (
+            "is negative"
+            if seconds < 0
+            else "is not finite" if not math.isfinite(seconds) else None
+        )
     except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
+        wrong = "is not a number of seconds"
+    if wrong:
         raise ValueError(
-            f"{name}={value!r} is not a number of seconds. Set it to {meaning}, "
-            f"or 0 or nothing to turn it off."
+            f"{name}={value!r} {wrong}. Set it to {meaning}, or 0 or nothing to "
+            f"turn it off."
         )
     return seconds or None

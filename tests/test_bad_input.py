@@ -153,8 +153,20 @@ WITH_MPI = [
     (
         "iallreduce(comm=MPI.COMM_NULL)",
         lambda: mpi4jax_dist.iallreduce(np.ones(3), comm=_mpi().COMM_NULL),
+        ValueError,
+        "mpi4jax_dist.iallreduce: comm is MPI.COMM_NULL (this rank is in no group",
+    ),
+    (
+        "allreduce(comm=MPI.COMM_NULL)",
+        lambda: mpi4jax_dist.allreduce(np.ones(3), comm=_mpi().COMM_NULL),
+        ValueError,
+        "mpi4jax_dist.allreduce: comm is MPI.COMM_NULL (this rank is in no group",
+    ),
+    (
+        "allreduce(op=MPI.MAXLOC)",
+        lambda: mpi4jax_dist.allreduce(np.ones(3, np.float32), op=_mpi().MAXLOC),
         TypeError,
-        "mpi4jax_dist.iallreduce: comm must be an mpi4py intracommunicator",
+        "; got MPI.MAXLOC. User-defined ops",
     ),
 ]
 

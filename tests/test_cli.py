@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ def test_help_is_plain_text():
 
 def test_report_without_launcher_and_without_mpiexec_on_path(tmp_path):
     """No launcher variables and no mpiexec on PATH: the report says so, rather than
-    ``mpiexec None: None`` and a launcher named ``mpi``."""
+    ``mpiexec None: None`` and a launcher named ``mpi``; it names the mpiexec beside
+    this Python (a virtual environment's, which a job started by its full path)."""
     env = util.clean_env(PATH=str(tmp_path))  # an empty folder: no mpiexec
     proc = _run(env=env)
     lines = proc.stdout.splitlines()
@@ -76,13 +78,18 @@ def test_report_without_launcher_and_without_mpiexec_on_path(tmp_path):
         "launcher      none recognised: no launcher variables in the environment"
         in lines
     ), _shown(proc)
-    assert "mpiexec       not found on PATH" in lines, _shown(proc)
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    assert any(
+        line.startswith(f"mpiexec       {beside} (beside this Python; not on PATH): ")
+        for line in lines
+    ), _shown(proc)
     assert "None" not in "\n".join(lines[:3]), _shown(proc)
     assert any("size 1 and no launcher variables" in line for line in lines)
     report = json.loads(_run("--json", env=env).stdout)
     assert report["launcher"] is None
     assert report["launcher_variables"] == {}
-    assert report["mpi"]["mpiexec"] is None
+    assert report["mpi"]["mpiexec"] == beside
+    assert report["mpi"]["mpiexec_on_path"] is False
 
 
 def test_report_under_mpiexec_names_the_launcher_by_its_variables():

@@ -81,8 +81,9 @@ EXCLUDED = {
 # give no text of their own to quote.
 RELAYS = {
     # Rank 0's error, broadcast and raised on every rank: the (_ERROR, text) that
-    # Bootstrap._choose_coordinator returns.
-    ("mpi4jax_dist/launch/bootstrap.py", "raise RuntimeError(text)"),
+    # Bootstrap._choose_coordinator returns, or rank 0's bad setting.
+    ("mpi4jax_dist/launch/bootstrap.py", "raise failfast.JobError(text)"),
+    ("mpi4jax_dist/launch/bootstrap.py", "raise failfast.JobValueError(text)"),
     # limits.ensure_file_limit's RuntimeError, quoted from there.
     ("mpi4jax_dist/launch/bootstrap.py", "return (_ERROR, str(err))"),
 }

@@ -111,8 +111,8 @@ def test_a_rank_holding_the_gil_answers_from_c_with_its_stacks():
         "entered by every rank that could say; rank 3 answered "
     ), said
     assert re.search(
-        r"rank 3 answered only from C, without Python \(a thread holds the GIL\), so "
-        r"whether each entered is unknown: rank 3 stands at stall\.py:\d+ "
+        r"rank 3 answered from C only \(a thread holds the GIL\), so whether each "
+        r"entered is unknown: rank 3 stands at stall\.py:\d+ "
         r"in stalled_compute: `ctypes\.PyDLL\(None\)\.usleep\(.*\)`;",
         said,
     ), said
@@ -280,9 +280,19 @@ def test_stacks_off_leaves_sigusr1_alone():
 # --- no MPI ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["ten", "-1", "inf", "nan"])
-def test_a_bad_timeout_names_the_variable(value):
-    with pytest.raises(ValueError, match="MPI4JAX_DIST_COLLECTIVE_TIMEOUT='.*' is not"):
+@pytest.mark.parametrize(
+    "value, wrong",
+    [
+        ("ten", "is not a number of seconds"),
+        ("-1", "is negative"),
+        ("inf", "is not finite"),
+        ("nan", "is not finite"),
+    ],
+)
+def test_a_bad_timeout_names_the_variable_and_what_is_wrong(value, wrong):
+    with pytest.raises(
+        ValueError, match=f"MPI4JAX_DIST_COLLECTIVE_TIMEOUT='.*' {wrong}"
+    ):
         _config.collective_timeout({_config.COLLECTIVE_TIMEOUT: value})
 
 
@@ -381,6 +391,8 @@ def test_groups_alike_but_for_their_callers_are_told_apart(tmp_path):
 def test_summarize_without_files_says_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="MPI4JAX_DIST_HANG_DIR="):
         diagnostics_hangs.summarize(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"in \S+ \(no such folder\): set"):
+        diagnostics_hangs.summarize(tmp_path / "absent")
 
 
 @util.same_under_every_jax
@@ -468,8 +480,8 @@ def test_the_hang_timeout_places_a_rank_holding_the_gil():
     assert proc.returncode != 0, show(proc)
     assert re.search(
         r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
-        r"  rank 3 answered only from C, without Python \(a thread holds the GIL\): "
-        r"placed below by the main thread of the stacks written\n"
+        r"  rank 3 answered from C only \(a thread holds the GIL\): placed below by "
+        r"the stacks written then\n"
         r"  1 rank at stall\.py:\d+ in stalled_compute: `ctypes.*: rank 3\n"
         r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n"
         r"Every rank's stacks: on stderr",

@@ -356,3 +356,53 @@ def test_disabled_under_mpiexec():
             2,
             2,
         )
+
+
+BAD_TIMEOUT = "MPI4JAX_DIST_COLLECTIVE_TIMEOUT='abc' is not a number of seconds"
+
+
+@util.same_under_every_mpi
+def test_a_setting_bad_on_every_rank_is_printed_once():
+    """Rank 0 rules the timeouts for the job: its bad value goes to every rank in
+    the bootstrap's broadcast, every rank raises it, and only rank 0 prints it
+    (one traceback, where there were four); every rank exits with status 1."""
+    env = util.clean_env(MPI4JAX_DIST_COLLECTIVE_TIMEOUT="abc")
+    code = "import jax, mpi4jax_dist; jax.distributed.initialize()"
+    proc = util.run_mpi(["-c", code], 4, env=env, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count(BAD_TIMEOUT) == 1, proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
+    assert "mpi4jax_dist.faults.failfast.JobValueError: " + BAD_TIMEOUT in proc.stderr
+
+
+@util.same_under_every_mpi
+def test_a_setting_bad_on_another_rank_than_0_is_not_used():
+    """Rank 0's value rules the job: rank 3's own bad value, where rank 0's is
+    good, is never used (as no value of another rank is), and the job starts."""
+    code = (
+        "import os, jax, mpi4jax_dist\n"
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 3:\n"
+        "    os.environ['MPI4JAX_DIST_COLLECTIVE_TIMEOUT'] = 'abc'\n"
+        "jax.distributed.initialize()\n"
+        "print('STARTED', flush=True)\n"
+    )
+    proc = util.run_mpi(["-c", code], 4, env=util.clean_env(), timeout=120)
+    assert proc.stdout.count("STARTED") == 4, proc.stdout + proc.stderr
+
+
+MPI4JAX_WARNING = "The latest supported JAX version with this release of mpi4jax"
+
+
+@util.same_under_every_mpi
+def test_mpi4jax_s_version_warning_is_printed_by_rank_0_only():
+    """mpi4jax imported after the bootstrap: its JAX-version warning (where this
+    JAX is newer than it knows) once for the job, not once per rank."""
+    pytest.importorskip("mpi4jax")
+    code = "import jax, mpi4jax_dist; jax.distributed.initialize(); import mpi4jax"
+    env = util.clean_env()
+    env.pop("MPI4JAX_NO_WARN_JAX_VERSION", None)
+    alone = util.run_command([sys.executable, "-c", code], env=env, timeout=120)
+    once = alone.stderr.count(MPI4JAX_WARNING)  # 1 where it warns here, else 0
+    proc = util.run_mpi(["-c", code], 4, env=env, timeout=120)
+    assert proc.stderr.count(MPI4JAX_WARNING) == once, proc.stderr

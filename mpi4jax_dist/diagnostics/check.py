@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 
 from .. import _compat, _config, xla_mpi
@@ -33,10 +35,16 @@ def versions(packages=PACKAGES) -> dict:
     return found
 
 
-def _mpiexec_version() -> tuple[str | None, str | None]:
-    path = shutil.which("mpiexec")
+def _mpiexec_version() -> tuple[str | None, str | None, bool]:
+    """The ``mpiexec`` on PATH, else the one beside this Python (a virtual
+    environment's, started by its full path): its path, what ``--version`` says,
+    and whether it is on PATH."""
+    path, on_path = shutil.which("mpiexec"), True
     if path is None:
-        return None, None
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        if not os.access(beside, os.X_OK):
+            return None, None, False
+        path, on_path = beside, False
     try:
         out = subprocess.run(
             [path, "--version"], capture_output=True, text=True, timeout=20
@@ -44,7 +52,7 @@ def _mpiexec_version() -> tuple[str | None, str | None]:
         text = (out.stdout + out.stderr).strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         text = f"could not run: {err}"
-    return path, " ".join(" ".join(text.splitlines()[:3]).split())
+    return path, " ".join(" ".join(text.splitlines()[:3]).split()), on_path
 
 
 def _family(text: str) -> str | None:
@@ -99,10 +107,11 @@ def diagnose(
     comm = MPI.COMM_WORLD
     topo = bootstrap.topology()
     library = mpi_library()
-    mpiexec, mpiexec_version = _mpiexec_version()
+    mpiexec, mpiexec_version, on_path = _mpiexec_version()
     mpiexec_note = None
     if (
-        mpiexec_version
+        on_path
+        and mpiexec_version
         and _family(mpiexec_version)
         and _family(library)
         and (_family(mpiexec_version) != _family(library))
@@ -145,6 +154,7 @@ def diagnose(
             "thread_level_settings": _config.thread_level_settings(),
             "mpiexec": mpiexec,
             "mpiexec_version": mpiexec_version,
+            "mpiexec_on_path": on_path,
             # The mismatch above, where the job's own launcher is the right one.
             "mpiexec_note": mpiexec_note,
         },

@@ -72,10 +72,11 @@ def _print_text(report: dict) -> None:
     if settings:
         print(f"  set by {settings}")
     if mpi["mpiexec"] is None:
-        print("mpiexec       not found on PATH")
+        print("mpiexec       none on PATH, nor beside this Python")
     else:
+        where = "" if mpi["mpiexec_on_path"] else " (beside this Python; not on PATH)"
         print(
-            f"mpiexec       {mpi['mpiexec']}: "
+            f"mpiexec       {mpi['mpiexec']}{where}: "
             f"{mpi['mpiexec_version'] or 'printed no version'}"
         )
     if mpi.get("mpiexec_note"):

@@ -21,10 +21,10 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
     folder = Path(directory)
     files = sorted(folder.glob("rank-*.txt"))
     if not files:
+        where = f"{folder} (no such folder)" if not folder.is_dir() else folder
         raise FileNotFoundError(
-            f"no rank-N.txt in {folder}: set {_config.HANG_DIR}={folder} for the "
-            f"job, then send its ranks SIGUSR1 (or let "
-            f"{_config.COLLECTIVE_TIMEOUT} expire)."
+            f"no rank-N.txt in {where}: set {_config.HANG_DIR}={folder} for the "
+            f"job, then send its ranks SIGUSR1."
         )
     linecache.checkcache()  # a file read before may have changed since
     groups: dict = defaultdict(list)

@@ -39,6 +39,35 @@ class _State:
 _state = _State()
 
 
+class JobError(RuntimeError):
+    """An error every rank of the job raises alike, because rank 0 decided it and
+    told the others (a bad setting, no coordinator address): uncaught, only rank 0
+    prints it (:func:`quiet_on_other_ranks`); every rank exits with status 1."""
+
+
+class JobValueError(JobError, ValueError):
+    """A :class:`JobError` for a bad value (a setting rank 0 rules for the job)."""
+
+
+def quiet_on_other_ranks(rank: int) -> None:
+    """Leave an uncaught :class:`JobError` to rank 0 to print: at 10^4 ranks the
+    same traceback from every rank is 10^4 tracebacks in the job's log. Any other
+    exception prints as it would (a rank's own failure names its rank). Once per
+    process, before the bootstrap's first collective."""
+    previous = sys.excepthook
+    if getattr(previous, "quiet_rank", None) is not None:
+        previous.quiet_rank = rank
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, JobError) and hook.quiet_rank != 0:
+            return  # rank 0 prints it for the job; the status is 1 all the same
+        previous(kind, value, tb)
+
+    hook.quiet_rank = rank
+    sys.excepthook = hook
+
+
 def install(rank: int, size: int) -> bool:
     """Make a failing rank end the job (docs/design.rst); return whether
     the hooks are in place. Runs once per process; does nothing for a world of

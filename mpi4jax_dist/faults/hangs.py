@@ -591,8 +591,8 @@ def hang_report(
     held = sorted(r for r, reply in replies.items() if reply.get("held"))
     if held:
         lines.append(
-            f"  {ranks_text(held)} answered only from C, without Python (a thread "
-            f"holds the GIL): placed below by the main thread of the stacks written"
+            f"  {ranks_text(held)} answered from C only (a thread holds the GIL): "
+            f"placed below by the stacks written then"
         )
     lines += [
         "  " + line for line in stacks.group_lines(groups, sources, odd_first=True)
@@ -719,7 +719,7 @@ def _describe(comm) -> str:
 
 def report_line(alarm: dict, replies: dict, size: int, where: set) -> str:
     """The one line of a timeout: the call, its communicator, the ranks that had not
-    entered it, those that answered only from C, and those that did not answer."""
+    entered it, those that answered from C only, and those that did not answer."""
     group = alarm.get("group")
     members = range(size) if group is None or group[3] is None else group[3]
     call = alarm["call"]
@@ -744,9 +744,9 @@ def report_line(alarm: dict, replies: dict, size: int, where: set) -> str:
         line += "every rank had entered it"
     if held:
         line += (
-            f"; {ranks_text(held)} answered only from C, without Python (a thread "
-            f"holds the GIL), so whether each entered is unknown: rank "
-            f"{held[0]} stands {replies[held[0]]['stands']}"
+            f"; {ranks_text(held)} answered from C only (a thread holds the GIL), "
+            f"so whether each entered is unknown: rank {held[0]} stands "
+            f"{replies[held[0]]['stands']}"
         )
     if silent:
         line += (

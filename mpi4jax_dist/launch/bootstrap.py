@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _config, _mpi
+from ..faults import failfast
 from . import detect, limits, network
 
 # Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
 # UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
 # no rank needs a size first (one collective, O(1) bytes).
 _MESSAGE_BYTES = 1024
-_OK, _ERROR = 1, 2
+_OK, _ERROR, _BAD_SETTING = 1, 2, 3
 # How the other ranks learn that rank 0's service listens; rank 0 decides (from its
 # MPI thread level) and the mode travels with the address, so every rank agrees.
 RELEASE_MODES = ("thread", "probe")
@@ -107,10 +108,11 @@ class Bootstrap:
     release_mode: str | None = None
     released: bool = False
     file_limit_raised: tuple | None = None
-    collective_timeout_s: float | None = field(
-        default_factory=_config.collective_timeout
-    )
-    hang_timeout_s: float | None = field(default_factory=_config.hang_timeout)
+    collective_timeout_s: float | None = None
+    hang_timeout_s: float | None = None
+    # This process's settings that rank 0 rules for the job, where one is bad:
+    # the error (rank 0's is every rank's; another rank's value is never used).
+    setting_error: str | None = None
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
     # Kept from run() for release(): the private communicator (thread mode), the
@@ -120,6 +122,16 @@ class Bootstrap:
     _node: object = None
     _reservation: object = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        for name, read in (
+            ("collective_timeout_s", _config.collective_timeout),
+            ("hang_timeout_s", _config.hang_timeout),
+        ):
+            try:
+                setattr(self, name, read())
+            except ValueError as err:
+                self.setting_error = self.setting_error or str(err)
 
     @property
     def calls(self) -> list[_mpi.Call]:
@@ -176,6 +188,8 @@ class Bootstrap:
         """Compute the topology and the coordinator (collective over ``comm``)."""
         from mpi4py import MPI
 
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        failfast.quiet_on_other_ranks(rank)
         env = _config.environ()
         info = detect.detect(env)
         launcher = info.launcher if info else "mpi"
@@ -205,9 +219,12 @@ class Bootstrap:
             if rank == 0:
                 threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
                 mode = "thread" if threads else "probe"
-                status, text = self._choose_coordinator(
-                    explicit_address, num_nodes, size
-                )
+                if self.setting_error:
+                    status, text = _BAD_SETTING, self.setting_error
+                else:
+                    status, text = self._choose_coordinator(
+                        explicit_address, num_nodes, size
+                    )
                 _encode(
                     message,
                     status,
@@ -221,8 +238,11 @@ class Bootstrap:
                 "rank 0 to send the coordinator address",
             )
             status, mode_index, text, (timeout, hang) = _decode(message)
+            if status == _BAD_SETTING:
+                raise failfast.JobValueError(text)
             if status != _OK:
-                raise RuntimeError(text)
+                raise failfast.JobError(text)
+            # Another rank's own bad value is not used: rank 0's rules, as any.
             # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
             self.collective_timeout_s = timeout or None
             self.hang_timeout_s = hang or None

@@ -76,13 +76,17 @@ def op_name(op, who: str = "mpi4jax_dist.allreduce") -> str:
         return "SUM"
     from mpi4py import MPI  # already imported: op is an MPI.Op
 
+    got = repr(op)
     if isinstance(op, MPI.Op):
         for name in OPS:
             if op == getattr(MPI, name):
                 return name
+        for name in ("MAXLOC", "MINLOC", "REPLACE", "NO_OP"):
+            if op == getattr(MPI, name, None):
+                got = f"MPI.{name}"
     names = ", ".join(f"MPI.{o}" for o in OPS)
     raise TypeError(
-        f"{who}: op must be one of {names}; got {op!r}. "
+        f"{who}: op must be one of {names}; got {got}. "
         f"User-defined ops and MPI.MAXLOC/MINLOC/REPLACE/NO_OP are not supported."
     )
 
@@ -162,14 +166,17 @@ def communicator(comm, who: str = "mpi4jax_dist.allreduce"):
     if comm is None:
         # mpi4jax's own default: its calls and ours then share one communicator.
         return _compat.mpi4jax_default_comm()
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        raise ValueError(
+            f"{who}: comm is MPI.COMM_NULL (this rank is in no group of the "
+            f"Split): call it on the group's members only."
+        )
     if isinstance(comm, MPI.Intercomm) or not isinstance(comm, MPI.Intracomm):
         raise TypeError(
             f"{who}: comm must be an mpi4py intracommunicator "
             f"(MPI.Intracomm, such as MPI.COMM_WORLD or a Split of it); got "
             f"{type(comm).__name__}."
         )
-    if comm == MPI.COMM_NULL:
-        raise ValueError(f"{who}: comm is MPI.COMM_NULL.")
     return comm
 
 
