@@ -64,7 +64,7 @@ def quiet_on_other_ranks(rank: int) -> None:
             return  # rank 0 prints it for the job; the status is 1 all the same
         previous(kind, value, tb)
 
-    hook.quiet_rank = rank
+    hook.quiet_rank, hook.wrapped = rank, previous
     sys.excepthook = hook
 
 
@@ -77,7 +77,11 @@ def install(rank: int, size: int) -> bool:
     _state.rank, _state.size = rank, size
     if not _config.jax_preemption_requested():
         _compat.disable_preemption_service()
-    _state.previous_excepthook = sys.excepthook
+    # The hook before quiet_on_other_ranks' (the bootstrap's JobErrors are past).
+    previous = sys.excepthook
+    while getattr(previous, "quiet_rank", None) is not None:
+        previous = previous.wrapped
+    _state.previous_excepthook = previous
     _state.previous_thread_excepthook = threading.excepthook
     _state.original_exit = sys.exit
     sys.excepthook = _excepthook
