@@ -51,7 +51,6 @@ static struct {
   atomic_int answering;
   MPI_Comm comm;
   int signum, tag_ask, tag_reply, poll_ms;
-  atomic_long written; /* dumps written */
   atomic_long partials;
 } g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1};
 
@@ -273,7 +272,6 @@ static void write_dump(const char *dump, const char *reason,
   free(sources.data);
   free(header.data);
   free(file.data);
-  atomic_fetch_add(&g.written, 1);
 }
 
 /* Rank 0's requests, answered (with g.mu held): a dump on the signal, written,
@@ -454,12 +452,6 @@ static PyObject *write_stacks(PyObject *self, PyObject *args) {
   return PyUnicode_DecodeFSDefault(where);
 }
 
-static PyObject *written(PyObject *self, PyObject *unused) {
-  (void)self;
-  (void)unused;
-  return PyLong_FromLong(atomic_load(&g.written));
-}
-
 static PyObject *library_version(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
@@ -483,7 +475,6 @@ static PyMethodDef methods[] = {
      "Make no MPI call more (before MPI_Finalize)."},
     {"write", write_stacks, METH_VARARGS,
      "write(dump, reason): write a dump as the thread does; return where."},
-    {"written", written, METH_NOARGS, "Return the count of dumps written."},
     {"library_version", library_version, METH_NOARGS,
      "Return MPI_Get_library_version() of the MPI this module calls."},
     {NULL, NULL, 0, NULL},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -239,7 +240,6 @@ class _Watchdog(threading.Thread):
         self.progress = progress.Progress()
         self.verdict = progress.Verdict(comm) if hang_timeout_s else None
         self.period_s = progress.period_s(hang_timeout_s or 0.0, POLL_S)
-        self._said_one_place = False
         self._urgent = False
         self._sent: list = []  # this rank's alarm, sent without waiting
 
@@ -294,14 +294,8 @@ class _Watchdog(threading.Thread):
                 if self.rank == 0:
                     self._report_hang(stuck_s)
                 return  # the others wait for rank 0's request for their stacks
-            if self.rank == 0 and not self._said_one_place:
-                self._said_one_place = True
-                logger.info(
-                    "mpi4jax_dist: every rank has stood at one place for %g s or "
-                    "more: one long step, not taken for a hang (%s).",
-                    self.hang_timeout_s,
-                    _config.HANG_TIMEOUT,
-                )
+            if self.rank == 0:
+                _say_one_long_step(self.hang_timeout_s)
         if not self.verdict.pending:
             if now - (self.verdict.posted_at or -1e18) >= self.period_s:
                 stuck = stuck_s >= self.hang_timeout_s
@@ -322,15 +316,12 @@ class _Watchdog(threading.Thread):
             self._report(message)
         elif kind == "dump":
             self._reporting = True  # rank 0 reports: this rank posts no verdict more
-            where = dump(message["reason"])
-            place = self.progress.place()
             reply = {
                 "kind": "reply",
                 "rank": self.rank,
                 "count": _count_of(message["group"]),
-                "where": where,
-                "place": [tuple(f) for f in place],
-                "source": stacks.quote(place),
+                "where": dump(message["reason"]),
+                **_standing(self.progress),
             }
             self.comm.send(reply, dest=0, tag=_TAG)
 
@@ -343,14 +334,7 @@ class _Watchdog(threading.Thread):
 
         ask = {"kind": "dump", "reason": reason, "group": group}
         requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
-        place = self.progress.place()
-        replies = {
-            0: {
-                "count": _count_of(group),
-                "place": [tuple(f) for f in place],
-                "source": stacks.quote(place),
-            }
-        }
+        replies = {0: {"count": _count_of(group), **_standing(self.progress)}}
         where = {dump(reason)}
         start = time.monotonic()
         asked_c = False
@@ -408,6 +392,24 @@ class _Watchdog(threading.Thread):
         _mpi.abort(self.comm, 1)
 
 
+def _standing(watched: progress.Progress) -> dict:
+    """Where this rank's main thread stands, for rank 0's report: its frames,
+    innermost first, and their source lines as they read now."""
+    place = watched.place()
+    return {"place": [tuple(f) for f in place], "source": stacks.quote(place)}
+
+
+@functools.cache
+def _say_one_long_step(hang_timeout_s: float) -> None:
+    """Rank 0, once: every rank stuck at one place is one long step, not a hang."""
+    logger.info(
+        "mpi4jax_dist: every rank has stood at one place for %g s or more: one "
+        "long step, not taken for a hang (%s).",
+        hang_timeout_s,
+        _config.HANG_TIMEOUT,
+    )
+
+
 def _held_reply(text: str) -> dict:
     """A reply of a rank's ``_stacks`` thread (where its stacks went, a newline,
     the dump) as a watchdog's: its main thread's stack for its place (and where
@@ -443,7 +445,6 @@ class _ServiceWatchdog(threading.Thread):
         self.verdict = progress.ServiceVerdict(rank, size, self.period_s)
         self.prefix = progress.ServiceVerdict.PREFIX
         self._stopping = threading.Event()
-        self._said_one_place = False
         self._short_since: float | None = None  # rank 0: a rank has not counted
         self._answered = False
         self._counting = False  # counted once: the client is connected
@@ -499,14 +500,8 @@ class _ServiceWatchdog(threading.Thread):
         self._short_since = None
         if result["all_stuck"] and not result["one_place"]:
             self._report(stuck_s)
-        elif result["all_stuck"] and not self._said_one_place:
-            self._said_one_place = True
-            logger.info(
-                "mpi4jax_dist: every rank has stood at one place for %g s or "
-                "more: one long step, not taken for a hang (%s).",
-                self.hang_timeout_s,
-                _config.HANG_TIMEOUT,
-            )
+        elif result["all_stuck"]:
+            _say_one_long_step(self.hang_timeout_s)
 
     def _answer(self) -> None:
         """A stuck rank other than 0: rank 0's request for the stacks, if it has
@@ -517,13 +512,7 @@ class _ServiceWatchdog(threading.Thread):
         except Exception:  # no request
             return
         self._answered = True
-        place = self.progress.place()
-        reply = {
-            "rank": self.rank,
-            "where": dump(reason),
-            "place": [tuple(f) for f in place],
-            "source": stacks.quote(place),
-        }
+        reply = {"rank": self.rank, "where": dump(reason), **_standing(self.progress)}
         client.key_value_set(f"{self.prefix}/reply/{self.rank}", json.dumps(reply))
         client.key_value_increment(f"{self.prefix}/replied", 1)
 
@@ -537,10 +526,7 @@ class _ServiceWatchdog(threading.Thread):
         client = _compat.coordination_client()
         reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
         client.key_value_set(f"{self.prefix}/dump", reason)
-        place = self.progress.place()
-        replies = {
-            0: {"place": [tuple(f) for f in place], "source": stacks.quote(place)}
-        }
+        replies = {0: _standing(self.progress)}
         where = {dump(reason)}
         deadline = time.monotonic() + REPLY_S + self.period_s
         while time.monotonic() < deadline:

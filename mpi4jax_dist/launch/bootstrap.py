@@ -204,13 +204,12 @@ class Bootstrap:
         self._wait(
             request,
             deadline,
-            f"all {self.comm.Get_size()} ranks to reach the bootstrap (some rank "
+            f"all {size} ranks to reach the bootstrap (some rank "
             f"never called jax.distributed.initialize or mpi4jax_dist)",
         )
         node = None
         self.log.phase = "topology"
         try:
-            rank, size = comm.Get_rank(), comm.Get_size()
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             local_rank, local_size = node.Get_rank(), node.Get_size()
             node_index, num_nodes = self._node_numbers(comm, node, local_rank, deadline)
