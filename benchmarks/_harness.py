@@ -11,7 +11,10 @@ and the OSU micro-benchmarks are:
   sample the slowest rank counts (a collective is as slow as its last rank).
 - :class:`Compiles`: how many XLA compilations ran in a block (none should run
   in a timed or measured one).
-- :func:`summary`: min, median, mean, standard deviation and max of the samples.
+- :func:`fit_trips`: a loop timed at several trip counts split into the time per
+  trip and the fixed part (one dispatch), robustly (a Theil–Sen fit).
+- :func:`summary`: min, median, mean, standard deviation and max of the samples,
+  and their spread (the quartiles' distance over the median).
 - :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
   as they are measured.
 - :func:`meta`: provenance (machine, MPI, versions, backend, commit, UTC time).
@@ -136,26 +139,74 @@ def time_rounds(
     return slowest.tolist()
 
 
-def two_trip_counts(
-    short: Sequence[float], long: Sequence[float], k_short: int, k_long: int
-) -> tuple[list[float], list[float]]:
-    """Split timed loops into the time per trip and the fixed part, per round.
+@dataclass(frozen=True)
+class LoopFit:
+    """What :func:`fit_trips` finds in a loop timed at several trip counts.
 
-    ``short[i]`` and ``long[i]`` are one round's times of the same loop run with
-    ``k_short`` and ``k_long`` trips (:func:`time_rounds` times both in each
-    round): their difference over ``k_long - k_short`` is one trip alone, without
-    the loop's dispatch and set-up, and ``short[i] - k_short * trip`` is that fixed
-    part.
-
-    Returns:
-        ``(per_trip, fixed)``, one value per round each (seconds).
+    ``per_trip``: per sample, its time less the fixed part, over its trips (never
+    negative; their median is the time per trip, their quartiles its spread).
+    ``fixed``: the fixed part (seconds), where the samples resolve it; None for a
+    loop without one, or where they do not. ``fixed_at_most``: where they do not,
+    the most it can be (the upper quartile of the estimates, at least 0).
     """
-    extra = k_long - k_short
-    if extra <= 0:
-        raise ValueError(f"k_long={k_long} must exceed k_short={k_short}")
-    per_trip = [(b - a) / extra for a, b in zip(short, long, strict=True)]
-    fixed = [a - k_short * t for a, t in zip(short, per_trip, strict=True)]
-    return per_trip, fixed
+
+    per_trip: list[float]
+    fixed: float | None
+    fixed_at_most: float | None = None
+
+
+def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> LoopFit:
+    """Split timed loops into the time per trip and the fixed part, robustly.
+
+    ``times[k]`` are the samples of the same loop run with ``k`` trips
+    (:func:`time_rounds` times every trip count in each round), each
+    ``fixed + k * trip + noise``. Every pair of samples of two trip counts gives a
+    line; the fit is the median line (Theil–Sen): its slope, the median of the
+    pairs' slopes, is the time per trip, which a fifth of the samples slowed by
+    any amount (a busy machine) moves little, where the difference of two single
+    samples carries their whole noise and goes negative when the shorter loop was
+    the slowed one. Its intercept, the median of the pairs' intercepts, is the
+    fixed part where it is resolved: the lower quartile of the pairs' intercepts
+    above 0 (with 10 samples per trip count, the quartiles bracket about a 90 %
+    confidence interval of the median), and below the fastest sample (no loop
+    costs less than its own fixed part). A fixed part a fraction of a per cent of
+    a long, noisy loop is not resolved; its bound is reported instead. The times
+    per trip subtract the intercept wherever it lies between 0 and the fastest
+    sample, resolved or not (it is the best estimate there is), else nothing.
+
+    Args:
+        times: samples (seconds) per trip count; two trip counts or more.
+        dispatched: False for a loop without a fixed part (a Python loop of MPI
+            calls): its fixed part is taken as none, not fitted.
+    """
+    counts = sorted(times)
+    if len(counts) < 2 or counts[0] < 1:
+        raise ValueError(f"trip counts {counts}: need two or more, each at least 1")
+    fixed = at_most = None
+    subtract = 0.0
+    if dispatched:
+        intercepts = [
+            a - ka * (b - a) / (kb - ka)
+            for i, ka in enumerate(counts)
+            for kb in counts[i + 1 :]
+            for a in times[ka]
+            for b in times[kb]
+        ]
+        low, middle, high = statistics.quantiles(intercepts, n=4, method="inclusive")
+        fastest = min(min(times[k]) for k in counts)
+        if middle < fastest:  # else the samples contradict the line: take none
+            subtract = max(middle, 0.0)
+        if low > 0 and middle < fastest:
+            fixed = middle
+        else:
+            at_most = max(high, 0.0)
+    per_trip = [(t - subtract) / k for k in counts for t in times[k]]
+    return LoopFit(per_trip, fixed, at_most)
+
+
+# A row whose quartiles lie further apart than this, relative to its median, is
+# marked wide: its median is not to be read closer than about a factor of 1.5.
+WIDE = 0.25
 
 
 class Compiles:
@@ -196,15 +247,29 @@ class Compiles:
 
 
 def summary(samples: Iterable[float], prefix: str = "t") -> dict:
-    """Return min, median, mean, standard deviation and max of ``samples`` as
-    ``{prefix}_min_s``, ``{prefix}_median_s``, ... (seconds)."""
+    """Return min, quartiles (``q1``, ``median``, ``q3``), mean, standard deviation
+    and max of ``samples`` as ``{prefix}_min_s``, ``{prefix}_q1_s``, ... (seconds),
+    with ``{prefix}_spread``: half the distance between the quartiles over the median
+    (0.1 is ±10 %; with 10 samples the quartiles bracket about a 90 % confidence
+    interval of the median), and ``{prefix}_wide``: that spread exceeds
+    :data:`WIDE`."""
     values = list(samples)
+    median = statistics.median(values)
+    if len(values) > 1:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    else:
+        q1 = q3 = median
+    spread = (q3 - q1) / (2 * median) if median > 0 else None
     return {
         f"{prefix}_min_s": min(values),
-        f"{prefix}_median_s": statistics.median(values),
+        f"{prefix}_q1_s": q1,
+        f"{prefix}_median_s": median,
+        f"{prefix}_q3_s": q3,
         f"{prefix}_mean_s": statistics.fmean(values),
         f"{prefix}_stddev_s": statistics.stdev(values) if len(values) > 1 else 0.0,
         f"{prefix}_max_s": max(values),
+        f"{prefix}_spread": spread,
+        f"{prefix}_wide": spread is None or spread > WIDE,
     }
 
 
@@ -269,6 +334,7 @@ class Column:
 
     ``fmt`` is a format spec (``".1f"``) or a callable ``value -> str``; ``scale``
     multiplies numbers first (``1e6`` for seconds shown in us). ``None`` prints ``-``.
+    ``text``, where given, makes the cell from the whole row instead.
     """
 
     key: str
@@ -278,10 +344,13 @@ class Column:
     fmt: str | Callable = ""
     scale: float = 1.0
     left: bool = False
+    text: Callable[[dict], str] | None = None
 
     def cell(self, row: dict) -> str:
         value = row.get(self.key)
-        if value is None:
+        if self.text is not None:
+            text = self.text(row)
+        elif value is None:
             text = "-"
         elif callable(self.fmt):
             text = self.fmt(value)
@@ -442,28 +511,45 @@ def plot_lines(
     xlabel: str,
     style: Callable[[str], dict] | None = None,
     logx: int | None = 2,
+    bands: dict[str, tuple[str, str]] | None = None,
+    extra: Callable | None = None,
 ) -> None:
     """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
-    against ``x``, log-log, one line per ``series(row)``."""
+    against ``x``, log-log, one line per ``series(row)``, the legend outside the
+    panels (right of them).
+
+    ``bands[key] = (low, high)`` shades each line's ``low .. high`` (its quartiles)
+    in that panel; ``extra(ax)``, where given, draws one more panel to the right.
+    """
     import matplotlib.pyplot as plt
 
+    count = len(panels) + (extra is not None)
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False
+        1, count, figsize=(5.5 * count + 2.5, 4.5), squeeze=False, layout="constrained"
     )
     names = list(dict.fromkeys(series(r) for r in results))
-    for ax, (key, label, scale) in zip(axes[0], panels, strict=True):
+    for ax, (key, label, scale) in zip(axes[0], panels, strict=False):
         for name in names:
             rows = sorted(
                 (r for r in results if series(r) == name and r.get(key) is not None),
                 key=lambda r: r[x],
             )
-            if rows:
-                ax.plot(
-                    [r[x] for r in rows],
-                    [r[key] * scale for r in rows],
-                    marker=".",
-                    label=name,
-                    **(style(name) if style else {}),
+            if not rows:
+                continue
+            kwargs = style(name) if style else {}
+            xs = [r[x] for r in rows]
+            ax.plot(
+                xs, [r[key] * scale for r in rows], marker=".", label=name, **kwargs
+            )
+            low, high = (bands or {}).get(key, (None, None))
+            if low and all(r.get(low) is not None for r in rows):
+                ax.fill_between(
+                    xs,
+                    [r[low] * scale for r in rows],
+                    [r[high] * scale for r in rows],
+                    color=kwargs.get("color"),
+                    alpha=0.15,
+                    linewidth=0,
                 )
         if logx:
             ax.set_xscale("log", base=logx)
@@ -471,9 +557,11 @@ def plot_lines(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if extra is not None:
+        extra(axes[0][-1])
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -19,16 +19,21 @@ the implementations in :data:`IMPLS`:
 Two modes. ``loop`` times the collective alone: ``x <- allreduce(x)`` back to back
 from an all-zero input (zeros stay zeros: nothing overflows, nothing can be hoisted),
 for mpi4py a Python loop swapping two buffers, for JAX one jitted ``lax.fori_loop``
-whose trip count is an argument, run with K and with 2K trips in each round; the
-difference over K is one collective (the row's times), and what is left of the K-trip
-run is the fixed part, one dispatch of the loop (the ``fixed`` column), which a
-division by K would spread over every collective (hundreds of µs with an ordered
-effect: 3.6x mpi4py at 4 B with K = 50 where the collective itself is at MPI's
-speed). ``call``: K separate allreduces of the held input, one dispatch each (for
-mpi4py a fresh result buffer each, as a functional API pays); divided by K, what a
-Python loop of jitted calls pays. After the sweep, ``dispatch`` rows time one jitted
-call at 4 B of a trivial function, of an ordered-effect op that communicates
-nothing, of mpi4jax and of mpi4jax_dist (the JSON's ``dispatch`` key).
+whose trip count is an argument, run with K and with 2K trips in each round. A line
+through those samples against the trip count (:func:`_harness.fit_trips`: the
+Theil–Sen line, the median of the lines through every K-trip and every 2K-trip
+sample, which a busy machine's slowed samples move little) gives the fixed part,
+one dispatch of the loop (the ``fixed`` column, where the samples resolve it, else
+``<X``, the most it can be; none for mpi4py's Python loop), which a division by K
+would spread over every collective (hundreds of µs with an ordered effect: 3.6x
+mpi4py at 4 B with K = 50 where the collective itself is at MPI's speed); each
+sample less that part, over its trips, is one time per collective (the row's
+times, never negative). ``call``: K separate allreduces of
+the held input, one dispatch each (for mpi4py a fresh result buffer each, as a
+functional API pays); divided by K, what a Python loop of jitted calls pays. After
+the sweep, ``dispatch`` rows time one jitted call at 4 B of a trivial function, of
+an ordered-effect op that communicates nothing, of mpi4jax and of mpi4jax_dist (the
+JSON's ``dispatch`` key).
 
 Correctness is checked outside the timing, before and after the timed samples, on
 the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,
@@ -47,7 +52,8 @@ Method (OSU ``osu_allreduce`` and nccl-tests ``all_reduce_perf`` style, through
 every case, then round-robin samples over the cases of one size and transport (MPI,
 then XLA's gloo: interleaved, gloo's collectives slowed the MPI ones that followed
 them within a few ms), a barrier before each, the slowest rank per sample;
-min/median/max over samples;
+min/median/max over samples, and the spread, half the quartiles' distance over
+the median (``wide`` above 25 %: a busy machine);
 ``algbw = bytes / t`` and ``busbw = algbw * 2 (P - 1) / P``; ``ratio`` is the median
 over the median of ``mpi4py`` in the same mode. Memory is measured by
 ``benchmarks/memory.py``, each case in its own job.
@@ -59,7 +65,6 @@ import argparse
 import functools
 import gc
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -681,12 +686,34 @@ def measure_dispatch(dtype, samples: int, calls: int, comm) -> list[dict]:
     return rows
 
 
+def _percent(spread: float) -> str:
+    return f"{100 * spread:.0f}%"
+
+
+def _wide(wide: bool) -> str:
+    return "wide" if wide else ""
+
+
+def _fixed(row: dict) -> str:
+    """The fixed part in us; ``<X`` where the samples bound it without resolving
+    it; ``-`` where there is none (mpi4py's loop, call mode)."""
+    if row["fixed_s"] is not None:
+        return f"{row['fixed_s'] * 1e6:.1f}"
+    if row.get("fixed_at_most_s"):
+        return f"<{row['fixed_at_most_s'] * 1e6:.0f}"
+    if row.get("fixed_at_most_s") == 0:
+        return "~0"
+    return "-"
+
+
 DISPATCH_TABLE = _harness.Table(
     [
         _harness.Column("impl", "one call of", "", 16, left=True),
         _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
         _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
         _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
+        _harness.Column("t_spread", "spread", "+-", 6, _percent),
+        _harness.Column("t_wide", "", "", 4, _wide, left=True),
         _harness.Column("what", "  what runs", "", 0, lambda w: f"  {w}", left=True),
     ]
 )
@@ -772,14 +799,14 @@ def measure(
         if trips != (loop_steps if mode == "loop" else steps):
             continue  # the 2K-trip loop, taken with the K-trip one
         if mode == "loop":
-            per_call, fixed = _harness.two_trip_counts(
-                timed[(name, mode, loop_steps)],
-                timed[(name, mode, 2 * loop_steps)],
-                loop_steps,
-                2 * loop_steps,
+            fit = _harness.fit_trips(
+                {k: timed[(name, mode, k)] for k in (loop_steps, 2 * loop_steps)},
+                dispatched=IMPLS[name].uses_jax,
             )
         else:
-            per_call, fixed = [t / steps for t in timed[(name, mode, steps)]], None
+            fit = _harness.LoopFit(
+                [t / steps for t in timed[(name, mode, steps)]], None
+            )
         row = {
             "bytes": nbytes,
             "impl": name,
@@ -789,9 +816,11 @@ def measure(
             "dtype": np.dtype(dtype).name,
             "steps": loop_steps if mode == "loop" else steps,
             "samples": samples,
-            **_harness.summary(per_call),
-            # loop: what one dispatch of the loop adds, whatever its trip count
-            "fixed_median_s": None if fixed is None else statistics.median(fixed),
+            **_harness.summary(fit.per_trip),
+            # loop: what one dispatch of the loop adds, whatever its trip count,
+            # where the samples resolve it, else the most it can be
+            "fixed_s": fit.fixed,
+            "fixed_at_most_s": fit.fixed_at_most,
         }
         row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs
@@ -813,18 +842,21 @@ TABLE = _harness.Table(
         _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
         _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
         _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
+        _harness.Column("t_spread", "spread", "+-", 6, _percent),
         _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
         _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
         _harness.Column("ratio", "ratio", "", 6, ".2f"),
-        _harness.Column("fixed_median_s", "fixed", "us", 9, ".1f", 1e6),
-        _harness.Column("wrong", "wrong", "", 7),
+        _harness.Column("fixed_s", "fixed", "us", 9, text=_fixed),
+        _harness.Column("wrong", "wrong", "", 6),
+        _harness.Column("t_wide", "", "", 4, _wide, left=True),
     ]
 )
 
 
-def plot(results: list[dict], path: str, title: str) -> None:
-    """Latency and bus bandwidth against size, a line per implementation and mode
-    (solid: loop, dashed: call)."""
+def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> None:
+    """Latency (the quartiles shaded) and bus bandwidth against size, a line per
+    implementation and mode (solid: loop, dashed: call), and the time of one
+    dispatch per kind of call (the ``dispatch`` rows)."""
     names = IMPLS.names()
 
     def style(series):
@@ -834,6 +866,22 @@ def plot(results: list[dict], path: str, title: str) -> None:
             "color": f"C{index}",
             "linestyle": "-" if mode == "(loop)" else "--",
         }
+
+    def draw_dispatch(ax):
+        ax.barh(
+            range(len(dispatch)),
+            [r["t_median_s"] * 1e6 for r in dispatch],
+            xerr=[
+                [(r["t_median_s"] - r["t_q1_s"]) * 1e6 for r in dispatch],
+                [(r["t_q3_s"] - r["t_median_s"]) * 1e6 for r in dispatch],
+            ],
+            color="C7",
+        )
+        ax.set_yticks(range(len(dispatch)), [r["impl"] for r in dispatch])
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("one jitted call at 4 B, median [us]")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
 
     _harness.plot_lines(
         results,
@@ -847,6 +895,8 @@ def plot(results: list[dict], path: str, title: str) -> None:
         title=title,
         xlabel="message size per rank [bytes]",
         style=style,
+        bands={"t_median_s": ("t_q1_s", "t_q3_s")},
+        extra=draw_dispatch if dispatch else None,
     )
 
 
@@ -943,10 +993,13 @@ def main(argv=None) -> list[dict]:
         f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
-        "# time per allreduce: loop = (2K trips - K trips) / K of x <- allreduce(x) "
-        "in one dispatch, the collective alone, and 'fixed' what that dispatch adds; "
-        "call = K dispatches / K; slowest rank per sample; checked outside the "
-        "timing",
+        "# time per allreduce, slowest rank per sample, checked outside the timing:"
+        " loop = x <- allreduce(x) K and 2K times in one dispatch, a line fitted "
+        "through the samples (Theil-Sen): its slope the collective alone, 'fixed' "
+        "what the dispatch adds; call = K dispatches / K",
+        f"# spread: half the quartiles' distance over the median; 'wide' above "
+        f"{100 * _harness.WIDE:.0f}% (a busy machine): read such a row's median as "
+        "no better than a factor of 1.5",
         TABLE.header(),
     )
     results = []
@@ -986,6 +1039,7 @@ def main(argv=None) -> list[dict]:
             rows,
             path,
             f"allreduce, {meta['world_size']} ranks, {args.dtype}, {meta['backend']}",
+            dispatch,
         ),
         comm=comm,
     )

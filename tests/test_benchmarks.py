@@ -275,3 +275,52 @@ def test_latency_interposer_holds_every_reduction_until_its_time():
     # scheduling slack past them.
     assert 59 <= slack_ms + blocked_ms < 60 + 200, got
     assert got["AFTER"][0] < 0.030, got
+
+
+def test_loop_fit_stays_sane_under_random_load():
+    """The loop rows' fit on loops of known cost (``fixed + k * trip``, 2 %
+    noise) where a random third of the samples is slowed by up to tens of ms, as
+    a busy machine slows them: over 200 runs of 10 rounds at K and 2K trips, the
+    median time per trip stays within 10 % of the truth in 8 runs of 10 or more,
+    and no time or fixed part is negative; the difference of each round's two
+    samples goes negative in most runs. A fixed part a third of the loop is
+    resolved in 2 runs of 5 or more, then within 10 % of a loop of the truth in 9
+    of 10; a loop without one is said to have one in 1 run of 20 at most."""
+    import random
+
+    harness = util.load_benchmark("allreduce")._harness
+    draw = random.Random(42)
+
+    def samples(fixed, trip, k):
+        out = []
+        for _ in range(10):
+            t = fixed + k * trip * (1 + draw.gauss(0, 0.02))
+            if draw.random() < 1 / 3:
+                t += draw.expovariate(1 / 0.005)
+            out.append(t)
+        return out
+
+    for fixed, trip, k in ((500e-6, 2e-6, 500), (0.0, 2e-6, 500), (50e-6, 3e-4, 50)):
+        close = negative_before = resolved = near = 0
+        for _ in range(200):
+            short, long = samples(fixed, trip, k), samples(fixed, trip, 2 * k)
+            fit = harness.fit_trips({k: short, 2 * k: long})
+            row = harness.summary(fit.per_trip)
+            assert 0 < row["t_min_s"] <= row["t_median_s"] <= row["t_max_s"]
+            close += abs(row["t_median_s"] / trip - 1) < 0.10
+            negative_before += min(b - a for a, b in zip(short, long, strict=True)) < 0
+            if fit.fixed is None:
+                assert fit.fixed_at_most >= 0
+            else:
+                resolved += 1
+                assert fit.fixed > 0 and fit.fixed_at_most is None
+                near += abs(fit.fixed - fixed) < 0.1 * trip * k
+        # with this seed: 170, 179 and 198 close; resolved in 103 (96 near),
+        # 3 and 7 runs; negative before in 183, 186 and 29
+        assert close >= 160, (fixed, trip, k, close)
+        if trip * k < 0.005:  # loops shorter than the slowing
+            assert negative_before > 150, negative_before
+        if fixed == 0:
+            assert resolved <= 10, resolved  # a fixed part claimed where none is
+        elif fixed > 0.1 * trip * k:
+            assert resolved >= 80 and near >= 0.9 * resolved, (resolved, near)
