@@ -132,6 +132,7 @@ more_ranks = pytest.mark.more_ranks
 MPI_FILES = frozenset(
     {
         "test_allreduce_bench.py",
+        "test_api_examples.py",
         "test_bad_input.py",
         "test_cg.py",
         "test_cg_dropin.py",
