@@ -147,7 +147,8 @@ class LoopFit:
     negative; their median is the time per trip, their quartiles its spread).
     ``fixed``: the fixed part (seconds), where the samples resolve it; None for a
     loop without one, or where they do not. ``fixed_at_most``: where they do not,
-    the most it can be (the upper quartile of the estimates, at least 0).
+    the most it can be (the upper quartile of the estimates, at least 0 and at
+    most the fastest sample).
     """
 
     per_trip: list[float]
@@ -199,7 +200,7 @@ def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> Loo
         if low > 0 and middle < fastest:
             fixed = middle
         else:
-            at_most = max(high, 0.0)
+            at_most = min(max(high, 0.0), fastest)
     per_trip = [(t - subtract) / k for k in counts for t in times[k]]
     return LoopFit(per_trip, fixed, at_most)
 

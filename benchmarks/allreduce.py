@@ -821,6 +821,11 @@ def measure(
             # where the samples resolve it, else the most it can be
             "fixed_s": fit.fixed,
             "fixed_at_most_s": fit.fixed_at_most,
+            # what was timed, to fit again: seconds per sample, by trip count
+            "raw_s": {
+                str(k): timed[(name, mode, k)]
+                for k in ((trips, 2 * trips) if mode == "loop" else (trips,))
+            },
         }
         row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs

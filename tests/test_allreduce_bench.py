@@ -95,6 +95,14 @@ def test_tiny_sweep(world, tmp_path_factory):
             assert all(f >= 0 for f in fixed if f is not None), row
         else:  # no dispatch in mpi4py's loop; none counted in call mode
             assert fixed == (None, None), row
+        # the samples as timed: the row's figures come from them alone
+        raw = {int(k): v for k, v in row["raw_s"].items()}
+        if row["mode"] == "loop":
+            fit = bench._harness.fit_trips(raw, dispatched=fixed != (None, None))
+            per_call = fit.per_trip
+        else:
+            per_call = [t / row["steps"] for t in raw[row["steps"]]]
+        assert bench._harness.summary(per_call)["t_median_s"] == row["t_median_s"]
         assert row["ratio"] > 0
         if row["impl"] == "mpi4py":
             assert row["ratio"] == 1.0
