@@ -193,7 +193,12 @@ def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> Loo
             for a in times[ka]
             for b in times[kb]
         ]
-        low, middle, high = statistics.quantiles(intercepts, n=4, method="inclusive")
+        if len(intercepts) > 1:
+            low, middle, high = statistics.quantiles(
+                intercepts, n=4, method="inclusive"
+            )
+        else:  # one sample per trip count: an estimate, never a resolved one
+            low, middle, high = -math.inf, intercepts[0], intercepts[0]
         fastest = min(min(times[k]) for k in counts)
         if middle < fastest:  # else the samples contradict the line: take none
             subtract = max(middle, 0.0)

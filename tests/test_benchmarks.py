@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import util
 
 pytestmark = util.skip_in_mpi_job
@@ -324,3 +325,7 @@ def test_loop_fit_stays_sane_under_random_load():
             assert resolved <= 10, resolved  # a fixed part claimed where none is
         elif fixed > 0.1 * trip * k:
             assert resolved >= 80 and near >= 0.9 * resolved, (resolved, near)
+    # One sample per trip count (--samples 1): an estimate, never resolved.
+    fit = harness.fit_trips({5: [0.030 + 5 * 0.002], 10: [0.030 + 10 * 0.002]})
+    assert fit.fixed is None and fit.fixed_at_most == pytest.approx(0.030)
+    assert [round(t, 6) for t in fit.per_trip] == [0.002, 0.002]
