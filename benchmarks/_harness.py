@@ -12,7 +12,7 @@ and the OSU micro-benchmarks are:
 - :class:`Compiles`: how many XLA compilations ran in a block (none should run
   in a timed or measured one).
 - :func:`fit_trips`: a loop timed at several trip counts split into the time per
-  trip and the fixed part (one dispatch), robustly (a Theil–Sen fit).
+  trip and the fixed part (one dispatch), robustly (the median line's intercept).
 - :func:`summary`: min, median, mean, standard deviation and max of the samples,
   and their spread (the quartiles' distance over the median).
 - :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
@@ -162,18 +162,18 @@ def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> Loo
     ``times[k]`` are the samples of the same loop run with ``k`` trips
     (:func:`time_rounds` times every trip count in each round), each
     ``fixed + k * trip + noise``. Every pair of samples of two trip counts gives a
-    line; the fit is the median line (Theil–Sen): its slope, the median of the
-    pairs' slopes, is the time per trip, which a fifth of the samples slowed by
-    any amount (a busy machine) moves little, where the difference of two single
-    samples carries their whole noise and goes negative when the shorter loop was
-    the slowed one. Its intercept, the median of the pairs' intercepts, is the
-    fixed part where it is resolved: the lower quartile of the pairs' intercepts
-    above 0 (with 10 samples per trip count, the quartiles bracket about a 90 %
-    confidence interval of the median), and below the fastest sample (no loop
-    costs less than its own fixed part). A fixed part a fraction of a per cent of
-    a long, noisy loop is not resolved; its bound is reported instead. The times
-    per trip subtract the intercept wherever it lies between 0 and the fastest
-    sample, resolved or not (it is the best estimate there is), else nothing.
+    line; the median of their intercepts (as Theil–Sen fits a line) is the fixed
+    part, which a fifth of the samples slowed by any amount (a busy machine) moves
+    little, where the difference of one round's two samples carries their whole
+    noise and goes negative when the shorter loop was the slowed one. Each sample
+    less that part, over its trips, is one time per trip, never negative: their
+    median is the row's time. The fixed part is resolved where the lower quartile
+    of the intercepts is above 0 (with 10 samples per trip count, the quartiles
+    bracket about a 90 % confidence interval of the median) and the median below
+    the fastest sample (no loop costs less than its own fixed part); else its
+    bound is reported (a fixed part a fraction of a per cent of a long, noisy
+    loop), and the times subtract the median all the same where it lies between 0
+    and the fastest sample (the best estimate there is), else nothing.
 
     Args:
         times: samples (seconds) per trip count; two trip counts or more.

@@ -21,16 +21,16 @@ from an all-zero input (zeros stay zeros: nothing overflows, nothing can be hois
 for mpi4py a Python loop swapping two buffers, for JAX one jitted ``lax.fori_loop``
 whose trip count is an argument, run with K and with 2K trips in each round. A line
 through those samples against the trip count (:func:`_harness.fit_trips`: the
-Theil–Sen line, the median of the lines through every K-trip and every 2K-trip
-sample, which a busy machine's slowed samples move little) gives the fixed part,
-one dispatch of the loop (the ``fixed`` column, where the samples resolve it, else
-``<X``, the most it can be; none for mpi4py's Python loop), which a division by K
-would spread over every collective (hundreds of µs with an ordered effect: 3.6x
-mpi4py at 4 B with K = 50 where the collective itself is at MPI's speed); each
-sample less that part, over its trips, is one time per collective (the row's
-times, never negative). ``call``: K separate allreduces of
-the held input, one dispatch each (for mpi4py a fresh result buffer each, as a
-functional API pays); divided by K, what a Python loop of jitted calls pays. After
+median intercept of the lines through every K-trip and every 2K-trip sample, as
+Theil–Sen fits, which a busy machine's slowed samples move little) gives the
+fixed part, one dispatch of the loop (the ``fixed`` column, where the samples
+resolve it, else ``<X``, the most it can be; none for mpi4py's Python loop), which
+a division by K would spread over every collective (hundreds of µs with an ordered
+effect: 3.6x mpi4py at 4 B with K = 50 where the collective itself is at MPI's
+speed); each sample less that part, over its trips, is one time per collective
+(the row's times, never negative). ``call``: K separate allreduces of the held
+input, one dispatch each (for mpi4py a fresh result buffer each, as a functional
+API pays); divided by K, what a Python loop of jitted calls pays. After
 the sweep, ``dispatch`` rows time one jitted call at 4 B of a trivial function, of
 an ordered-effect op that communicates nothing, of mpi4jax and of mpi4jax_dist (the
 JSON's ``dispatch`` key).
@@ -999,9 +999,9 @@ def main(argv=None) -> list[dict]:
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
         "# time per allreduce, slowest rank per sample, checked outside the timing:"
-        " loop = x <- allreduce(x) K and 2K times in one dispatch, a line fitted "
-        "through the samples (Theil-Sen): its slope the collective alone, 'fixed' "
-        "what the dispatch adds; call = K dispatches / K",
+        " loop = x <- allreduce(x) K and 2K times in one dispatch, less 'fixed' "
+        "(what the dispatch adds: the median intercept of the lines through the "
+        "samples), over K; call = K dispatches / K",
         f"# spread: half the quartiles' distance over the median; 'wide' above "
         f"{100 * _harness.WIDE:.0f}% (a busy machine): read such a row's median as "
         "no better than a factor of 1.5",
