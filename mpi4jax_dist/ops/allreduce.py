@@ -71,6 +71,8 @@ def allreduce(x, op=None, *, comm=None):
     Raises:
         TypeError: a dtype, op or communicator MPI cannot reduce with, before any
             MPI call.
+        ValueError: ``comm`` is ``MPI.COMM_NULL`` (a rank in no group of a
+            ``Split``).
         RuntimeError: MPI is not initialized, or provides less than
             ``MPI_THREAD_SERIALIZED`` (the message names
             ``MPICH_MAX_THREAD_SAFETY``).

@@ -410,7 +410,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
         TypeError: a dtype, op or communicator MPI cannot reduce with, before any
             MPI call.
         ValueError: more than ``INT_MAX`` elements on an MPI without
-            ``MPI_Iallreduce_c`` (MPI-4).
+            ``MPI_Iallreduce_c`` (MPI-4), or ``comm`` is ``MPI.COMM_NULL``.
         RuntimeError: MPI is not initialized, or provides less than
             ``MPI_THREAD_SERIALIZED`` (as :func:`mpi4jax_dist.allreduce`); (at
             lowering) the request was dropped without its wait.
