@@ -200,9 +200,10 @@ def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> Loo
         else:  # one sample per trip count: an estimate, never a resolved one
             low, middle, high = -math.inf, intercepts[0], intercepts[0]
         fastest = min(min(times[k]) for k in counts)
-        if middle < fastest:  # else the samples contradict the line: take none
+        plausible = middle < fastest  # else the samples contradict the line
+        if plausible:
             subtract = max(middle, 0.0)
-        if low > 0 and middle < fastest:
+        if low > 0 and plausible:
             fixed = middle
         else:
             at_most = min(max(high, 0.0), fastest)

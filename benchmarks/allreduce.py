@@ -798,15 +798,13 @@ def measure(
     for name, mode, trips in keys:
         if trips != (loop_steps if mode == "loop" else steps):
             continue  # the 2K-trip loop, taken with the K-trip one
+        # what was timed: seconds per sample, by trip count (K and 2K, or K)
+        counts = (trips, 2 * trips) if mode == "loop" else (trips,)
+        raw = {k: timed[(name, mode, k)] for k in counts}
         if mode == "loop":
-            fit = _harness.fit_trips(
-                {k: timed[(name, mode, k)] for k in (loop_steps, 2 * loop_steps)},
-                dispatched=IMPLS[name].uses_jax,
-            )
+            fit = _harness.fit_trips(raw, dispatched=IMPLS[name].uses_jax)
         else:
-            fit = _harness.LoopFit(
-                [t / steps for t in timed[(name, mode, steps)]], None
-            )
+            fit = _harness.LoopFit([t / trips for t in raw[trips]], None)
         row = {
             "bytes": nbytes,
             "impl": name,
@@ -814,18 +812,15 @@ def measure(
             "transport": IMPLS[name].transport,
             "count": n,
             "dtype": np.dtype(dtype).name,
-            "steps": loop_steps if mode == "loop" else steps,
+            "steps": trips,
             "samples": samples,
             **_harness.summary(fit.per_trip),
             # loop: what one dispatch of the loop adds, whatever its trip count,
             # where the samples resolve it, else the most it can be
             "fixed_s": fit.fixed,
             "fixed_at_most_s": fit.fixed_at_most,
-            # what was timed, to fit again: seconds per sample, by trip count
-            "raw_s": {
-                str(k): timed[(name, mode, k)]
-                for k in ((trips, 2 * trips) if mode == "loop" else (trips,))
-            },
+            # to fit again from what ran
+            "raw_s": {str(k): v for k, v in raw.items()},
         }
         row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs
