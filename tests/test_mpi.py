@@ -227,3 +227,42 @@ def test_to_global_and_back(world):
     all_ranks(np.array_equal(every, expected), f"{every} != {expected}")
     back = np.asarray(mpi4jax_dist.to_local(g))
     all_ranks(np.array_equal(back, np.asarray(local)), f"{back}")
+
+
+@util.more_ranks  # two rounds and more: a round a poll was the fault
+def test_the_hang_timeout_s_reduction_runs_its_rounds_at_the_fast_poll():
+    """The hang timeout's verdict, a reduction that moves a round only when both
+    ranks of the round test it: at the watchdog's poll of a second, each round took
+    a second (1 to 3 s at 4 ranks, about log2 P rounds), as long as rank 0 then
+    waited before taking a reduction still pending for a rank whose watchdog cannot
+    run (a false hang, seen in CI). Every rank posts when a period of the clock
+    starts and tests at the fast poll after posting: the watchdog's own loop, on a
+    communicator of its own, its main thread making progress (no report)."""
+    import time
+
+    from mpi4py import MPI
+
+    from mpi4jax_dist.faults import hangs
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("the watchdog calls MPI from its thread")
+    comm = MPI.COMM_WORLD.Dup()
+    watchdog = hangs._Watchdog(comm, hang_timeout_s=2)
+    verdict, took = watchdog.verdict, []
+    test = verdict.test
+
+    def timed():
+        result = test()
+        if result is not None:
+            took.append(time.monotonic() - verdict.posted_at)
+        return result
+
+    verdict.test = timed
+    watchdog.start()
+    end = time.monotonic() + 3 * watchdog.period_s
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    watchdog.stop()
+    comm.Free()
+    all_ranks(len(took) >= 3, f"{len(took)} reductions in 3 periods: {took}")
+    all_ranks(max(took) < hangs.POLL_S / 2, f"seconds to complete: {took}")

@@ -238,8 +238,8 @@ class _Watchdog(threading.Thread):
         self._reporting = False
         self.hang_timeout_s = hang_timeout_s
         self.progress = progress.Progress()
-        self.verdict = progress.Verdict(comm) if hang_timeout_s else None
         self.period_s = progress.period_s(hang_timeout_s or 0.0, POLL_S)
+        self.verdict = progress.Verdict(comm, self.period_s) if hang_timeout_s else None
         self._urgent = False
         self._sent: list = []  # this rank's alarm, sent without waiting
 
@@ -257,7 +257,7 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         from mpi4py import MPI
 
-        while not self._stopping.wait(URGENT_POLL_S if self._urgent else POLL_S):
+        while not self._stopping.wait(self._wait_s()):
             try:
                 message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
                 while message is not None:
@@ -282,9 +282,16 @@ class _Watchdog(threading.Thread):
                     logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
                 return
 
+    def _wait_s(self) -> float:
+        if self._urgent:
+            return URGENT_POLL_S
+        if self.verdict is None or self._reporting:
+            return POLL_S
+        return self.verdict.wait_s(time.monotonic(), time.time(), POLL_S, URGENT_POLL_S)
+
     def _watch_progress(self, now: float) -> None:
         """The hang timeout: look at the main thread, read the last verdict, post
-        the next one a period after the last."""
+        the next one when a period starts."""
         self.progress.look(now)
         stuck_s = self.progress.stuck_for(now)
         result = self.verdict.test()
@@ -296,15 +303,16 @@ class _Watchdog(threading.Thread):
                 return  # the others wait for rank 0's request for their stacks
             if self.rank == 0:
                 _say_one_long_step(self.hang_timeout_s)
-        if not self.verdict.pending:
-            if now - (self.verdict.posted_at or -1e18) >= self.period_s:
-                stuck = stuck_s >= self.hang_timeout_s
-                place = progress.place_key(self.progress.place()) if stuck else 0
-                self.verdict.post(now, stuck, place)
+        if self.verdict.due(time.time()):
+            stuck = stuck_s >= self.hang_timeout_s
+            place = progress.place_key(self.progress.place()) if stuck else 0
+            self.verdict.post(now, stuck, place)
         elif (
-            self.rank == 0
+            self.verdict.pending
+            and self.rank == 0
             and stuck_s >= self.hang_timeout_s
-            and now - self.verdict.posted_at >= self.hang_timeout_s + self.period_s
+            and now - self.verdict.posted_at
+            >= self.hang_timeout_s + self.verdict.late_s(POLL_S)
         ):
             # A rank has not taken part for longer than the timeout: its watchdog
             # cannot run (a thread holding the GIL, a stopped process).
