@@ -303,10 +303,11 @@ class _Watchdog(threading.Thread):
                 return  # the others wait for rank 0's request for their stacks
             if self.rank == 0:
                 _say_one_long_step(self.hang_timeout_s)
-        if self.verdict.due(time.time()):
+        wall = time.time()
+        if self.verdict.due(wall):
             stuck = stuck_s >= self.hang_timeout_s
             place = progress.place_key(self.progress.place()) if stuck else 0
-            self.verdict.post(now, stuck, place)
+            self.verdict.post(now, stuck, place, wall=wall)
         elif (
             self.verdict.pending
             and self.rank == 0

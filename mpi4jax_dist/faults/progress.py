@@ -141,7 +141,7 @@ class Verdict:
     def late_s(self, poll_s: float) -> float:
         """How long a reduction may stay pending while every rank's watchdog runs:
         a period (clocks that disagree post up to a period apart) and a poll a
-        round (a rank that posted late tests at the poll again)."""
+        round (past its fast poll, a rank tests once a poll again)."""
         return self.period_s + self.rounds * poll_s
 
     def test(self) -> dict | None:
