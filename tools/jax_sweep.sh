@@ -13,9 +13,10 @@
 # row to row), with MPICH from PyPI, mpi4py and mpi4jax, each environment made by
 # tools/setup.sh (VENV=.venv-sweep/pyX.Y-jaxV JAX=V: pinned, this package built
 # from a copy of the tree against that jaxlib; pip's cache shares the downloads).
-# Two more rows run other Pythons, each with the newest JAX pip serves it
-# (found the same way; skipped, with a line, where there is none): Python 3.13,
-# with the whole serial suite as well, and Python 3.10, setup.cfg's floor. The
+# Three more rows run other Pythons, each with the newest JAX pip serves it
+# (found the same way; skipped, with a line, where there is none): Python 3.13 and
+# 3.11 (whose last JAX is 0.10), with the whole serial suite as well, and Python
+# 3.10, setup.cfg's floor. The
 # checks, each a pytest run of its own (a job of 2 ranks for those under mpiexec):
 #   launch       tests/test_launch.py: plain jax.distributed.initialize() under
 #                mpiexec, process index = rank, the launchers' variables
@@ -28,7 +29,8 @@
 #                requests or communicators are misused), then mpiexec -n 2
 #                pytest --with-mpi tests/test_iallreduce.py
 #   cg           mpiexec -n 2 pytest --with-mpi tests/test_cg_dropin.py
-#   serial       (Python 3.13's row only) python -m pytest: the serial suite
+#   serial       (the rows of Python 3.13 and 3.11 only) python -m pytest: the
+#                serial suite
 # Every run has a time limit. Each check's output is kept in
 # .venv-sweep/logs/<row>-<check>.log. Exits 1 when any setup or check failed.
 # About 5 minutes a minor on a 2-core machine (2 of them setting up).
@@ -117,7 +119,7 @@ for version in $versions; do
     wanted "$(cut -d. -f1,2 <<<"$version")" "$@" || continue
     rows+=("$(python_version "$python") $python $version ${CHECKS[*]:0:6}")
 done
-for other in "3.13:${CHECKS[*]}" "3.10:${CHECKS[*]:0:6}"; do
+for other in "3.13:${CHECKS[*]}" "3.11:${CHECKS[*]}" "3.10:${CHECKS[*]:0:6}"; do
     pyver=${other%%:*}
     wanted "py$pyver" "$@" || continue
     if ! py=$(find_python "$pyver" "$pyver"); then

@@ -7,8 +7,6 @@
 #   bash tools/setup.sh --with-intel-mpi  # and .venv-impi with Intel MPI from PyPI
 #   bash tools/setup.sh --with-oldest-jax # and .venv-jaxmin: MPICH, Python 3.11 and
 #                                         # the oldest JAX that setup.cfg allows
-#   bash tools/setup.sh --with-py311      # and .venv-py311: MPICH, Python 3.11 and
-#                                         # the newest JAX for it (the last: 0.10.2)
 #   bash tools/setup.sh --with-slurm      # and Debian's Slurm, for the test cluster
 #                                         # of tools/cluster.sh (root only)
 #   bash tools/setup.sh --all             # all of these (what CI tests), and .venv
@@ -39,11 +37,10 @@ for arg in "$@"; do
         --with-openmpi) others+=(openmpi) ;;
         --with-intel-mpi) others+=(impi) ;;
         --with-oldest-jax) others+=(jaxmin) ;;
-        --with-py311) others+=(py311) ;;
         --with-slurm) others+=(slurm) ;;
-        --all) others+=(openmpi impi jaxmin py311 slurm); all=1 ;;
+        --all) others+=(openmpi impi jaxmin slurm); all=1 ;;
         *) echo "setup.sh: unknown argument $arg (expected --with-openmpi," \
-               "--with-intel-mpi, --with-oldest-jax, --with-py311, --with-slurm" \
+               "--with-intel-mpi, --with-oldest-jax, --with-slurm" \
                "or --all)" >&2
            exit 2 ;;
     esac
@@ -72,8 +69,8 @@ start_background() {
 # This script failing first ends them too.
 trap 'for job in "${background[@]}"; do kill "$(cut -d: -f2 <<<"$job")" 2>/dev/null \
     || true; done' EXIT
-# The Python 3.11 environments: the oldest JAX and the last JAX for Python 3.11
-# (JAX 0.11 dropped it). 0.6.0 runs on 3.10 to 3.13: another of those will do.
+# The oldest JAX on Python 3.11, another Python than .venv's (0.6.0 runs on 3.10 to
+# 3.13: another of those will do).
 py311=$(find_python 3.11 3.11) || py311=
 for other in "${others[@]}"; do
     case "$other" in
@@ -89,14 +86,6 @@ for other in "${others[@]}"; do
             fi
             start_background "the oldest-JAX environment" env MPI=mpich \
                 VENV="$here/.venv-jaxmin" PYTHON="$python_jaxmin" JAX=oldest \
-                bash "${BASH_SOURCE[0]}" ;;
-        py311)
-            if [ -z "$py311" ]; then
-                echo "setup.sh: no Python 3.11 here: .venv-py311 (the last JAX for it) not set up"
-                continue
-            fi
-            start_background "the Python 3.11 environment" env MPI=mpich \
-                VENV="$here/.venv-py311" PYTHON="$py311" JAX= INSTALL=copy \
                 bash "${BASH_SOURCE[0]}" ;;
         slurm)
             if [ "$(id -u)" -eq 0 ]; then

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Run every test, in three parts. First the suites that start their own jobs, two
 # at a time: in .venv (Python >= 3.12, the newest JAX) the suite serially (unit
-# tests, and launch tests that start their own mpiexec; not the build's), then the
-# launch tests under Intel MPI's mpiexec; beside them, the serial tests of what meets JAX on the
-# oldest JAX that setup.cfg allows, then on Python 3.11 with its last JAX, then the
-# launch tests under Open MPI's mpiexec, then .venv's tests of the build's MPI
-# compiler wrapper. Then the runs with peers, one at a time:
-# under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
+# tests, and launch tests that start their own mpiexec; not the build's); beside
+# it, the serial tests of what meets JAX on the oldest JAX that setup.cfg allows,
+# then the launch tests under Open MPI's and Intel MPI's mpiexec, then .venv's
+# tests of the build's MPI compiler wrapper. Then the runs with peers, one at a
+# time: under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
 # oldest JAX. Last, the tests on a Slurm cluster of network namespaces (as root).
 # The other environments than .venv run where tools/setup.sh built them (--all).
@@ -37,17 +36,17 @@ run python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 # What the job looks like, first, so that a failing log shows the environment.
 run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 
-# The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax) and the
-# last JAX for Python 3.11 (--with-py311), each installed from a copy of the tree:
-# PYTHONSAFEPATH keeps the tree's package off sys.path.
+# The oldest JAX that setup.cfg allows (tools/setup.sh --with-oldest-jax), on Python
+# 3.11, installed from a copy of the tree: PYTHONSAFEPATH keeps the tree's package
+# off sys.path. The JAX releases between it and .venv's, and the last JAX of Python
+# 3.11, are tools/jax_sweep.sh's rows (by hand: docs/support.rst).
 jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
-py311=${VENV_PY311:-$here/.venv-py311}
 
 # 1. The suites that start their own jobs, two at a time: a serial suite keeps 1.3
 # to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
-# the second core idle much of the time. The stages of another JAX and Open MPI's
-# run beside .venv's and Intel MPI's; their output is kept and shown when they end.
+# the second core idle much of the time. The stages of another JAX and MPI run
+# beside .venv's serial suite; their output is kept and shown when they end.
 #
 # Serially, the tests of what meets JAX (initialize, its clients and backends, the
 # compiled ops, jit/shard_map/custom_linear_solve, its caches): not the launcher,
@@ -83,18 +82,6 @@ beside_stages() {
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
-    # Not the hang, robustness, fail-safe, thread-level and CLI tests, whose JAX
-    # calls the oldest JAX's stage and .venv's make (CI's time: about three
-    # minutes of the two lanes').
-    if [ -x "$py311/bin/python" ]; then
-        run env PATH="$py311/bin:$PATH" PYTHONSAFEPATH=1 timeout -k 10 1200 python \
-            -m pytest -q -p no:cacheprovider "${meets_jax[@]}" \
-            --ignore=tests/test_hangs.py --ignore=tests/test_robustness.py \
-            --ignore=tests/test_fail_safe.py --ignore=tests/test_thread_level.py \
-            --ignore=tests/test_cli.py
-    else
-        echo "+ no $py311: Python 3.11 stage not run (bash tools/setup.sh --with-py311)"
-    fi
     # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
     # under the other's mpiexec: the mismatch must be caught.
     if [ -x "$ompi/bin/mpiexec" ]; then
@@ -104,6 +91,18 @@ beside_stages() {
             tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
+    fi
+    # Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
+    # be caught); in part 2 its non-blocking and in-place allreduces, and the
+    # bootstrap benchmark once, printing its table.
+    if [ -x "$impi/bin/mpiexec" ]; then
+        run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
+            -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py \
+            tests/test_robustness.py tests/test_failfast.py tests/test_one_process.py \
+            tests/test_cpu_collectives.py tests/test_fail_safe.py \
+            tests/test_thread_level.py
+    else
+        echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
     # .venv's tests of the build's MPI compiler wrapper (one build of the extension
     # with a stand-in Cray cc): here rather than in .venv's serial suite, to even
@@ -116,7 +115,7 @@ beside_pid=$!
 show_beside() {
     local status=0
     wait "$beside_pid" || status=$?
-    echo "+ beside the stages above, those of another JAX and Open MPI (exit $status):"
+    echo "+ beside the stage above, those of another JAX and MPI (exit $status):"
     cat "$beside"
     rm -f "$beside"
     return "$status"
@@ -132,19 +131,6 @@ if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 run "${other[@]}" timeout -k 10 1200 python -m pytest "${build_tests[@]/#/--ignore=}"
-
-# Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
-# be caught); in part 2 its non-blocking and in-place allreduces, and the
-# bootstrap benchmark once, printing its table.
-if [ -x "$impi/bin/mpiexec" ]; then
-    run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
-        -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py \
-        tests/test_robustness.py tests/test_failfast.py tests/test_one_process.py \
-        tests/test_cpu_collectives.py tests/test_fail_safe.py \
-        tests/test_thread_level.py
-else
-    echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
-fi
 
 trap - EXIT
 beside_status=0
