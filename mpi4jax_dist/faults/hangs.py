@@ -285,7 +285,7 @@ class _Watchdog(threading.Thread):
     def _wait_s(self) -> float:
         if self._urgent:
             return URGENT_POLL_S
-        if self.verdict is None or self._reporting:
+        if self.verdict is None:
             return POLL_S
         return self.verdict.wait_s(time.monotonic(), time.time(), POLL_S, URGENT_POLL_S)
 
@@ -307,7 +307,7 @@ class _Watchdog(threading.Thread):
         if self.verdict.due(wall):
             stuck = stuck_s >= self.hang_timeout_s
             place = progress.place_key(self.progress.place()) if stuck else 0
-            self.verdict.post(now, stuck, place, wall=wall)
+            self.verdict.post(now, wall, stuck, place)
         elif (
             self.verdict.pending
             and self.rank == 0

@@ -18,6 +18,12 @@ from .stacks import Frame
 _STUCK, _PLACE, _NEG_PLACE, _STOPPING = range(4)
 
 
+def epoch(wall: float, period_s: float) -> int:
+    """The period of the wall clock that ``wall`` falls in: the same on every rank,
+    as the nodes' clocks agree to well within a period."""
+    return int(wall // period_s)
+
+
 def period_s(timeout_s: float, poll_s: float) -> float:
     """How often a rank posts its state: a fifth of the timeout, at least the
     watchdog's poll and at most a minute (the report comes at most about two
@@ -113,22 +119,17 @@ class Verdict:
 
     def due(self, wall: float) -> bool:
         """Whether to post now: none pending, and none yet in this period."""
-        return not self.pending and int(wall // self.period_s) != self._epoch
+        return not self.pending and epoch(wall, self.period_s) != self._epoch
 
     def post(
-        self,
-        now: float,
-        stuck: bool,
-        place: int,
-        stopping: bool = False,
-        wall: float | None = None,
+        self, now: float, wall: float, stuck: bool, place: int, stopping: bool = False
     ) -> None:
         from mpi4py import MPI
 
         self._send[:] = (int(stuck), place, -place, int(stopping))
         self._request = self.comm.Iallreduce(self._send, self._recv, op=MPI.MIN)
         self.posted_at = now
-        self._epoch = int((time.time() if wall is None else wall) // self.period_s)
+        self._epoch = epoch(wall, self.period_s)
 
     def wait_s(self, now: float, wall: float, poll_s: float, fast_s: float) -> float:
         """How long the watchdog may sleep: ``fast_s`` for one poll after posting
@@ -163,7 +164,7 @@ class Verdict:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self._request is None:
-                self.post(time.monotonic(), False, 0, stopping=True)
+                self.post(time.monotonic(), time.time(), False, 0, stopping=True)
             result = self.test()
             if result is not None and result["all_stopping"]:
                 return True
@@ -190,9 +191,6 @@ class ServiceVerdict:
         self.rank, self.size, self.period_s = rank, size, period_s
         self.posted_epoch: int | None = None
 
-    def epoch(self, wall: float) -> int:
-        return int(wall // self.period_s)
-
     def _client(self):
         from .. import _compat
 
@@ -201,24 +199,24 @@ class ServiceVerdict:
     def post(self, wall: float, stuck: bool, place: int) -> bool:
         """Count this rank in the period of ``wall`` (once); return whether it did
         now (a new period)."""
-        epoch = self.epoch(wall)
+        period = epoch(wall, self.period_s)
         client = self._client()
-        if epoch == self.posted_epoch or client is None:
+        if period == self.posted_epoch or client is None:
             return False
-        self.posted_epoch = epoch
-        key = f"{self.PREFIX}/{epoch}"
+        self.posted_epoch = period
+        key = f"{self.PREFIX}/{period}"
         client.key_value_increment(f"{key}/alive", 1)
         if stuck:
             client.key_value_increment(f"{key}/stuck", 1)
             client.key_value_increment(f"{key}/place/{place:x}", 1)
         if self.rank == 0:
-            client.key_value_delete(f"{self.PREFIX}/{epoch - 4}")
+            client.key_value_delete(f"{self.PREFIX}/{period - 4}")
         return True
 
     def read(self, wall: float, place: int) -> dict:
         """Rank 0: the period two before ``wall``'s: whether every rank counted
         itself (``all_alive``), was stuck, and stood at rank 0's ``place``."""
-        key = f"{self.PREFIX}/{self.epoch(wall) - 2}"
+        key = f"{self.PREFIX}/{epoch(wall, self.period_s) - 2}"
         alive = self.count(f"{key}/alive")
         return {
             "all_alive": alive >= self.size,
