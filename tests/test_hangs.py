@@ -277,6 +277,60 @@ def test_stacks_off_leaves_sigusr1_alone():
     assert not stack_headers(off.stderr), show(off)
 
 
+@util.same_under_every_jax
+def test_stacks_in_a_shared_folder_follow_no_planted_link(tmp_path):
+    """Stack files were made as DIR/.rank-N.txt.PID.K with O_CREAT | O_TRUNC,
+    following a link someone else left under that name. Each rank plants links
+    to a victim file under the names the old writer would have used, and
+    rank-N.txt itself as a link, then dumps: the victim keeps its text, each
+    rank-N.txt is a file of the rank's own, readable by its owner only."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    code = (
+        "import os, signal, time, jax, mpi4jax_dist\n"
+        "jax.distributed.initialize()\n"
+        "rank = jax.process_index()\n"
+        f"folder, victim = {str(folder)!r}, {str(victim)!r}\n"
+        "for k in range(8):\n"
+        "    os.symlink(victim, f'{folder}/.rank-{rank}.txt.{os.getpid()}.{k}')\n"
+        "os.symlink(victim, f'{folder}/rank-{rank}.txt')\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(1)\n"
+        "print('ALIVE', flush=True)\n"
+    )
+    env = util.clean_env(**QUIET, **{_config.HANG_DIR: str(folder)})
+    proc = util.run_mpi(["-c", code], 2, timeout=90, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.count("ALIVE") == 2, show(proc)
+    assert victim.read_text() == "precious\n"
+    for rank in (0, 1):
+        written = folder / f"rank-{rank}.txt"
+        assert not written.is_symlink() and written.is_file(), show(proc)
+        assert "mpi4jax_dist stacks: rank" in written.read_text()
+        assert written.stat().st_mode & 0o077 == 0, oct(written.stat().st_mode)
+    left = {p.name for p in folder.iterdir() if not p.is_symlink()}
+    assert left == {"rank-0.txt", "rank-1.txt"}  # no partial file left behind
+
+
+def test_a_folder_the_dump_makes_is_private(tmp_path):
+    """The writer's mkdir -p makes new folders 0700 (umask 0 here: the mode is
+    the writer's, not the umask's)."""
+    code = (
+        "import os, jax, mpi4jax_dist\n"
+        "from mpi4jax_dist.faults import hangs\n"
+        "os.umask(0)\n"
+        "jax.distributed.initialize()\n"
+        "print('WENT', hangs.dump('test'), flush=True)\n"
+    )
+    folder = tmp_path / "a" / "b"
+    env = util.clean_env(**QUIET, **{_config.HANG_DIR: str(folder)})
+    proc = util.run_mpi(["-c", code], 2, timeout=90, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.count(f"WENT {folder}") == 2, show(proc)
+    for made in (tmp_path / "a", folder):
+        assert made.stat().st_mode & 0o777 == 0o700, oct(made.stat().st_mode)
+
+
 # --- no MPI ---------------------------------------------------------------------------
 
 
@@ -386,6 +440,62 @@ def test_groups_alike_but_for_their_callers_are_told_apart(tmp_path):
     shared = "at cg.py:123 in solve, inside jax (pxla.py:413 in __call__)"
     assert lines[2] == f"3 ranks {shared}, via run.py:10 in main: ranks 0-2"
     assert lines[3] == f"1 rank {shared}, via warmup.py:7 in warm: rank 3"
+
+
+def test_summarize_is_bounded_by_what_it_reads_not_by_what_a_file_claims(tmp_path):
+    """A header that claims 400,000,000 ranks once took 24 GB (a table of every
+    rank): the summary's time and memory follow the files there are."""
+    import tracemalloc
+
+    frames = [("/home/u/cg.py", 123, "solve")]
+    fake_stacks(tmp_path, 3, 400_000_000, frames)
+    tracemalloc.start()
+    started = time.perf_counter()
+    lines = diagnostics_hangs.summarize(tmp_path).splitlines()
+    took = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert lines[0] == f"mpi4jax_dist: stacks of 1 of 400000000 ranks in {tmp_path}"
+    assert lines[3] == "no stacks from ranks 0-2, 4-399999999"
+    assert took < 5 and peak < 20 << 20, (took, peak)
+
+
+def test_summarize_names_each_file_it_cannot_use_in_one_line(tmp_path):
+    """A folder named like a stacks file, a file cut short, a rank two files
+    claim, a link and a file far larger than a dump: one line each, the rest
+    summarized."""
+    frames = [("/home/u/cg.py", 123, "solve")]
+    for rank in (0, 1):
+        fake_stacks(tmp_path, rank, 8, frames)
+    (tmp_path / "rank-9.txt").mkdir()
+    fake_stacks(tmp_path, 2, 8, frames)
+    whole = (tmp_path / "rank-2.txt").read_text()
+    (tmp_path / "rank-2.txt").write_text(whole[: whole.index("Current thread")])
+    (tmp_path / "rank-5.txt").write_text((tmp_path / "rank-1.txt").read_text())
+    (tmp_path / "rank-6.txt").symlink_to("/dev/zero")
+    (tmp_path / "rank-7.txt").write_bytes(
+        b"# mpi4jax_dist stacks: rank 7 of 8\n"
+        + b"x" * (diagnostics_hangs.MAX_FILE_BYTES + 1)
+    )
+    lines = diagnostics_hangs.summarize(tmp_path).splitlines()
+    assert lines[0] == f"mpi4jax_dist: stacks of 2 of 8 ranks in {tmp_path}"
+    assert lines[2] == "2 ranks at cg.py:123 in solve: ranks 0-1"
+    assert lines[3] == "no stacks from ranks 2-7"
+    assert lines[4:9] == [
+        "rank-2.txt: cut short (no main thread's stack)",
+        "rank-5.txt: says rank 1, as rank-1.txt does: left out",
+        "rank-6.txt: a symbolic link, not a stacks file: left out",
+        "rank-7.txt: larger than 4 MiB: not a dump of ours",
+        "rank-9.txt: a folder, not a stacks file",
+    ], lines
+    cli = subprocess.run(
+        [sys.executable, "-m", "mpi4jax_dist", "--hangs", str(tmp_path / "rank-9.txt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1, cli.stderr
+    assert "no rank-N.txt in" in cli.stderr
 
 
 def test_summarize_without_files_says_how_to_get_them(tmp_path):

@@ -16,7 +16,7 @@ dump goes back to rank 0 (tag `reply`: where it was written, a newline, the
 dump). It looks for requests every `poll_ms` milliseconds (MPI_Improbe, a
 local call) and never else; without answer() it wakes only for a dump. */
 
-#define _GNU_SOURCE /* pipe2, pthread_setname_np */
+#define _GNU_SOURCE /* pipe2, pthread_setname_np, mkostemp */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -51,7 +51,6 @@ static struct {
   atomic_int answering;
   MPI_Comm comm;
   int signum, tag_ask, tag_reply, poll_ms;
-  atomic_long partials;
 } g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1};
 
 /* A growing byte string. */
@@ -187,17 +186,19 @@ static int write_all(int fd, const char *data, size_t size) {
   return 0;
 }
 
-/* mkdir -p */
+/* mkdir -p, the folders it makes private (0700): stacks show the program's
+   paths and source lines, and a shared parent (/tmp, a project's scratch)
+   should not let others read them or plant files among them. */
 static void make_dirs(const char *dir) {
   char path[PATH_MAX];
   snprintf(path, sizeof path, "%s", dir);
   for (char *p = path + 1; *p; ++p) {
     if (*p != '/') continue;
     *p = '\0';
-    mkdir(path, 0777);
+    mkdir(path, 0700);
     *p = '/';
   }
-  mkdir(path, 0777);
+  mkdir(path, 0700);
 }
 
 /* Write a dump, which came at `came`, with its header: into the hang directory
@@ -232,20 +233,28 @@ static void write_dump(const char *dump, const char *reason,
     char path[PATH_MAX + 32], partial[PATH_MAX + 64];
     make_dirs(g.dir);
     snprintf(path, sizeof path, "%s/rank-%d.txt", g.dir, g.rank);
-    snprintf(partial, sizeof partial, "%s/.rank-%d.txt.%ld.%ld", g.dir, g.rank,
-             (long)getpid(), atomic_fetch_add(&g.partials, 1));
-    int fd = open(partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0 && !write_all(fd, file.data, file.size) &&
-        (!sources.size || !write_all(fd, sources.data, sources.size)) &&
-        !close(fd) && !rename(partial, path)) {
+    /* A new file of a name nobody can foresee (mkstemp: O_CREAT | O_EXCL, mode
+       0600), never one found there: a link planted in a shared folder under a
+       name we would use must not have us truncate its target. rename()
+       replaces a link at `path` itself, never what it points to. */
+    snprintf(partial, sizeof partial, "%s/.rank-%d.txt.XXXXXX", g.dir, g.rank);
+    int fd = mkostemp(partial, O_CLOEXEC);
+    int failed = fd < 0;
+    if (!failed) {
+      failed = write_all(fd, file.data, file.size) ||
+               (sources.size && write_all(fd, sources.data, sources.size));
+      failed = close(fd) || failed;
+      failed = failed || rename(partial, path);
+    }
+    if (!failed) {
       snprintf(where, where_capacity, "%s", g.dir);
     } else {
-      if (fd >= 0) close(fd);
-      unlink(partial);
+      const int error = errno;
+      if (fd >= 0) unlink(partial); /* ours: made by mkostemp above */
       fprintf(stderr,
               "[rank %d] mpi4jax_dist: could not write %s (%s): the stacks "
               "follow.\n",
-              g.rank, path, strerror(errno));
+              g.rank, path, strerror(error));
     }
   }
   if (!strcmp(where, "stderr")) {
