@@ -13,6 +13,8 @@ the implementations in :data:`IMPLS`:
 - ``mpi4jax_dist``: ``mpi4jax_dist.allreduce`` inside ``jax.jit(...,
   donate_argnums=0)``: the input buffer is the result's, reduced in place (each
   call reduces the last result again, as ``mpi4py_inplace`` reduces its buffer);
+  ``mpi4jax_dist_unchecked`` (only when asked for): the same compiled with
+  ``MPI4JAX_DIST_CHECKS=0``, what the check against the other ranks' calls costs;
 - ``psum``: ``shard_map`` + ``lax.psum`` on the global array;
 - ``gspmd``: a ``jax.jit`` sum over the sharded axis, the collective left to XLA.
 
@@ -525,6 +527,31 @@ class Mpi4jaxDist(Mpi4jax):
         self.y.block_until_ready()
 
 
+@IMPLS.register("mpi4jax_dist_unchecked")
+class Mpi4jaxDistUnchecked(Mpi4jaxDist):
+    """``mpi4jax_dist`` compiled with ``MPI4JAX_DIST_CHECKS=0``: no header checked
+    against the other ranks' calls, so that one run shows what the checks cost
+    (not among the defaults: ``--impls ...,mpi4jax_dist_unchecked``)."""
+
+    def __init__(self, n, dtype, comm):
+        from mpi4jax_dist import _config
+
+        # Read when the calls are compiled: here, ahead of time.
+        before = os.environ.get(_config.CHECKS)
+        os.environ[_config.CHECKS] = "0"
+        try:
+            super().__init__(n, dtype, comm)
+        finally:
+            if before is None:
+                del os.environ[_config.CHECKS]
+            else:
+                os.environ[_config.CHECKS] = before
+
+
+# What a run measures unless --impls says otherwise.
+DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
+
+
 class GlobalJax(JaxAllreduce):
     """Shared by psum and gspmd: a global array over ``mpi4jax_dist.global_mesh()``,
     the trip count replicated."""
@@ -837,7 +864,7 @@ def measure(
 TABLE = _harness.Table(
     [
         _harness.Column("bytes", "bytes", "per rank", 10),
-        _harness.Column("impl", "impl", "", 16, left=True),
+        _harness.Column("impl", "impl", "", 22, left=True),
         _harness.Column("mode", "mode", "", 5, left=True),
         _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
         _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
@@ -912,8 +939,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
         "--impls",
-        default=",".join(IMPLS.names()),
-        help=f"comma-separated, from {', '.join(IMPLS.names())}",
+        default=",".join(DEFAULT_IMPLS),
+        help=f"comma-separated, from {', '.join(IMPLS.names())} (default: all "
+        f"but mpi4jax_dist_unchecked)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="loop,call")
     parser.add_argument(

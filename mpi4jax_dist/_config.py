@@ -517,20 +517,21 @@ def cuda_aware_source(env: Mapping[str, str] | None = None) -> str:
     return f"{name}={env.get(name, '')!r}"
 
 
-DEBUG_CHECKS = "MPI4JAX_DIST_DEBUG_CHECKS"
+CHECKS = "MPI4JAX_DIST_CHECKS"
 
 
-def debug_checks(env: Mapping[str, str] | None = None) -> bool:
-    """Return True when every compiled allreduce checks that the ranks agree.
+def checks(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether each compiled ``allreduce`` and ``iallreduce`` is checked
+    against the other ranks' calls before it returns (default on).
 
-    The first ``mpi4jax_dist.allreduce`` or ``iallreduce`` call on each communicator
-    checks, with one allreduce of 8 integers, that all ranks make it with the same
-    element count, dtype, op and chunk size: ranks that disagree otherwise hang
-    once the message goes in chunks, or mix up messages. With
-    ``MPI4JAX_DIST_DEBUG_CHECKS=1`` every call checks (one more small allreduce per
-    call: for debugging). Read when a call is compiled; set it alike on every rank.
+    Every call carries a header of what it is (blocking or not, op, dtype, element
+    count, its number on the communicator) that MPI reduces with the data, in one
+    message up to 16 KiB and beside it above: ranks that disagree fail on every
+    rank with one report naming each side, instead of returning wrong values.
+    ``MPI4JAX_DIST_CHECKS=0`` leaves the header out. Read when a call is
+    compiled; set it alike on every rank.
     """
-    return get_bool(DEBUG_CHECKS, False, env)
+    return get_bool(CHECKS, True, env)
 
 
 # --- hangs: stacks on demand and the collective timeout (faults/hangs.py) ----------

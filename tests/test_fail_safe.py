@@ -108,13 +108,11 @@ def test_ranks_that_disagree_on_the_shape_fail_instead_of_hanging():
         assert "disagree" in text and "1000" in text and "2000" in text, text
 
 
-def test_a_later_mismatch_is_caught_with_the_debug_checks():
-    """After a matched call (checked once), a mismatch is caught by
-    MPI4JAX_DIST_DEBUG_CHECKS=1, which checks every call."""
+def test_a_later_mismatch_is_caught_too():
+    """After a matched call, the same mismatch is caught: every call is checked
+    (it was the first call on a communicator only, unless asked)."""
     proc, took, lines = scenario(
-        "mismatch-later",
-        timeout=90,
-        **{_config.ALLREDUCE_CHUNK_BYTES: "400", _config.DEBUG_CHECKS: "1"},
+        "mismatch-later", timeout=90, **{_config.ALLREDUCE_CHUNK_BYTES: "400"}
     )
     for rank in (0, 1):
         assert "matched call 2.0" in lines[rank], output(proc)

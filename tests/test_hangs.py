@@ -585,7 +585,8 @@ def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode
 def test_the_hang_timeout_places_a_rank_holding_the_gil():
     """Rank 3 holds the GIL while the others wait in the package's allreduce: its
     watchdog takes no part, its C thread answers with its stacks, and the report
-    places it by them."""
+    places it by them; the others by their stacks and, from the record, the call
+    they are in and where it was made."""
     proc, _ = hang("allreduce", GIL="1", STALL_S=60)
     assert proc.returncode != 0, show(proc)
     assert re.search(
@@ -593,7 +594,8 @@ def test_the_hang_timeout_places_a_rank_holding_the_gil():
         r"  rank 3 answered from C only \(a thread holds the GIL\): placed below by "
         r"the stacks written then\n"
         r"  1 rank at stall\.py:\d+ in stalled_compute: `ctypes.*: rank 3\n"
-        r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n"
+        r"  3 ranks in allreduce #\d+ SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"at stall\.py:\d+ in <module>.*: ranks 0-2\n"
         r"Every rank's stacks: on stderr",
         proc.stderr,
     ), show(proc)
@@ -646,7 +648,8 @@ def test_below_thread_multiple_a_rank_holding_the_gil_is_named():
         r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
         r"  no answer from rank 3 in [\d.]+ s \(a thread holding its GIL, or "
         r"stopped\): where it stands is unknown\n"
-        r"  3 ranks at stall\.py:\d+ in <module>.*: ranks 0-2\n",
+        r"  3 ranks in allreduce #\d+ SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"at stall\.py:\d+ in <module>.*: ranks 0-2\n",
         proc.stderr,
     ), show(proc)
 

@@ -88,7 +88,8 @@ beside_stages() {
         run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
             "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
             tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
-            tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py
+            tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py \
+            tests/test_desync.py
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi

@@ -1,8 +1,12 @@
 // Communicators as compiled code names them: Python registers each one
 // (register_comm) and the compiled call carries its id, which MPI's attribute
-// delete callback marks freed with the communicator. The first call on each
-// (every call with MPI4JAX_DIST_DEBUG_CHECKS) checks that the ranks agree on
-// it: ranks that disagree on the count hang once the message goes in chunks.
+// delete callback marks freed with the communicator.
+//
+// The calls run on a private duplicate of the user's communicator, made on the
+// first call (MPI_Comm_idup, polled under the collective timeout): the
+// package's messages never meet the user's own mpi4py or mpi4jax calls on it,
+// and MPI's errors there are returned (MPI_ERRORS_RETURN), so that a failed
+// call is an error naming the call rather than MPI aborting the job.
 
 #ifndef MPI4JAX_DIST_FFI_COMM_REGISTRY_H_
 #define MPI4JAX_DIST_FFI_COMM_REGISTRY_H_
@@ -24,13 +28,23 @@ namespace mpi4jax_dist {
 class CommRegistry {
  public:
   struct Entry {
-    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Comm comm = MPI_COMM_NULL;  // the user's
+    std::string name;               // "communicator 'NAME' (P ranks)"
     std::atomic<bool> freed{false};
-    // Whether a call on it has checked the ranks' agreement already.
-    std::atomic<bool> checked{false};
     // The calls entered on it in this process (allreduce, iallreduce's
-    // start), for the collective timeout's report.
+    // start): each call's number, and the collective timeout's report.
     std::atomic<int64_t> calls{0};
+    // The private duplicates: made by the first call that needs them
+    // (PrivateComm). `dup` carries the calls, `explain` a disagreement's
+    // explanation (agreement.h), apart from a call that may stay pending.
+    std::mutex dup_mu;
+    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Comm explain = MPI_COMM_NULL;
+    MPI_Request dup_requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    std::atomic<int> dup_state{0};  // 0 none, 1 being made, 2 ready
+    // The call whose ranks disagreed (0: none): MPI may still hold a request
+    // of it on `dup`, so no later call may use it.
+    std::atomic<int64_t> broken_at{0};
   };
 
   // Never destroyed: MPI may call the delete callback at MPI_Finalize, from
@@ -46,6 +60,7 @@ class CommRegistry {
                       const char* who = kAllreduceName) {
     std::lock_guard<std::mutex> lock(mu_);
     MpiGuard guard;  // after mu_: see MpiGuard's lock order
+    FreeRetired();
     MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(handle));
     if (comm == MPI_COMM_NULL) {
       return ffi::Error::InvalidArgument(std::string(who) +
@@ -68,7 +83,15 @@ class CommRegistry {
       return ffi::Error::Success();
     }
     entries_.push_back(std::make_unique<Entry>());
-    entries_.back()->comm = comm;
+    Entry& entry = *entries_.back();
+    entry.comm = comm;
+    char name[MPI_MAX_OBJECT_NAME] = "";
+    int length = 0, size = 0;
+    MPI_Comm_get_name(comm, name, &length);
+    MPI_Comm_size(comm, &size);
+    entry.name = (length ? "communicator '" + std::string(name, length) + "'"
+                         : std::string("a communicator")) +
+                 " (" + std::to_string(size) + " ranks)";
     const int64_t new_id = static_cast<int64_t>(entries_.size());
     rc = MPI_Comm_set_attr(
         comm, keyval_, reinterpret_cast<void*>(static_cast<intptr_t>(new_id)));
@@ -80,10 +103,8 @@ class CommRegistry {
     return ffi::Error::Success();
   }
 
-  // The live communicator of `id`, and whether this call is the first on it
-  // to check the ranks' agreement (see CheckAgreement).
-  ffi::Error Find(int64_t id, MPI_Comm* comm, bool* first,
-                  const char* who = kAllreduceName) {
+  // The live entry of `id`, or an error naming what is wrong.
+  ffi::Error Find(int64_t id, Entry** out, const char* who = kAllreduceName) {
     std::lock_guard<std::mutex> lock(mu_);
     if (id < 1 || id > static_cast<int64_t>(entries_.size())) {
       return ffi::Error::InvalidArgument(
@@ -101,8 +122,7 @@ class CommRegistry {
               "another communicator. Call the function with a live "
               "communicator (jax.jit traces it again for a new one).");
     }
-    *comm = entry.comm;
-    *first = !entry.checked.exchange(true);
+    *out = &entry;
     return ffi::Error::Success();
   }
 
@@ -122,108 +142,92 @@ class CommRegistry {
 
  private:
   // MPI's attribute delete callback: the communicator is being freed (or MPI
-  // finalized, for COMM_WORLD and COMM_SELF).
-  static int OnFree(MPI_Comm, int, void* value, void*) {
+  // finalized, for COMM_WORLD and COMM_SELF). Its duplicate is freed at the
+  // next registration, outside MPI's callback.
+  static int OnFree(MPI_Comm comm, int, void* value, void*) {
     CommRegistry& registry = Get();
     std::lock_guard<std::mutex> lock(registry.mu_);
     const int64_t id = static_cast<int64_t>(reinterpret_cast<intptr_t>(value));
     if (id >= 1 && id <= static_cast<int64_t>(registry.entries_.size())) {
-      registry.entries_[id - 1]->freed.store(true);
+      Entry& entry = *registry.entries_[id - 1];
+      entry.freed.store(true);
+      if (entry.dup_state.load() == 2 && comm != MPI_COMM_WORLD &&
+          comm != MPI_COMM_SELF) {
+        registry.retired_.push_back(&entry);
+      }
     }
     return MPI_SUCCESS;
+  }
+
+  // Free the duplicates of freed communicators (mu_ and the MPI lock held).
+  void FreeRetired() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (Entry* entry : retired_) {
+      std::lock_guard<std::mutex> lock(entry->dup_mu);
+      MPI_Comm_free(&entry->dup);
+      MPI_Comm_free(&entry->explain);
+    }
+    retired_.clear();
   }
 
   std::mutex mu_;
   int keyval_ = MPI_KEYVAL_INVALID;
   std::vector<std::unique_ptr<Entry>> entries_;
+  std::vector<Entry*> retired_;
 };
 
-// The communicator of compiled id `comm_id`; `*first` tells whether this call
-// is the first on it (it then checks the ranks' agreement).
-inline ffi::Error CommFromId(int64_t comm_id, MPI_Comm* comm, bool* first,
-                             const char* who = kAllreduceName) {
-  return CommRegistry::Get().Find(comm_id, comm, first, who);
-}
-
-// Whether every rank of a communicator makes a call alike: the same element
-// count, element type, op and chunk size. One MPI_Allreduce (MPI_MAX) of each
-// value and its negation (AgreementValues): the ranks agree where both maxima
-// give the value back (AgreementVerdict). Every rank sees the same maxima, so
-// every rank fails alike, and none is left waiting in a chunk the others never
-// post. Made on a communicator's first call, and on every call with
-// MPI4JAX_DIST_DEBUG_CHECKS=1; blocking in the allreduce (CheckAgreement),
-// posted beside the reduction in the non-blocking start and judged in its wait.
-constexpr int kAgreementValues = 8;
-
-inline void AgreementValues(size_t count, ffi::DataType dtype, int32_t op_code,
-                            int64_t chunk_bytes,
-                            int64_t out[kAgreementValues]) {
-  const int64_t mine[4] = {static_cast<int64_t>(count),
-                           static_cast<int64_t>(dtype), op_code, chunk_bytes};
-  for (int i = 0; i < 4; ++i) {
-    out[i] = mine[i];
-    out[4 + i] = -mine[i];
+// The private duplicates of `entry`'s communicator: made on first use (every
+// rank's first call on it makes them with it, as MPI requires). With `block`
+// the making is waited for, polled under this thread's call deadline (the
+// collective timeout); without, *ready says whether they are there yet.
+inline ffi::Error PrivateComm(CommRegistry::Entry& entry, bool block,
+                              MPI_Comm* dup, bool* ready, const char* who) {
+  *ready = false;
+  if (entry.dup_state.load(std::memory_order_acquire) == 2) {
+    *dup = entry.dup;
+    *ready = true;
+    return ffi::Error::Success();
   }
-}
-
-// The error naming what differs between `mine` (AgreementValues) and the
-// ranks' maxima `most`; success where nothing does.
-inline ffi::Error AgreementVerdict(const int64_t mine[kAgreementValues],
-                                   const int64_t most[kAgreementValues],
-                                   const char* who) {
-  static const char* const kWhat[4] = {"element count", "element type (XLA)",
-                                       "op code", "chunk bytes"};
-  std::string differ;
-  for (int i = 0; i < 4; ++i) {
-    if (most[i] != mine[i] || -most[4 + i] != mine[i]) {
-      differ += std::string(differ.empty() ? "" : "; ") + kWhat[i] + " from " +
-                std::to_string(-most[4 + i]) + " to " +
-                std::to_string(most[i]) + " (this rank " +
-                std::to_string(mine[i]) + ")";
-    }
-  }
-  if (differ.empty()) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string(who) +
-      ": the ranks of the communicator disagree on this call: " + differ +
-      ". Every rank must reduce an array of the same shape and dtype with the "
-      "same op (and the same MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES); otherwise "
-      "MPI hangs, or returns wrong values.");
-}
-
-// The blocking check, for the allreduce.
-inline ffi::Error CheckAgreement(MPI_Comm comm, size_t count,
-                                 ffi::DataType dtype, int32_t op_code,
-                                 int64_t chunk_bytes, const char* who) {
-  int64_t mine[kAgreementValues], most[kAgreementValues];
-  AgreementValues(count, dtype, op_code, chunk_bytes, mine);
-  int rc = MPI_SUCCESS;
-  if (CurrentCall().deadline_ns != 0) {  // the collective timeout: polled
-    MPI_Request request = MPI_REQUEST_NULL;
+  std::lock_guard<std::mutex> lock(entry.dup_mu);
+  if (entry.dup_state.load() == 0) {
+    int rc = MPI_SUCCESS;
     {
       MpiGuard guard;
-      rc = MPI_Iallreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX,
-                          comm, &request);
+      rc = MPI_Comm_idup(entry.comm, &entry.dup, &entry.dup_requests[0]);
+      if (rc == MPI_SUCCESS) {
+        rc = MPI_Comm_idup(entry.comm, &entry.explain, &entry.dup_requests[1]);
+      }
     }
-    if (rc == MPI_SUCCESS) rc = WaitRequest(&request);
-  } else {
-    MpiGuard guard;
-    rc =
-        MPI_Allreduce(mine, most, kAgreementValues, MPI_INT64_T, MPI_MAX, comm);
+    if (rc != MPI_SUCCESS) return MpiError("MPI_Comm_idup", rc, who);
+    entry.dup_state.store(1);
   }
-  if (rc != MPI_SUCCESS) {
-    return MpiError("MPI_Allreduce (agreement check)", rc, who);
+  if (entry.dup_state.load() == 1) {
+    int rc = MPI_SUCCESS, done = 1;
+    for (MPI_Request& request : entry.dup_requests) {
+      if (request == MPI_REQUEST_NULL) continue;
+      if (block) {
+        rc = WaitRequest(&request);
+      } else {
+        MpiGuard guard;
+        rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      }
+      if (rc != MPI_SUCCESS) return MpiError("MPI_Comm_idup", rc, who);
+      if (!done) return ffi::Error::Success();
+    }
+    {
+      MpiGuard guard;
+      for (MPI_Comm comm : {entry.dup, entry.explain}) {
+        MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+        MPI_Comm_set_name(comm, const_cast<char*>("mpi4jax_dist's own"));
+      }
+    }
+    entry.dup_state.store(2, std::memory_order_release);
   }
-  return AgreementVerdict(mine, most, who);
-}
-
-// When a call checks the ranks' agreement: on the first call on its
-// communicator, or on every call (MPI4JAX_DIST_DEBUG_CHECKS).
-enum class Agreement { kFirstCall, kEveryCall };
-
-// The handlers' `check` attribute (MPI4JAX_DIST_DEBUG_CHECKS) as an Agreement.
-inline Agreement AgreementFor(int32_t check) {
-  return check ? Agreement::kEveryCall : Agreement::kFirstCall;
+  *dup = entry.dup;
+  *ready = true;
+  return ffi::Error::Success();
 }
 
 }  // namespace mpi4jax_dist

@@ -27,26 +27,26 @@ namespace {
 // token orders the call after every earlier MPI call of the program: XLA:CPU
 // otherwise runs thunks concurrently, ordered only by data. The next call's
 // token comes from TokenAfter(y) below. `comm` is the communicator's id in
-// the CommRegistry; `check` 1 checks the ranks' agreement on every call, not
-// only on the communicator's first (MPI4JAX_DIST_DEBUG_CHECKS).
+// the CommRegistry; `check` 0 leaves out the check against the other ranks'
+// calls (MPI4JAX_DIST_CHECKS=0); `site` is where the user made the call
+// (Record::RegisterSite).
 ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                            int32_t op_code, int64_t chunk_bytes,
-                            int32_t check) {
+                            int32_t op_code, int64_t chunk_bytes, int32_t check,
+                            int64_t site) {
   CountHandlerCall(x.untyped_data(), y->untyped_data());
-  MPI_Datatype dtype = MPI_DATATYPE_NULL;
-  MPI_Op op = MPI_OP_NULL;
-  MPI_Comm comm = MPI_COMM_NULL;
+  Call call;
+  bool ready = false;
   if (ffi::Error error =
-          CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
-                         AgreementFor(check), &dtype, &op, &comm);
+          BeginCall(x, *y, comm_id, op_code, chunk_bytes, kBlocking, site,
+                    /*block=*/true, &call, &ready);
       error.failure()) {
     return error;
   }
   const size_t count = x.element_count();
-  if (count == 0) return ffi::Error::Success();
-  return AllreduceChunked(x.untyped_data(), y->untyped_data(), count,
-                          x.size_bytes() / count, dtype, op, comm, chunk_bytes);
+  return AllreduceHost(call, x.untyped_data(), y->untyped_data(), count,
+                       count ? x.size_bytes() / count : 1, chunk_bytes,
+                       check != 0);
 }
 
 // The non-blocking allreduce (iallreduce.h has the logic). The start: x and a
@@ -59,10 +59,9 @@ ffi::Error IallreduceStartCpuImpl(ffi::AnyBuffer x, ffi::Token,
                                   ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::BufferR0<ffi::S32>> handle,
                                   int64_t comm_id, int32_t op_code,
-                                  int32_t check, int64_t uid,
-                                  std::string_view site) {
-  return IallreduceStart(x, *y, comm_id, op_code, AgreementFor(check), uid,
-                         site, handle->typed_data());
+                                  int32_t check, int64_t uid, int64_t site) {
+  return IallreduceStart(x, *y, comm_id, op_code, check != 0, uid, site,
+                         handle->typed_data());
 }
 
 ffi::Error IallreduceTestCpuImpl(
@@ -133,7 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceStartCpu,
                                   .Attr<int32_t>("op")
                                   .Attr<int32_t>("check")
                                   .Attr<int64_t>("uid")
-                                  .Attr<std::string_view>("site"));
+                                  .Attr<int64_t>("site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistIallreduceTestCpu,
                               mpi4jax_dist::IallreduceTestCpuImpl,
@@ -163,7 +162,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCpu,
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int32_t>("check"));
+                                  .Attr<int32_t>("check")
+                                  .Attr<int64_t>("site"));
 
 // The token after the allreduce: mpi4jax_dist::TokenAfterImpl (allreduce.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

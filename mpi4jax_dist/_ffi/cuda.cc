@@ -31,27 +31,40 @@ namespace mpi4jax_dist {
 namespace {
 
 // x and a token in, the reduced x out (aliased with x by the lowering), as on
-// the CPU; the token orders the call after every earlier MPI call.
+// the CPU; the token orders the call after every earlier MPI call. The header
+// the ranks compare (agreement.h) goes apart from the device buffer, posted
+// before it and judged before the call returns.
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
                              int32_t op_code, int64_t chunk_bytes,
-                             int32_t cuda_aware, int32_t check) {
+                             int32_t cuda_aware, int32_t check, int64_t site) {
   CountHandlerCall(x.untyped_data(), y->untyped_data());
-  MPI_Datatype dtype = MPI_DATATYPE_NULL;
-  MPI_Op op = MPI_OP_NULL;
-  MPI_Comm comm = MPI_COMM_NULL;
+  Call call;
+  bool ready = false;
   if (ffi::Error error =
-          CheckAllreduce(x, *y, comm_id, op_code, chunk_bytes,
-                         AgreementFor(check), &dtype, &op, &comm);
+          BeginCall(x, *y, comm_id, op_code, chunk_bytes, kBlocking, site,
+                    /*block=*/true, &call, &ready);
       error.failure()) {
     return error;
   }
+  HeaderCheck header;
+  if (ffi::Error error = header.Post(call.header, call.comm, check != 0);
+      error.failure()) {
+    call.Finish(kFailed);
+    return error;
+  }
   const size_t count = x.element_count();
-  if (count == 0) return ffi::Error::Success();
-  return ReduceDeviceBuffer(stream, static_cast<const char*>(x.untyped_data()),
-                            static_cast<char*>(y->untyped_data()), count,
-                            x.size_bytes() / count, dtype, op, comm,
-                            chunk_bytes, cuda_aware != 0);
+  ffi::Error error = ffi::Error::Success();
+  if (count > 0) {
+    error = ReduceDeviceBuffer(
+        stream, static_cast<const char*>(x.untyped_data()),
+        static_cast<char*>(y->untyped_data()), count, x.size_bytes() / count,
+        call.dtype, call.op, call.comm, chunk_bytes, cuda_aware != 0);
+  }
+  int rc = MPI_SUCCESS;
+  if (!header.Agreed(&rc)) return call.Disagreed(rc);
+  call.Finish(error.success() ? kDone : kFailed);
+  return error;
 }
 
 }  // namespace
@@ -68,7 +81,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mpi4jaxDistAllreduceCuda,
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("chunk_bytes")
                                   .Attr<int32_t>("cuda_aware")
-                                  .Attr<int32_t>("check"));
+                                  .Attr<int32_t>("check")
+                                  .Attr<int64_t>("site"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     Mpi4jaxDistTokenAfterCuda, mpi4jax_dist::TokenAfterImpl,

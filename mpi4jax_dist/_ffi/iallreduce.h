@@ -1,7 +1,7 @@
 // The non-blocking allreduce (mpi4jax_dist.iallreduce, Request.test,
-// Request.wait): a start posts MPI_Iallreduce (after the ranks' agreement
-// check, where one is due) and returns at once; a test progresses it; a wait
-// completes it and copies the result into XLA's buffer.
+// Request.wait): a start posts MPI_Iallreduce (with its header, agreement.h)
+// and returns at once; a test progresses it; a wait completes it, judges the
+// header and copies the result into XLA's buffer.
 
 #ifndef MPI4JAX_DIST_FFI_IALLREDUCE_H_
 #define MPI4JAX_DIST_FFI_IALLREDUCE_H_
@@ -41,61 +41,89 @@ inline int PostIallreduce(void* data, size_t count, MPI_Datatype dtype,
                         comm, request);
 }
 
-// The start: copy x into the slot's memory, post MPI_Iallreduce there and set
-// *handle to the slot. Host memory. y, aliased with x, passes on to the test
-// and the wait, which write the result into the buffer XLA gives them.
+// Post a slot's requests (the MPI lock held; the op and types made): the
+// header and payload as one message, or the header apart and then the
+// payload. An MPI return code.
+inline int PostSlot(PendingRequest* slot) {
+  slot->setup = false;
+  const Call& call = slot->call;
+  const size_t count = slot->count;
+  if (slot->offset > 0) {  // one message
+    CallHeader header = call.header;
+    header.carried = static_cast<int64_t>(count);
+    std::memcpy(slot->data.get(), &header, kHeaderBytes);
+    return ReduceChecked(slot->data.get(), PaddedBytes(slot->bytes), call.comm,
+                         &slot->request, /*guarded=*/true);
+  }
+  if (slot->checks) {
+    slot->header = call.header;
+    slot->header.carried = 0;
+    const int rc = ReduceChecked(reinterpret_cast<char*>(&slot->header), 0,
+                                 call.comm, &slot->agreement, true);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  // Nothing to reduce: a null request.
+  return count > 0 ? PostIallreduce(slot->data.get(), count, call.dtype,
+                                    call.op, call.comm, &slot->request)
+                   : MPI_SUCCESS;
+}
+
+// The start: copy x into the slot's memory, post MPI_Iallreduce there (behind
+// its header where they go as one) and set *handle to the slot. Host memory.
+// y, aliased with x, passes on to the test and the wait, which write the
+// result into the buffer XLA gives them. The first start on a communicator
+// posts nothing until its private duplicate is made (PrivateComm, not waited
+// for here: a start that only some ranks make must not hang in it); the test
+// or the wait posts then.
 inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
                                   int64_t comm_id, int32_t op_code,
-                                  Agreement agreement, int64_t uid,
-                                  std::string_view site, int32_t* handle) {
-  MPI_Datatype dtype = MPI_DATATYPE_NULL;
-  MPI_Op op = MPI_OP_NULL;
-  MPI_Comm comm = MPI_COMM_NULL;
-  // Not a blocking check: a start that only some ranks make would hang in it,
-  // where it now fails at exit. The check is posted, and the reduction after
-  // it (AdvanceDeferred).
-  bool check = false;
-  if (ffi::Error error = CheckAllreduce(x, y, comm_id, op_code,
-                                        /*chunk_bytes=*/0, agreement, &dtype,
-                                        &op, &comm, kIallreduceName, &check);
+                                  bool checks, int64_t uid, int64_t site,
+                                  int32_t* handle) {
+  Call call;
+  bool ready = false;
+  if (ffi::Error error =
+          BeginCall(x, y, comm_id, op_code, /*chunk_bytes=*/0, kNonBlocking,
+                    site, /*block=*/false, &call, &ready, kIallreduceName);
       error.failure()) {
     return error;
   }
   const size_t count = x.element_count();
   if (!MPI4JAX_DIST_LARGE_COUNT && count > static_cast<size_t>(INT_MAX)) {
+    call.Finish(kFailed);
     return ffi::Error::InvalidArgument(
         std::string(kIallreduceName) + ": " + std::to_string(count) +
         " elements are more than one MPI_Iallreduce takes (INT_MAX) on an MPI "
         "without MPI-4's MPI_Iallreduce_c, and one request cannot be split "
         "into chunks. Use mpi4jax_dist.allreduce, which reduces in chunks.");
   }
+  const size_t bytes = x.size_bytes();
+  const bool combined = checks && bytes <= kCombinedBytes;
+  // Made before the locks Take holds.
+  CheckedType(combined ? PaddedBytes(bytes) : 0);
+  CheckedOp();
   auto post = [&](PendingRequest* slot) {
-    if (check) {
-      AgreementValues(count, x.element_type(), op_code, 0,
-                      slot->agreement_mine);
-      slot->deferred = true;
-      slot->count = count;
-      slot->dtype = dtype;
-      slot->op = op;
-      slot->comm = comm;
-      return MPI_Iallreduce(slot->agreement_mine, slot->agreement_most,
-                            kAgreementValues, MPI_INT64_T, MPI_MAX, comm,
-                            &slot->agreement);
+    slot->call = call;
+    slot->count = count;
+    slot->checks = checks;
+    slot->bytes = bytes;
+    if (!ready) {
+      slot->setup = true;
+      return MPI_SUCCESS;
     }
-    // Nothing to reduce: a null request.
-    return count > 0 ? PostIallreduce(slot->data.get(), count, dtype, op, comm,
-                                      &slot->request)
-                     : MPI_SUCCESS;
+    return PostSlot(slot);
   };
   int rc = MPI_SUCCESS;
   const int64_t posted_ns = SteadyNs();
-  if (ffi::Error error =
-          RequestTable::Get().Take(uid, site, x.untyped_data(), x.size_bytes(),
-                                   posted_ns, post, &rc, handle);
+  if (ffi::Error error = RequestTable::Get().Take(
+          uid, Record::Get().Site(site), x.untyped_data(), bytes,
+          combined ? kHeaderBytes : 0, combined ? PaddedBytes(bytes) - bytes : 0,
+          posted_ns, post, &rc, handle);
       error.failure()) {
+    call.Finish(kFailed);
     return error;
   }
   if (rc != MPI_SUCCESS) {
+    call.Finish(kFailed);
     return MpiError(count > static_cast<size_t>(INT_MAX) ? "MPI_Iallreduce_c"
                                                          : "MPI_Iallreduce",
                     rc, kIallreduceName);
@@ -104,53 +132,27 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
   return ffi::Error::Success();
 }
 
-// A start that checks the ranks' agreement posts the check alone; its
-// reduction is posted once the check has completed and agreed, in the first
-// test that finds it complete, or in the wait. Posted together, a reduction of
-// 1,000 floats on one rank and 2,000 on the other crashed Open MPI 5.0's
-// libnbc inside MPI_Test (MPI_ERR_TRUNCATE, then a double free), before the
-// wait could judge the check; MPICH reduced it silently. The price: the first
-// start on a communicator (every one with MPI4JAX_DIST_DEBUG_CHECKS) hides
-// little of its reduction. `block` waits for the check; else one MPI_Test.
-// Disagreement is left in slot->disagreed, for the wait to report.
-inline ffi::Error AdvanceDeferred(PendingRequest* slot, bool block,
-                                  const char* who) {
-  if (!slot->deferred) return ffi::Error::Success();
-  int done = 1;
-  int rc = MPI_SUCCESS;
-  if (block) {
-    rc = WaitRequest(&slot->agreement);
-  } else {
-    MpiGuard guard;
-    rc = MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+// A slot whose first start found the private duplicate not yet made: post it
+// once the duplicate is there (waited for with `block`).
+inline ffi::Error PostWhenReady(PendingRequest* slot, bool block,
+                                const char* who) {
+  if (!slot->setup) return ffi::Error::Success();
+  MPI_Comm dup = MPI_COMM_NULL;
+  bool ready = false;
+  if (ffi::Error error =
+          PrivateComm(*slot->call.entry, block, &dup, &ready, who);
+      error.failure() || !ready) {
+    return error;
   }
-  if (rc != MPI_SUCCESS) {
-    return MpiError(
-        block ? "MPI_Wait (agreement check)" : "MPI_Test (agreement check)", rc,
-        who);
-  }
-  if (!done) return ffi::Error::Success();
-  slot->deferred = false;
-  if (AgreementVerdict(slot->agreement_mine, slot->agreement_most, who)
-          .failure()) {
-    slot->disagreed = true;
-    return ffi::Error::Success();
-  }
-  if (slot->count == 0) return ffi::Error::Success();
+  slot->call.comm = dup;
   MpiGuard guard;
-  const int posted = PostIallreduce(slot->data.get(), slot->count, slot->dtype,
-                                    slot->op, slot->comm, &slot->request);
-  if (posted != MPI_SUCCESS) {
-    return MpiError(slot->count > static_cast<size_t>(INT_MAX)
-                        ? "MPI_Iallreduce_c"
-                        : "MPI_Iallreduce",
-                    posted, who);
-  }
+  const int rc = PostSlot(slot);
+  if (rc != MPI_SUCCESS) return MpiError("MPI_Iallreduce", rc, who);
   return ffi::Error::Success();
 }
 
-// The wait: complete the request of `handle` (MPI_Wait), copy its result into
-// y, and free its slot.
+// The wait: complete the request of `handle` (MPI_Wait), judge its header,
+// copy its result into y, and free its slot.
 inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   const char* who = "mpi4jax_dist.Request.wait";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
@@ -161,18 +163,15 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   }
   // The deadline of a wait starts when it is entered (the start returned at
   // once); the call it names is the start's.
-  EnterCall(who, slot->comm_id, slot->call);
+  EnterCall(who, slot->comm_id, slot->seq);
   RequestStats& stats = GetRequestStats();
   stats.waits.fetch_add(1, std::memory_order_relaxed);
   const int64_t entered_ns = SteadyNs();
   stats.wait_slack_ns.fetch_add(entered_ns - slot->posted_ns,
                                 std::memory_order_relaxed);
-  if (ffi::Error error = AdvanceDeferred(slot, /*block=*/true, who);
-      error.failure() || slot->disagreed) {
-    if (error.success()) {
-      error = AgreementVerdict(slot->agreement_mine, slot->agreement_most,
-                               kIallreduceName);
-    }
+  if (ffi::Error error = PostWhenReady(slot, /*block=*/true, who);
+      error.failure()) {
+    slot->call.Finish(kFailed);
     RequestTable::Get().Free(slot);
     return error;
   }
@@ -187,18 +186,44 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   if (complete) {
     stats.done_before_wait.fetch_add(1, std::memory_order_relaxed);
   }
-  if (rc == MPI_SUCCESS && !done) rc = WaitRequest(&slot->request);
+  // The header, in front of the payload or apart: apart, it is judged as soon
+  // as it completes, and where the ranks disagree the payload's request may
+  // never complete (CompleteJudged).
+  int header_rc = MPI_SUCCESS;
+  bool abandoned = false;
+  if (rc == MPI_SUCCESS && !done) {
+    rc = CompleteJudged(&slot->agreement, slot->header, &slot->request,
+                        &header_rc, &abandoned);
+    abandoned = abandoned && slot->request != MPI_REQUEST_NULL;
+  } else if (slot->agreement != MPI_REQUEST_NULL) {
+    header_rc = WaitRequest(&slot->agreement);
+  }
   if (!complete) {
     stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,
                                     std::memory_order_relaxed);
   }
+  CallHeader header = slot->header;
+  if (slot->offset > 0) std::memcpy(&header, slot->data.get(), kHeaderBytes);
+  const bool checked = slot->checks;
+  if (checked && (rc != MPI_SUCCESS || header_rc != MPI_SUCCESS ||
+                  header.flags != 0)) {
+    const Call call = slot->call;
+    if (abandoned) {
+      RequestTable::Get().Abandon(slot);
+    } else {
+      RequestTable::Get().Free(slot);
+    }
+    return call.Disagreed(rc != MPI_SUCCESS ? rc : header_rc);
+  }
   if (rc != MPI_SUCCESS) {
+    slot->call.Finish(kFailed);
     RequestTable::Get().Free(slot);
     return MpiError("MPI_Wait", rc, who);
   }
   if (y.size_bytes() != slot->bytes) {
     const std::string site = slot->site;
     const size_t bytes = slot->bytes;
+    slot->call.Finish(kFailed);
     RequestTable::Get().Free(slot);
     return ffi::Error::Internal(std::string(who) + ": the request started at " +
                                 site + " reduced " + std::to_string(bytes) +
@@ -206,14 +231,15 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
                                 std::to_string(y.size_bytes()));
   }
   if (slot->bytes > 0) {
-    std::memcpy(y.untyped_data(), slot->data.get(), slot->bytes);
+    std::memcpy(y.untyped_data(), slot->data.get() + slot->offset, slot->bytes);
   }
+  slot->call.Finish(kDone);
   RequestTable::Get().Free(slot);
   return ffi::Error::Success();
 }
 
-// The test: one MPI_Test on the request of `handle`, so that MPI progresses it
-// (the request stays pending for its wait either way).
+// The test: one MPI_Test on the request of `handle` (and its header), so that
+// MPI progresses it (the request stays pending for its wait either way).
 inline ffi::Error IallreduceTest(int32_t handle) {
   const char* who = "mpi4jax_dist.Request.test";
   if (ffi::Error error = CheckMpiUsable(who); error.failure()) return error;
@@ -224,20 +250,25 @@ inline ffi::Error IallreduceTest(int32_t handle) {
   }
   RequestStats& stats = GetRequestStats();
   stats.tests.fetch_add(1, std::memory_order_relaxed);
-  if (ffi::Error error = AdvanceDeferred(slot, /*block=*/false, who);
+  if (ffi::Error error = PostWhenReady(slot, /*block=*/false, who);
       error.failure()) {
     return error;
   }
+  if (slot->setup) return ffi::Error::Success();
   int done = 0;
   int rc = MPI_SUCCESS;
   {
     MpiGuard guard;
-    rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+    if (slot->agreement != MPI_REQUEST_NULL) {
+      int header_done = 0;
+      rc = MPI_Test(&slot->agreement, &header_done, MPI_STATUS_IGNORE);
+    }
+    if (rc == MPI_SUCCESS) {
+      rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
+    }
   }
   if (rc != MPI_SUCCESS) return MpiError("MPI_Test", rc, who);
-  if (done && !slot->deferred && !slot->disagreed) {
-    stats.tests_done.fetch_add(1, std::memory_order_relaxed);
-  }
+  if (done) stats.tests_done.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -266,6 +297,18 @@ inline std::vector<RequestTable::Info> CompletePending(
     for (const RequestTable::Info& info : wanted) {
       PendingRequest* slot = nullptr;
       if (table.Find(info.handle, kIallreduceName, &slot).failure()) continue;
+      if (slot->setup) {
+        // Nothing posted: once the duplicate is made, MPI holds nothing of it.
+        MPI_Comm dup = MPI_COMM_NULL;
+        bool ready = false;
+        PrivateComm(*slot->call.entry, false, &dup, &ready, kIallreduceName);
+        if (ready) {
+          table.Free(slot);
+        } else {
+          left.push_back(info);
+        }
+        continue;
+      }
       int done = 0;
       MPI_Request both[2] = {slot->request, slot->agreement};
       int rc = MPI_SUCCESS;

@@ -16,7 +16,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "agreement.h"
 #include "comm_registry.h"
+#include "record.h"
 #include "mpi_base.h"
 #include "stats.h"
 #include "timeout.h"
@@ -104,6 +106,41 @@ inline void DefineCommon(nb::module_& m) {
       },
       "Return (who, comm id, call, seconds waited) of this process's first "
       "timed-out call, or None.");
+  m.def(
+      "register_site",
+      [](const std::string& text) { return Record::Get().RegisterSite(text); },
+      nb::arg("text"),
+      "Return the id that compiled calls carry for the place `text` in the "
+      "user's code (0 once 4096 places are known).");
+  m.def(
+      "record",
+      [] {
+        nb::list list;
+        for (const Record::Copy& e : Record::Get().Entries()) {
+          list.append(nb::make_tuple(
+              e.comm_id, e.seq, KindName(e.kind), OpName(e.op),
+              TypeName(e.type), e.count, StateName(e.state),
+              std::string(Record::Get().Site(e.site)), e.entered_ns));
+        }
+        return list;
+      },
+      "Return the record of the last collectives, oldest first, as (comm id, "
+      "call number there, kind, op, dtype, count, state, site, entered at "
+      "(steady ns)) tuples.");
+  m.def(
+      "record_text", [] { return Record::Get().Text(); },
+      "Return the calls still entered and the last three done, one line "
+      "each, as the reports quote them.");
+  m.def(
+      "disagreement",
+      []() -> nb::object {
+        Disagreement& last = LastDisagreement();
+        std::lock_guard<std::mutex> lock(last.mu);
+        if (!last.seen) return nb::none();
+        return nb::make_tuple(last.reporter, last.text);
+      },
+      "Return (whether this rank reports it, the report) of the last call "
+      "the ranks disagreed on, or None.");
   m.attr("HEADER_MPI") = HeaderMpiLibrary();
   m.attr("MPI_STANDARD") = nb::make_tuple(MPI_VERSION, MPI_SUBVERSION);
   m.attr("LARGE_COUNT") = static_cast<bool>(MPI4JAX_DIST_LARGE_COUNT);

@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "agreement.h"
+#include "allreduce.h"
 #include "comm_registry.h"
 #include "mpi_base.h"
 #include "mpi_guard.h"
@@ -28,19 +30,20 @@ constexpr const char* kIallreduceName = "mpi4jax_dist.iallreduce";
 
 // One request in flight.
 struct PendingRequest {
+  // The reduction (with its header in front of the payload, `offset` bytes,
+  // where they go as one message), and the header posted apart where they do
+  // not (`agreement`; MPI_REQUEST_NULL where there is none).
   MPI_Request request = MPI_REQUEST_NULL;
-  // The ranks' agreement, when this start checks it (see AgreementValues and
-  // AdvanceDeferred): MPI_REQUEST_NULL else. `deferred` while the reduction
-  // waits for it, with what to post then; `disagreed` once it said no.
   MPI_Request agreement = MPI_REQUEST_NULL;
-  int64_t agreement_mine[kAgreementValues] = {};
-  int64_t agreement_most[kAgreementValues] = {};
-  bool deferred = false;
-  bool disagreed = false;
+  CallHeader header;  // the header posted apart, reduced in place
+  size_t offset = 0;  // kHeaderBytes (header and payload as one) or 0
+  bool checks = true;
+  // Nothing posted yet: the communicator's private duplicate is still being
+  // made (its first call); the test or the wait posts once it is there.
+  bool setup = false;
+  // The call as BeginCall set it up (its header, communicator, record entry).
+  Call call;
   size_t count = 0;
-  MPI_Datatype dtype = MPI_DATATYPE_NULL;
-  MPI_Op op = MPI_OP_NULL;
-  MPI_Comm comm = MPI_COMM_NULL;
   // The memory MPI reduces into, owned here (see above), and the message's
   // size; capacity is what `data` holds, kept between requests when small.
   std::unique_ptr<char[]> data;
@@ -53,7 +56,7 @@ struct PendingRequest {
   // The communicator's id and the start's number among its calls (see
   // CallContext), for a wait that times out.
   int64_t comm_id = 0;
-  int64_t call = 0;
+  int64_t seq = 0;
   // When the start posted it (steady clock, ns; see SteadyNs).
   int64_t posted_ns = 0;
   int32_t generation = 0;
@@ -88,15 +91,16 @@ class RequestTable {
   }
 
   // Take a slot for a start (op `uid`, made at `site`) of `bytes`, copy them
-  // from `operand` into the slot's memory, and post its requests with
-  // `post(slot)` (an MPI return code) under the table's lock, so that no one
-  // finds the slot half made. Refused when that start's previous
+  // from `operand` into the slot's memory, `offset` bytes in (room for a
+  // header) and with `padding` bytes after them, and post its requests with `post(slot)` (an MPI return code)
+  // under the table's lock and the MPI lock, so that no one finds the slot
+  // half made. Refused when that start's previous
   // request is still pending (its wait did not run), or when kMaxRequests
   // are; the slot is freed again when `post` fails.
   template <typename Post>
   ffi::Error Take(int64_t uid, std::string_view site, const void* operand,
-                  size_t bytes, int64_t posted_ns, Post post, int* rc,
-                  int32_t* handle) {
+                  size_t bytes, size_t offset, size_t padding,
+                  int64_t posted_ns, Post post, int* rc, int32_t* handle) {
     std::lock_guard<std::mutex> lock(mu_);
     PendingRequest* free = nullptr;
     size_t index = 0;
@@ -131,10 +135,12 @@ class RequestTable {
       free = slots_.back().get();
       index = slots_.size() - 1;
     }
-    if (free->capacity < bytes) {
-      // Uninitialized: the copy below fills what MPI reads.
-      free->data.reset(new (std::nothrow) char[bytes]);
-      free->capacity = free->data ? bytes : 0;
+    const size_t size = offset + bytes + padding;
+    if (free->capacity < size) {
+      // Uninitialized: the copy below and the header fill what MPI reduces
+      // (the padding is sent as it is, never read).
+      free->data.reset(new (std::nothrow) char[size]);
+      free->capacity = free->data ? size : 0;
       if (!free->data) {
         return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                           std::string(kIallreduceName) +
@@ -143,10 +149,11 @@ class RequestTable {
                               std::string(site) + ")");
       }
     }
-    if (bytes > 0) std::memcpy(free->data.get(), operand, bytes);
+    if (bytes > 0) std::memcpy(free->data.get() + offset, operand, bytes);
     free->request = MPI_REQUEST_NULL;
     free->agreement = MPI_REQUEST_NULL;
-    free->deferred = free->disagreed = false;
+    free->offset = offset;
+    free->setup = false;
     {
       MpiGuard guard;  // after mu_: see MpiGuard's lock order
       *rc = post(free);
@@ -154,7 +161,7 @@ class RequestTable {
     if (*rc != MPI_SUCCESS) return ffi::Error::Success();  // nothing taken
     free->bytes = bytes;
     free->comm_id = CurrentCall().comm_id;
-    free->call = CurrentCall().call;
+    free->seq = CurrentCall().call;
     free->uid = uid;
     free->posted_ns = posted_ns;
     free->site.assign(site.data(), site.size());
@@ -198,6 +205,17 @@ class RequestTable {
       slot->data.reset();
       slot->capacity = 0;
     }
+  }
+
+  // Free a slot whose request stays pending in MPI (its ranks disagreed, so
+  // it may never complete): its memory is left to MPI for good, not reused.
+  void Abandon(PendingRequest* slot) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      (void)slot->data.release();  // NOLINT: MPI may still write into it
+      slot->capacity = 0;
+    }
+    Free(slot);
   }
 
   std::vector<Info> Pending() {

@@ -175,6 +175,28 @@ inline int WaitRequest(MPI_Request* request) {
   }
 }
 
+// Complete one of `n` requests, as WaitRequest does one: MPI_Waitany, or
+// under the collective timeout MPI_Testany polled. *index says which.
+inline int WaitAnyRequest(int n, MPI_Request* requests, int* index) {
+  CallContext& context = CurrentCall();
+  if (context.deadline_ns == 0) {
+    MpiGuard guard;
+    return MPI_Waitany(n, requests, index, MPI_STATUS_IGNORE);
+  }
+  for (uint32_t i = 1;; ++i) {
+    int done = 0, rc = MPI_SUCCESS;
+    {
+      MpiGuard guard;
+      rc = MPI_Testany(n, requests, index, &done, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS || done) return rc;
+    if (i % 64 == 0) CheckDeadline(context);
+    if (context.alarmed) {
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+  }
+}
+
 }  // namespace mpi4jax_dist
 
 #endif  // MPI4JAX_DIST_FFI_TIMEOUT_H_

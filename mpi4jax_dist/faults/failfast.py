@@ -13,15 +13,20 @@ import functools
 import os
 import sys
 import threading
+import time
 import traceback
 import typing
 from dataclasses import dataclass
 
 from .. import _compat, _config, _mpi
+from . import hangs
 
 # MPI_Abort's error code for a KeyboardInterrupt: what a shell reports for SIGINT
 # (and what python -m mpi4py uses).
 _SIGINT_CODE = 128 + 2
+# How long a rank whose error another rank reports waits for that rank's
+# MPI_Abort before it ends the job itself.
+_QUIET_S = 10.0
 
 
 @dataclass
@@ -119,6 +124,12 @@ def report() -> dict:
 
 def _excepthook(exc_type, exc, tb) -> None:
     code = _SIGINT_CODE if issubclass(exc_type, KeyboardInterrupt) else 1
+    if hangs.reported_elsewhere(exc):
+        # Every rank raises the same report of a call the ranks disagree on:
+        # the rank that reports it prints it and ends the job. Wait for that
+        # (printing nothing), then end it here should that rank not.
+        time.sleep(_QUIET_S)
+        _abort(None, None, code)
     lines = None
     if _state.previous_excepthook is sys.__excepthook__:
         lines = traceback.format_exception(exc_type, exc, tb)
@@ -193,15 +204,18 @@ def _ended_program(exc: BaseException) -> bool:
     return last is not None and last.opname in ("RERAISE", "RAISE_VARARGS")
 
 
-def _abort(what: str, lines, code: int) -> typing.NoReturn:
-    """Print ``what`` (and the traceback ``lines``, prefixed with the rank) and end
-    the job with ``MPI_Abort(MPI_COMM_WORLD, code)``; never returns."""
+def _abort(what: str | None, lines, code: int) -> typing.NoReturn:
+    """Print ``what`` (and the traceback ``lines``, prefixed with the rank; nothing
+    for None) and end the job with ``MPI_Abort(MPI_COMM_WORLD, code)``; never
+    returns."""
     from mpi4py import MPI
 
     rank, size = _state.rank, _state.size
     text = (
         f"mpi4jax_dist: rank {rank} of {size}: {what}; MPI_Abort ends the job "
         f"({_config.FAIL_FAST}=0 turns this off).\n"
+        if what
+        else ""
     )
     if lines:
         prefix = f"[rank {rank}] "

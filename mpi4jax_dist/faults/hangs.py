@@ -146,11 +146,36 @@ def _loaded_modules() -> list:
         return list(_state.modules)
 
 
+def calls_in_flight() -> str:
+    """The package's collectives this process is in (entered, not yet returned),
+    as its extensions' records say: ``allreduce #5 SUM float32[4] at step.py:12 in
+    body``, several joined by ``; ``; "" when none."""
+    calls = []
+    for module in _loaded_modules():
+        for _, seq, kind, op, dtype, count, state, site, _ in module.record():
+            if state == "entered":
+                at = f" at {site}" if site else ""
+                calls.append(f"{kind} #{seq} {op} {dtype}[{count}]{at}")
+    return "; ".join(calls)
+
+
 def note_comm(comm) -> None:
     """Remember a communicator the compiled ops were given (an ``ops.common.Comm``),
     so that a timeout's report can name it and find its count on every rank."""
     with _state.lock:
         _state.comms.append(comm)
+
+
+def reported_elsewhere(exc: BaseException) -> bool:
+    """Whether ``exc`` is the error of a call the ranks disagreed on whose report
+    another rank prints for the job (the communicator's rank 0): every rank
+    raises the same report, and one copy in the log is enough."""
+    text = str(exc)
+    for module in _loaded_modules():
+        last = module.disagreement()
+        if last is not None and last[1] in text:
+            return not last[0]
+    return False
 
 
 # --- stacks ---------------------------------------------------------------------------
@@ -306,7 +331,11 @@ class _Watchdog(threading.Thread):
         wall = time.time()
         if self.verdict.due(wall):
             stuck = stuck_s >= self.hang_timeout_s
-            place = progress.place_key(self.progress.place()) if stuck else 0
+            place = (
+                progress.place_key(self.progress.place(), calls_in_flight())
+                if stuck
+                else 0
+            )
             self.verdict.post(now, wall, stuck, place)
         elif (
             self.verdict.pending
@@ -405,7 +434,11 @@ def _standing(watched: progress.Progress) -> dict:
     """Where this rank's main thread stands, for rank 0's report: its frames,
     innermost first, and their source lines as they read now."""
     place = watched.place()
-    return {"place": [tuple(f) for f in place], "source": stacks.quote(place)}
+    return {
+        "place": [tuple(f) for f in place],
+        "source": stacks.quote(place),
+        "call": calls_in_flight(),
+    }
 
 
 @functools.cache
@@ -483,7 +516,9 @@ class _ServiceWatchdog(threading.Thread):
         self.progress.look(now)
         stuck_s = self.progress.stuck_for(now)
         stuck = stuck_s >= self.hang_timeout_s
-        place = progress.place_key(self.progress.place()) if stuck else 0
+        place = (
+            progress.place_key(self.progress.place(), calls_in_flight()) if stuck else 0
+        )
         wall = time.time()
         if not self.verdict.post(wall, stuck, place):
             return  # once a period
@@ -568,7 +603,7 @@ def hang_report(
     sources: dict = {}
     for rank, reply in sorted(replies.items()):
         frames = tuple(stacks.Frame(*f) for f in reply["place"])
-        groups.setdefault(frames, []).append(rank)
+        groups.setdefault((frames, reply.get("call", "")), []).append(rank)
         for frame, text in zip(frames, reply["source"], strict=True):
             if text:
                 sources.setdefault((frame.file, frame.line), text)
@@ -590,7 +625,8 @@ def hang_report(
             f"placed below by the stacks written then"
         )
     lines += [
-        "  " + line for line in stacks.group_lines(groups, sources, odd_first=True)
+        "  " + line
+        for line in stacks.group_lines(groups, sources, odd_first=True, by_call=True)
     ]
     whose = "The stacks of the ranks that answered" if silent else "Every rank's stacks"
     if went := _stacks_went(where):

@@ -82,9 +82,11 @@ class Progress:
         return frames
 
 
-def place_key(frames: list[Frame]) -> int:
-    """A stack as a non-negative int64: equal stacks, equal keys."""
-    text = "\n".join(f"{f.file}:{f.line}:{f.function}" for f in frames)
+def place_key(frames: list[Frame], calls: str = "") -> int:
+    """A stack, and the collectives the rank is in (``calls``, from the record),
+    as a non-negative int64: equal places, equal keys. Ranks at one line of
+    Python but in different calls of one jitted program stand apart."""
+    text = "\n".join([calls] + [f"{f.file}:{f.line}:{f.function}" for f in frames])
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

@@ -127,20 +127,33 @@ def quote(frames) -> list[str]:
     return [linecache.getline(f.file, f.line).strip() for f in frames]
 
 
-def group_lines(groups: dict, sources: dict, odd_first: bool) -> list[str]:
+def group_lines(
+    groups: dict, sources: dict, odd_first: bool, by_call: bool = False
+) -> list[str]:
     """One line per group of ranks standing at one stack ({frames: ranks}):
     ``3 ranks at cg.py:123 in solve: ...: ranks 0-2``, the smallest groups first
-    (``odd_first``) or the largest."""
-    summaries = told_apart({frames: where(list(frames), sources) for frames in groups})
+    (``odd_first``) or the largest. With ``by_call`` the keys are ``(frames,
+    call)``, the call being the collectives the record says the ranks are in
+    (``allreduce #5 SUM float32[4] at step.py:12 in body``, or ""), said first."""
+
+    def frames_of(key):
+        return key[0] if by_call else key
+
+    summaries = told_apart(
+        {frames_of(k): where(list(frames_of(k)), sources) for k in groups}
+    )
     sign = 1 if odd_first else -1
     ordered = sorted(
         groups.items(), key=lambda item: (sign * len(item[1]), min(item[1]))
     )
-    return [
-        f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''} {summaries[frames]}: "
-        f"{ranks_text(ranks)}"
-        for frames, ranks in ordered
-    ]
+    lines = []
+    for key, ranks in ordered:
+        call = f"in {key[1]}, " if by_call and key[1] else ""
+        lines.append(
+            f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''} {call}"
+            f"{summaries[frames_of(key)]}: {ranks_text(ranks)}"
+        )
+    return lines
 
 
 def ranks_text(ranks, limit: int = 8) -> str:

@@ -12,6 +12,7 @@ from .. import _compat, _config
 from .common import (
     OPS,
     Comm,
+    caller_site,
     check_mpi,
     check_supported,
     communicator,
@@ -46,6 +47,13 @@ def allreduce(x, op=None, *, comm=None):
     see :func:`mpi4jax_dist._config.allreduce_chunk_bytes`), which bounds MPI's
     scratch memory.
 
+    Every call is checked against the other ranks' calls before it returns a
+    value: a header saying what the call is (blocking or not, op, dtype,
+    element count, its number on the communicator) travels with the data, in
+    one message up to 16 KiB and beside it above. Ranks that disagree fail
+    alike, with one report naming each side and where it was made
+    (``MPI4JAX_DIST_CHECKS=0`` leaves the header out).
+
     Calls keep program order on every rank: they share mpi4jax's ordered effect,
     so mpi4jax's calls and these are ordered together. Usable eagerly, in
     ``jit``, ``lax.fori_loop``/``while_loop``/``scan``, under ``vmap``, and under
@@ -62,8 +70,9 @@ def allreduce(x, op=None, *, comm=None):
         op: an ``mpi4py.MPI.Op``: ``MPI.SUM`` (the default, also for None),
             ``PROD``, ``MIN``, ``MAX``, ``LAND``, ``LOR``, ``LXOR``, ``BAND``,
             ``BOR`` or ``BXOR``, where MPI defines it for the dtype.
-        comm: an mpi4py intracommunicator; default: mpi4jax's clone of
-            ``MPI.COMM_WORLD``.
+        comm: an mpi4py intracommunicator; default: ``MPI.COMM_WORLD``. The
+            calls run on a private duplicate of it, so that they never meet
+            the program's own MPI calls on it.
 
     Returns:
         The reduced array, of the shape and dtype of ``x``.
@@ -95,7 +104,9 @@ def allreduce(x, op=None, *, comm=None):
     check_supported(x.dtype, name)
     check_mpi()
     comm = Comm(communicator(comm))
-    return _primitive().bind(x, op=OPS.index(name), comm=comm, transpose=False)
+    return _primitive().bind(
+        x, op=OPS.index(name), comm=comm, transpose=False, site=caller_site()
+    )
 
 
 def _cuda_aware(module) -> bool:
@@ -155,19 +166,21 @@ def _primitive():
     prim = Primitive("mpi4jax_dist_allreduce")
 
     @functools.cache
-    def jitted(op, comm, transpose):
-        return jax.jit(lambda x: prim.bind(x, op=op, comm=comm, transpose=transpose))
+    def jitted(op, comm, transpose, site):
+        return jax.jit(
+            lambda x: prim.bind(x, op=op, comm=comm, transpose=transpose, site=site)
+        )
 
-    def impl(x, *, op, comm, transpose):
-        return jitted(op, comm, transpose)(x)
+    def impl(x, *, op, comm, transpose, site):
+        return jitted(op, comm, transpose, site)(x)
 
-    def abstract_eval(x, *, op, comm, transpose):
+    def abstract_eval(x, *, op, comm, transpose, site):
         out = ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
         # The transposed allreduce is the identity (as in mpi4jax): no MPI call,
         # nothing to order.
         return out, (set() if transpose else {ordered_effect})
 
-    def lowering(ctx, x, *, op, comm, transpose, platform="cpu"):
+    def lowering(ctx, x, *, op, comm, transpose, site, platform="cpu"):
         if transpose:
             return [x]
         module = extension(platform)
@@ -175,7 +188,8 @@ def _primitive():
             "comm": np.int64(comm.id_in(module)),
             "op": np.int32(op),
             "chunk_bytes": np.int64(_config.allreduce_chunk_bytes()),
-            "check": np.int32(_config.debug_checks()),
+            "check": np.int32(_config.checks()),
+            "site": np.int64(module.register_site(site)),
         }
         if platform == "cuda":
             attributes["cuda_aware"] = np.int32(_cuda_aware(module))
@@ -197,33 +211,35 @@ def _primitive():
 
     refuse = unsupported_lowering("mpi4jax_dist.allreduce", ("cpu", "cuda"))
 
-    def other_lowering(ctx, x, *, op, comm, transpose):
+    def other_lowering(ctx, x, *, op, comm, transpose, site):
         if transpose:  # the transpose of the allreduce is the identity
             return [x]
         return refuse(ctx)
 
-    def batching_rule(args, dims, *, op, comm, transpose):
+    def batching_rule(args, dims, **params):
         # Elementwise over ranks: the batch dimension stays where it is.
-        return prim.bind(args[0], op=op, comm=comm, transpose=transpose), dims[0]
+        return prim.bind(args[0], **params), dims[0]
 
-    def jvp(primals, tangents, *, op, comm, transpose):
+    def jvp(primals, tangents, *, op, comm, transpose, site):
         if OPS[op] != "SUM":
             raise NotImplementedError(
                 f"mpi4jax_dist.allreduce is differentiable for MPI.SUM only; got "
                 f"MPI.{OPS[op]}."
             )
         (x,), (t,) = primals, tangents
-        value = prim.bind(x, op=op, comm=comm, transpose=transpose)
-        return value, prim.bind(t, op=op, comm=comm, transpose=transpose)
+        params = dict(op=op, comm=comm, transpose=transpose, site=site)
+        return prim.bind(x, **params), prim.bind(t, **params)
 
-    def transpose_rule(cotangent, x, *, op, comm, transpose):
+    def transpose_rule(cotangent, x, *, op, comm, transpose, site):
         if OPS[op] != "SUM":
             raise NotImplementedError(
                 f"the transpose of mpi4jax_dist.allreduce is defined for MPI.SUM "
                 f"only; got MPI.{OPS[op]}."
             )
         cotangent = ad.instantiate_zeros(cotangent)
-        return (prim.bind(cotangent, op=op, comm=comm, transpose=not transpose),)
+        return (
+            prim.bind(cotangent, op=op, comm=comm, transpose=not transpose, site=site),
+        )
 
     prim.def_impl(impl)
     prim.def_effectful_abstract_eval(abstract_eval)

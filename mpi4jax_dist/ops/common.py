@@ -6,10 +6,12 @@ Importing it imports neither mpi4py.MPI nor mpi4jax nor the extension."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import numpy as np
 
-from .. import _compat, _config
+from .. import _config
 from ..faults import hangs
 
 # Ops by the code the handler knows them by (OpFromCode in _ffi/op_dtype.h).
@@ -159,13 +161,13 @@ def unsupported_lowering(who: str, supported: tuple[str, ...]):
 
 
 def communicator(comm, who: str = "mpi4jax_dist.allreduce"):
-    """Return ``comm`` (mpi4jax's clone of COMM_WORLD for None), checked; ``who``
-    is the function an error names."""
+    """Return ``comm`` (``MPI.COMM_WORLD`` for None), checked; ``who`` is the
+    function an error names. The calls never run on it itself: the extension
+    makes a private duplicate of it on the first call (``comm_registry.h``)."""
     from mpi4py import MPI
 
     if comm is None:
-        # mpi4jax's own default: its calls and ours then share one communicator.
-        return _compat.mpi4jax_default_comm()
+        return MPI.COMM_WORLD
     if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
         raise ValueError(
             f"{who}: comm is MPI.COMM_NULL (this rank is in no group of the "
@@ -178,6 +180,28 @@ def communicator(comm, who: str = "mpi4jax_dist.allreduce"):
             f"{type(comm).__name__}."
         )
     return comm
+
+
+# Frames of these files are not the user's: a call's site is the first frame
+# outside them (and outside JAX, which traces the user's function).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_USERS = (_PACKAGE + os.sep, os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep)
+
+
+def caller_site() -> str:
+    """Where the user made the call being made now: ``file:line in function`` of
+    the innermost frame outside this package and JAX (``<unknown>`` if none)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_NOT_USERS[0])
+        or any(part in frame.f_code.co_filename for part in _NOT_USERS[1:])
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    code = frame.f_code
+    name = os.path.basename(code.co_filename)
+    return f"{name}:{frame.f_lineno} in {code.co_name}"
 
 
 def extension(platform: str = "cpu"):

@@ -39,17 +39,6 @@ _UIDS = itertools.count(1)
 _DROPPED: dict[int, str] = {}
 
 
-def _caller_site() -> str:
-    """Where the user's call into this module was made: ``file:line in function``."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    code = frame.f_code
-    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-
-
 def _is_traced(value) -> bool:
     import jax
 
@@ -400,8 +389,9 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
         op: an ``mpi4py.MPI.Op``: ``MPI.SUM`` (the default, also for None),
             ``PROD``, ``MIN``, ``MAX``, ``LAND``, ``LOR``, ``LXOR``, ``BAND``,
             ``BOR`` or ``BXOR``, where MPI defines it for the dtype.
-        comm: an mpi4py intracommunicator; default: mpi4jax's clone of
-            ``MPI.COMM_WORLD``.
+        comm: an mpi4py intracommunicator; default: ``MPI.COMM_WORLD``. The
+            calls run on a private duplicate of it, so that they never meet
+            the program's own MPI calls on it.
 
     Returns:
         A :class:`Request`.
@@ -429,7 +419,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     ext = _load_extension()
     comm = common.Comm(common.communicator(comm, _WHO))
     _check_count(x.size, ext)
-    site = _caller_site()
+    site = common.caller_site()
     uid = next(_UIDS)
     start, _, _, _ = _primitives()
     buffer, handle = start.bind(
@@ -542,9 +532,9 @@ def _primitives():
             token,
             comm=np.int64(comm.id_in(ext)),
             op=np.int32(op),
-            check=np.int32(_config.debug_checks()),
+            check=np.int32(_config.checks()),
             uid=np.int64(uid),
-            site=site,
+            site=np.int64(ext.register_site(site)),
         )
         token_after(ctx, handle, handle_aval)
         return [buffer, handle]

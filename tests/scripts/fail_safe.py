@@ -16,8 +16,7 @@ saw; the test reads them, the exit status and how long the job took.
 - ``mismatch-first``: the ranks reduce 1,000 and 2,000 floats in 400-byte chunks
   (MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES=400, set by the test): the first call on
   the communicator.
-- ``mismatch-later``: one matched call, then the same mismatch; with
-  MPI4JAX_DIST_DEBUG_CHECKS=1 set by the test.
+- ``mismatch-later``: one matched call, then the same mismatch.
 - ``imismatch``: the ranks start non-blocking allreduces of 1,000 and 2,000
   floats (the first on their communicator) and wait.
 - ``freed-comm``: a function compiled for a 2-rank Split, called after that

@@ -1,0 +1,240 @@
+// The record of the collectives this process runs: a ring of the last
+// kRecordEntries calls (their communicator, number there, kind, op, element
+// type and count, state, where the user made them), and the table of those
+// places. Written by the handlers with plain stores into fixed memory (no
+// allocation per call, no lock: the ordered token runs one collective at a
+// time; a reader tolerates a torn entry, which only a report reads), and read
+// by Python (record()) and by C (RecordText) for the reports of a timeout or
+// a disagreement: a rank whose Python cannot run still says what it is in.
+
+#ifndef MPI4JAX_DIST_FFI_RECORD_H_
+#define MPI4JAX_DIST_FFI_RECORD_H_
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mpi_base.h"
+
+namespace mpi4jax_dist {
+
+// What kind of collective a call is: what the ranks must agree on, beside
+// its op, type and count.
+enum CallKind : int32_t {
+  kBlocking = 1,     // mpi4jax_dist.allreduce
+  kNonBlocking = 2,  // mpi4jax_dist.iallreduce (and its wait)
+};
+
+// A call's state in the record.
+enum CallState : int32_t {
+  kEntered = 1,  // in MPI (or about to be): what a hung rank stands in
+  kDone = 2,
+  kFailed = 3,  // returned an error (a disagreement among them)
+};
+
+inline const char* KindName(int32_t kind) {
+  return kind == kNonBlocking ? "iallreduce" : "allreduce";
+}
+
+inline const char* StateName(int32_t state) {
+  switch (state) {
+    case kEntered:
+      return "entered";
+    case kDone:
+      return "done";
+    case kFailed:
+      return "failed";
+    default:
+      return "?";
+  }
+}
+
+// The reduction ops by the code the Python side gives them (ops/common.py's
+// OPS, op_dtype.h's OpFromCode).
+inline const char* OpName(int32_t code) {
+  static const char* const kNames[] = {"SUM",  "PROD", "MIN", "MAX",
+                                       "LAND", "LOR",  "LXOR", "BAND",
+                                       "BOR",  "BXOR"};
+  return code >= 0 && code < 10 ? kNames[code] : "?";
+}
+
+// An XLA element type as NumPy names it.
+inline const char* TypeName(int32_t type) {
+  switch (static_cast<ffi::DataType>(type)) {
+    case ffi::DataType::PRED:
+      return "bool";
+    case ffi::DataType::S8:
+      return "int8";
+    case ffi::DataType::S16:
+      return "int16";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::U8:
+      return "uint8";
+    case ffi::DataType::U16:
+      return "uint16";
+    case ffi::DataType::U32:
+      return "uint32";
+    case ffi::DataType::U64:
+      return "uint64";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::C64:
+      return "complex64";
+    case ffi::DataType::C128:
+      return "complex128";
+    default:
+      return "?";
+  }
+}
+
+// "allreduce #5 SUM float32[4]": a call as the reports name it.
+inline std::string CallText(int32_t kind, int64_t seq, int32_t op,
+                            int32_t type, int64_t count) {
+  char text[160];
+  std::snprintf(text, sizeof text, "%s #%lld %s %s[%lld]", KindName(kind),
+                static_cast<long long>(seq), OpName(op), TypeName(type),
+                static_cast<long long>(count));
+  return text;
+}
+
+class Record {
+ public:
+  static constexpr int kEntries = 256;
+
+  struct Entry {
+    std::atomic<int64_t> serial{0};  // 0: never written; else 1, 2, ...
+    int64_t comm_id = 0;
+    int64_t seq = 0;
+    int64_t count = 0;
+    int64_t site = 0;
+    int64_t entered_ns = 0;
+    int32_t kind = 0;
+    int32_t op = 0;
+    int32_t type = 0;
+    std::atomic<int32_t> state{0};
+  };
+
+  // Never destroyed: reports may read it while the process exits.
+  static Record& Get() {
+    static Record* record = new Record();
+    return *record;
+  }
+
+  // An entry as its writer holds it: a later call that wraps the ring round
+  // takes the entry over, and then Finish leaves it alone.
+  struct Handle {
+    Entry* entry = nullptr;
+    int64_t serial = 0;
+  };
+
+  // Write a call entering; return its handle, for Finish.
+  Handle Enter(int64_t comm_id, int64_t seq, int32_t kind, int32_t op,
+               int32_t type, int64_t count, int64_t site, int64_t now_ns) {
+    const int64_t serial = next_.fetch_add(1, std::memory_order_relaxed) + 1;
+    Entry& e = entries_[(serial - 1) % kEntries];
+    e.serial.store(0, std::memory_order_relaxed);  // torn while written
+    e.comm_id = comm_id;
+    e.seq = seq;
+    e.count = count;
+    e.site = site;
+    e.entered_ns = now_ns;
+    e.kind = kind;
+    e.op = op;
+    e.type = type;
+    e.state.store(kEntered, std::memory_order_relaxed);
+    e.serial.store(serial, std::memory_order_release);
+    return {&e, serial};
+  }
+
+  static void Finish(const Handle& handle, CallState state) {
+    if (handle.entry != nullptr &&
+        handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
+      handle.entry->state.store(state, std::memory_order_release);
+    }
+  }
+
+  // A place in the user's code ("step.py:12 in body"), registered when a call
+  // is lowered; its id goes into the compiled call (0: none, past kSites
+  // places). Allocates, at lowering only.
+  int64_t RegisterSite(const std::string& text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t known = published_.load(std::memory_order_relaxed);
+    for (int64_t i = 0; i < known; ++i) {
+      if (*sites_[i].load(std::memory_order_relaxed) == text) return i + 1;
+    }
+    if (known >= kSites) return 0;
+    sites_[known].store(new std::string(text), std::memory_order_relaxed);
+    published_.store(known + 1, std::memory_order_release);
+    return known + 1;
+  }
+
+  // The text of site `id` ("" for 0 or an unknown id): any thread, no lock (a
+  // site once published never changes or goes).
+  const char* Site(int64_t id) const {
+    if (id < 1 || id > published_.load(std::memory_order_acquire)) return "";
+    return sites_[id - 1].load(std::memory_order_relaxed)->c_str();
+  }
+
+  // The entries written, oldest first (at most kEntries).
+  struct Copy {
+    int64_t serial, comm_id, seq, count, site, entered_ns;
+    int32_t kind, op, type, state;
+  };
+  std::vector<Copy> Entries() const {
+    std::vector<Copy> out;
+    const int64_t last = next_.load(std::memory_order_acquire);
+    for (int64_t s = std::max<int64_t>(1, last - kEntries + 1); s <= last; ++s) {
+      const Entry& e = entries_[(s - 1) % kEntries];
+      if (e.serial.load(std::memory_order_acquire) != s) continue;  // torn
+      out.push_back({s, e.comm_id, e.seq, e.count, e.site, e.entered_ns,
+                     e.kind, e.op, e.type,
+                     e.state.load(std::memory_order_acquire)});
+    }
+    return out;
+  }
+
+  // The calls still entered, and the last few done, one line each ("allreduce
+  // #5 SUM float32[4] on communicator id 1, entered, at step.py:12"): what
+  // the reports quote. No allocation beyond the string.
+  std::string Text(int last_done = 3) const {
+    std::vector<Copy> entries = Entries();
+    std::string text;
+    int done = 0;
+    for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+      const bool entered = it->state == kEntered;
+      if (!entered && done >= last_done) continue;
+      if (!entered) ++done;
+      char line[96];
+      std::snprintf(line, sizeof line, " on communicator id %lld, %s",
+                    static_cast<long long>(it->comm_id), StateName(it->state));
+      std::string entry = CallText(it->kind, it->seq, it->op, it->type,
+                                   it->count) +
+                          line;
+      const char* site = Site(it->site);
+      if (site[0]) entry += std::string(", at ") + site;
+      text = entry + "\n" + text;
+    }
+    return text;
+  }
+
+ private:
+  Entry entries_[kEntries];
+  std::atomic<int64_t> next_{0};
+  static constexpr int64_t kSites = 4096;
+  std::mutex mu_;
+  std::atomic<const std::string*> sites_[kSites] = {};
+  std::atomic<int64_t> published_{0};
+};
+
+}  // namespace mpi4jax_dist
+
+#endif  // MPI4JAX_DIST_FFI_RECORD_H_

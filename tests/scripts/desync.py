@@ -1,0 +1,130 @@
+"""Ranks that disagree on a collective (tests/test_desync.py).
+
+Every rank first makes two matching jitted ``mpi4jax_dist.allreduce`` calls on
+``COMM_WORLD`` (so that a check made only on a communicator's first call has
+passed), prints ``READY``, then ``CASE`` decides what the ranks do; the ranks in
+``ODD`` (default: the last) do the other thing:
+
+- ``op``: SUM against MAX, of 4 float32;
+- ``dtype``: int32 against float32, 4 each (the same bytes);
+- ``bytes``: 4 float32 against 8 int16 (the same bytes);
+- ``large``: ``LARGE`` (default 16384) float32 against twice as many;
+- ``count``: 4 float32 against 8;
+- ``order``: in one jit, ``a`` (SUM) then ``b`` (MAX) against ``b`` then ``a``;
+- ``kind``: ``allreduce`` against ``iallreduce`` and its wait, of ``LARGE``
+  float32 (default 4);
+- ``agree``: every rank alike (the control);
+- ``loop``: every rank alike, ``STEPS`` jitted steps of 4 calls each (small and
+  large, blocking and not), printing ``BIG <rank> True`` where the large one kept
+  its value.
+
+Each rank prints ``RESULT <rank> <values>`` for what it got, and ``DONE``. With
+``AGAIN=1`` (and ``MPI4JAX_DIST_FAIL_FAST=0``) the case's error is caught
+(``CAUGHT <rank>``) and one more allreduce made on the communicator:
+``AGAIN <rank> ran`` or ``AGAIN <rank> refused: <error>``.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mpi4jax_dist
+
+jax.distributed.initialize()
+
+from mpi4py import MPI  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+odd_ranks = {int(r) for r in os.environ.get("ODD", str(size - 1)).split(",")}
+odd = rank in odd_ranks
+case = os.environ.get("CASE", "agree")
+
+
+# Called as the user would, so that each report names the script's own lines.
+allreduce = functools.partial(mpi4jax_dist.allreduce, op=MPI.SUM, comm=comm)
+
+
+def iallreduce(x, op=MPI.SUM):
+    return mpi4jax_dist.iallreduce(x, op=op, comm=comm).wait()
+
+
+warm = jax.jit(allreduce)
+x = jnp.arange(4, dtype=jnp.float32) + rank
+for _ in range(2):
+    warm(x).block_until_ready()
+print(f"READY {rank}", flush=True)
+
+
+def run_case():
+    if case == "op":
+        out = jax.jit(lambda v: allreduce(v, op=MPI.MAX if odd else MPI.SUM))(x)
+    elif case == "dtype":
+        out = jax.jit(allreduce)(x.astype(jnp.int32) if odd else x)
+    elif case == "bytes":
+        out = jax.jit(allreduce)(jnp.arange(8, dtype=jnp.int16) if odd else x)
+    elif case == "large":  # about the size up to which header and data go as one
+        n = int(os.environ.get("LARGE", str(1 << 14)))
+        out = jax.jit(allreduce)(jnp.ones(2 * n if odd else n, jnp.float32))
+    elif case == "count":
+        out = jax.jit(allreduce)(jnp.arange(8, dtype=jnp.float32) if odd else x)
+    elif case == "order":
+        a, b = x, 2 * x + 1
+
+        def both(a, b):
+            if odd:
+                b = allreduce(b, op=MPI.MAX)
+                a = allreduce(a)
+            else:
+                a = allreduce(a)
+                b = allreduce(b, op=MPI.MAX)
+            return a + b
+
+        out = jax.jit(both)(a, b)
+    elif case == "kind":  # of LARGE float32 (default 4)
+        v = jnp.ones(int(os.environ.get("LARGE", "4")), jnp.float32)
+        out = jax.jit(iallreduce if odd else allreduce)(v)
+    elif case == "agree":
+        out = jax.jit(allreduce)(x)
+    elif case == "loop":
+        # Small messages (header and data in one) and large ones (in chunks, with
+        # MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES below 128 KiB), blocking and not: a
+        # step keeps the ranks' mean, which a wrong reduction would change.
+        big = np.arange(1 << 15, dtype=np.float32) + rank
+
+        @jax.jit
+        def step(v, w):
+            v = allreduce(v) / size
+            v = allreduce(v, op=MPI.MAX)
+            v = iallreduce(v, op=MPI.MIN)
+            w = allreduce(w) / size
+            return v, w
+
+        out, w = x, big
+        for _ in range(int(os.environ.get("STEPS", "100"))):
+            out, w = step(out, w)
+        mean = np.arange(1 << 15, dtype=np.float32) + (size - 1) / 2
+        print(f"BIG {rank} {np.array_equal(np.asarray(w), mean)}", flush=True)
+    else:
+        raise SystemExit(f"desync.py: CASE={case!r} is not one it knows")
+    return out
+
+
+if os.environ.get("AGAIN"):  # under MPI4JAX_DIST_FAIL_FAST=0: the error caught
+    try:
+        run_case()
+    except Exception as exc:  # noqa: BLE001
+        print(f"CAUGHT {rank} {type(exc).__name__}", flush=True)
+    try:
+        jax.jit(allreduce)(x).block_until_ready()
+        print(f"AGAIN {rank} ran", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"AGAIN {rank} refused: {exc}", flush=True)
+    raise SystemExit(0)
+out = run_case()
+values = np.asarray(out)
+print(f"RESULT {rank} {values.dtype}{values.ravel().tolist()}", flush=True)
+print(f"DONE {rank}", flush=True)
