@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
@@ -41,6 +42,12 @@ CASES.register("sigterm", "rank 1 gets SIGTERM")
 CASES.register("caught_exit", "rank 1 catches its own sys.exit(2); no failure")
 CASES.register("raise_after", "rank 1 raises after the allreduce; nobody waits")
 CASES.register("ok", "nothing fails")
+CASES.register("exit0", "rank 1 calls sys.exit(0); rank 0 in mpi4jax.allreduce")
+CASES.register("os_exit0", "rank 1 calls os._exit(0); rank 0 in mpi4jax.allreduce")
+CASES.register(
+    "os_exit0_early", "rank 1 calls os._exit(0) at its end; rank 0 works 3 s more"
+)
+CASES.register("fork_os_exit0", "a forked child of rank 1 ends by os._exit(0)")
 # What the table shows by default: the failures, and one job that does not fail.
 DEFAULT_CASES = ("raise_before_backend", "raise", "thread", "exit3", "kill9")
 DEFAULT_CASES += ("sigterm", "ok")
@@ -93,6 +100,17 @@ def worker(case: str) -> None:
         elif case == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
             threading.Event().wait(3600)  # if the signal does not end this process
+        elif case == "exit0":
+            sys.exit(0)
+        elif case == "os_exit0":
+            os._exit(0)
+        elif case == "fork_os_exit0":
+            start = time.monotonic()
+            child = os.fork()
+            if child == 0:
+                os._exit(0)  # the child's: not the rank's exit
+            os.waitpid(child, 0)
+            _say(f"CHILD ENDED {time.monotonic() - start:.1f}")
         elif case == "caught_exit":
             try:
                 sys.exit(2)
@@ -104,6 +122,11 @@ def worker(case: str) -> None:
         _say(f"RANK0 DONE {float(total[0])}")
     if rank == 1 and case == "raise_after":
         fail()
+    if case == "os_exit0_early":
+        if rank == 1:
+            os._exit(0)
+        time.sleep(3)  # work the launcher would cut short
+        _say(f"RANK{rank} LATE DONE")
 
 
 def _say(text: str) -> None:

@@ -10,7 +10,9 @@ jobs hang for minutes (README, "When a rank fails").
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +92,54 @@ def test_signalled_rank_ends_the_job(case, signal):
         assert first_line(proc).startswith(expected), show(proc)
     assert "RANK0 DONE" not in proc.stdout
     assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+
+
+def test_os_exit_0_while_the_other_rank_waits_ends_the_job_non_zero():
+    """Rank 1 calls os._exit(0) while rank 0 waits in an allreduce: the launcher
+    used to end rank 0 with it and return status 0 (MPICH), a job that looked
+    right. Now rank 1 waits for rank 0 to reach its exit (the hang timeout, here
+    5 s), then ends the job non-zero, naming itself and its os._exit."""
+    proc, took = launch("os_exit0", MPI4JAX_DIST_HANG_TIMEOUT=5)
+    assert proc.returncode != 0, show(proc)
+    said = (
+        "rank 1 of 2: os._exit(0) while other ranks had not reached their exit in 5 s"
+    )
+    assert said in proc.stderr, show(proc)
+    assert "RANK0 DONE" not in proc.stdout
+    assert took < 5 + ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+
+
+def test_os_exit_0_at_the_end_waits_for_the_others_work():
+    """Rank 1 calls os._exit(0) at its end while rank 0 works 3 s more: rank 0's
+    work was cut short (the launcher ended it with rank 1, status 0); now rank 1
+    waits at its exit and both finish, status 0."""
+    proc, _ = launch("os_exit0_early")
+    assert proc.returncode == 0, show(proc)
+    assert "RANK0 LATE DONE" in proc.stdout, show(proc)
+    assert "MPI_Abort" not in proc.stderr + proc.stdout
+
+
+def test_a_forked_child_s_os_exit_is_not_the_rank_s():
+    """A child that rank 1 forks ends by os._exit(0) (as multiprocessing's do): it
+    ends at once, without waiting for the ranks at their exit, and the job goes on
+    to its end."""
+    proc, _ = launch("fork_os_exit0")
+    assert proc.returncode == 0, show(proc)
+    ended = re.search(r"CHILD ENDED ([\d.]+)", proc.stdout)
+    assert ended and float(ended.group(1)) < 5, show(proc)
+    assert "RANK0 DONE 2.0" in proc.stdout, show(proc)
+
+
+def test_sys_exit_0_while_the_other_rank_waits_is_named_exited():
+    """Rank 1 ends by sys.exit(0) while rank 0 waits for it in an allreduce: under
+    the hang timeout the report names rank 1 as at its exit (it was 'no answer
+    ... where it stands is unknown') and the job ends non-zero."""
+    proc, took = launch("exit0", MPI4JAX_DIST_HANG_TIMEOUT=5)
+    assert proc.returncode != 0, show(proc)
+    assert "the job is hung" in proc.stderr, show(proc)
+    assert re.search(r"  rank 1 reached its exit \(", proc.stderr), show(proc)
+    assert "no answer from" not in proc.stderr, show(proc)
+    assert took < 5 + ENDS_WITHIN_S + 10, f"the job took {took:.1f} s to end"
 
 
 @pytest.mark.parametrize(
@@ -191,3 +241,52 @@ def test_exit_hook_aborts_only_when_the_exit_ends_the_program(shape, code, abort
     )
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert ("ABORT" in proc.stdout) == aborts, proc.stdout + proc.stderr
+
+
+def test_one_ctrl_c_ends_a_job_waiting_in_c():
+    """Ranks deadlocked in C (allreduce on rank 0 against iallreduce on rank 1, no
+    timeout set) and one Ctrl-C, as a terminal sends it: SIGINT to the launcher's
+    process group. Python would raise KeyboardInterrupt only when its main thread
+    runs again, which it never does, and Hydra asks for a second Ctrl-C; the
+    package's C thread sees Python has not run for 2 s, writes each rank's stacks
+    and one line, and MPI_Abort ends the job, non-zero, within seconds."""
+    cmd = [util.mpiexec()]
+    if util.mpi_family() == "openmpi":
+        cmd.append("--oversubscribe")
+    cmd += ["-n", "2", sys.executable, str(util.SCRIPTS / "desync.py")]
+    env = util.clean_env(CASE="kind", **bench.QUIET)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=util.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        ready = []
+        deadline = time.monotonic() + 60
+        while len(ready) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            ready += re.findall(r"READY \d", line)
+        assert len(ready) == 2, "the ranks did not start"
+        time.sleep(3)  # into the deadlock: both wait in C
+        assert proc.poll() is None, "the job ended before the Ctrl-C"
+        os.killpg(proc.pid, signal.SIGINT)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0, f"exit {proc.returncode}\n{out}\n{err}"
+    assert took < 15, f"the job took {took:.1f} s after the Ctrl-C\n{err}"
+    said = "interrupted (SIGINT), and its Python has not run for 2 s since"
+    assert said in err, err
+    # Where each rank stood: its stacks, the script's line among them.
+    stood = re.findall(r"\[rank (\d)\]\s+File \".*desync\.py\", line \d+", err)
+    assert set(stood) == {"0", "1"}, err

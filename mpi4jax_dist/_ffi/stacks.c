@@ -14,7 +14,14 @@ when the rank's Python cannot: each request (tag `ask`, the dump's reason as
 text) raises the signal, so that faulthandler dumps into the pipe, and the
 dump goes back to rank 0 (tag `reply`: where it was written, a newline, the
 dump). It looks for requests every `poll_ms` milliseconds (MPI_Improbe, a
-local call) and never else; without answer() it wakes only for a dump. */
+local call) and never else; without answer() it wakes only for a dump.
+
+With watch_interrupts() it also sees SIGINT (Ctrl-C) come: a handler in front
+of Python's writes a byte into a pipe and calls Python's. Python raises
+KeyboardInterrupt only once its main thread runs bytecode again, which a rank
+waiting in C (an MPI collective, a jitted program) never does: where it has
+not run any `grace` seconds after the signal, the thread writes the rank's
+stacks (as for SIGUSR1) and one line, and ends the job with MPI_Abort(130). */
 
 #define _GNU_SOURCE /* pipe2, pthread_setname_np, mkostemp */
 #define PY_SSIZE_T_CLEAN
@@ -51,7 +58,15 @@ static struct {
   atomic_int answering;
   MPI_Comm comm;
   int signum, tag_ask, tag_reply, poll_ms;
-} g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1};
+  /* watch_interrupts(): the pipe the SIGINT handler writes into (-1: none),
+     Python's handler, the signal faulthandler dumps on, the grace, and
+     whether Python has run since the last SIGINT (a pending call sets it). */
+  int interrupts[2];
+  struct sigaction python_sigint;
+  int dump_signum;
+  double grace_s;
+  atomic_int python_ran;
+} g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1, .interrupts = {-1, -1}};
 
 /* A growing byte string. */
 typedef struct {
@@ -338,16 +353,108 @@ static void answer_requests(void) {
   }
 }
 
+/* SIGINT: a byte for the thread, then Python's handler (async-signal-safe). */
+static void on_sigint(int signum, siginfo_t *info, void *context) {
+  int saved = errno;
+  char byte = 'I';
+  (void)!write(g.interrupts[1], &byte, 1);
+  const struct sigaction *py = &g.python_sigint;
+  if (py->sa_flags & SA_SIGINFO) {
+    if (py->sa_sigaction != NULL) py->sa_sigaction(signum, info, context);
+  } else if (py->sa_handler != SIG_IGN && py->sa_handler != SIG_DFL) {
+    py->sa_handler(signum);
+  }
+  errno = saved;
+}
+
+/* A pending call: the main thread has run bytecode since it was added. */
+static int mark_python_ran(void *unused) {
+  (void)unused;
+  atomic_store(&g.python_ran, 1);
+  return 0;
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* The grace after a SIGINT has passed and Python has not run: the stacks, one
+   line, and the end of the job (g.mu held). */
+static void end_interrupted(void) {
+  struct timespec came;
+  clock_gettime(CLOCK_REALTIME, &came);
+  Text dump = {0};
+  if (g.dump_signum > 0) {
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, g.dump_signum);
+    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+    int raised = raise(g.dump_signum) == 0;
+    pthread_sigmask(SIG_BLOCK, &one, NULL);
+    if (raised) read_dump(&dump);
+  }
+  char where[PATH_MAX] = "";
+  if (dump.size) {
+    write_dump(dump.data, "SIGINT, and Python did not run", &came, NULL, where,
+               sizeof where);
+  }
+  free(dump.data);
+  fprintf(stderr,
+          "mpi4jax_dist: rank %d of %d: interrupted (SIGINT), and its Python "
+          "has not run for %g s since: it waits in C (its stacks: %s); "
+          "MPI_Abort ends the job.\n",
+          g.rank, g.size, g.grace_s, where[0] ? where : "none");
+  fflush(stderr);
+  /* Every rank got the signal at once (the terminal's process group, or the
+     launcher passing it on): a moment for the others to write theirs before
+     this abort ends them. */
+  struct timespec pause = {1, 0};
+  nanosleep(&pause, NULL);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) _exit(128 + SIGINT); /* no MPI left to end the others */
+  MPI_Abort(MPI_COMM_WORLD, 128 + SIGINT);
+}
+
 static void *run(void *unused) {
   (void)unused;
+  double deadline = 0; /* a SIGINT's grace ends then (0: none) */
   for (;;) {
-    struct pollfd p[2] = {{g.read_fd, POLLIN, 0}, {g.wake[0], POLLIN, 0}};
-    int ready = poll(p, 2, atomic_load(&g.answering) ? g.poll_ms : -1);
+    struct pollfd p[3] = {{g.read_fd, POLLIN, 0},
+                          {g.wake[0], POLLIN, 0},
+                          {g.interrupts[0], POLLIN, 0}};
+    int wait_ms = atomic_load(&g.answering) ? g.poll_ms : -1;
+    if (deadline > 0) {
+      int left = (int)((deadline - now_s()) * 1000) + 1;
+      if (left < 0) left = 0;
+      if (wait_ms < 0 || left < wait_ms) wait_ms = left;
+    }
+    int ready = poll(p, g.interrupts[0] >= 0 ? 3 : 2, wait_ms);
     if (ready < 0 && errno != EINTR) return NULL;
     if (ready > 0 && p[1].revents) {
       char byte;
       if (read(g.wake[0], &byte, 1) <= 0) return NULL;
       --ready;
+    }
+    if (ready > 0 && g.interrupts[0] >= 0 && p[2].revents) {
+      char bytes[64];
+      (void)!read(g.interrupts[0], bytes, sizeof bytes);
+      --ready;
+      if (deadline == 0) {
+        atomic_store(&g.python_ran, 0);
+        Py_AddPendingCall(mark_python_ran, NULL);
+        deadline = now_s() + g.grace_s;
+      }
+    }
+    if (deadline > 0 && now_s() >= deadline) {
+      deadline = 0;
+      if (!atomic_load(&g.python_ran)) {
+        pthread_mutex_lock(&g.mu);
+        end_interrupted();
+        pthread_mutex_unlock(&g.mu);
+      }
     }
     pthread_mutex_lock(&g.mu);
     if (ready > 0) {
@@ -446,6 +553,33 @@ static PyObject *stop_answering(PyObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static PyObject *watch_interrupts(PyObject *self, PyObject *args) {
+  (void)self;
+  int dump_signum;
+  double grace_s;
+  if (!PyArg_ParseTuple(args, "id", &dump_signum, &grace_s)) return NULL;
+  if (g.read_fd < 0) {
+    PyErr_SetString(PyExc_RuntimeError, "_stacks: start() first");
+    return NULL;
+  }
+  if (g.interrupts[0] >= 0) Py_RETURN_NONE; /* once a process */
+  if (pipe2(g.interrupts, O_CLOEXEC | O_NONBLOCK)) {
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  g.dump_signum = dump_signum;
+  g.grace_s = grace_s;
+  struct sigaction ours;
+  memset(&ours, 0, sizeof ours);
+  ours.sa_sigaction = on_sigint;
+  ours.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&ours.sa_mask);
+  if (sigaction(SIGINT, &ours, &g.python_sigint)) {
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  write_all(g.wake[1], "", 1); /* poll the pipe from now on */
+  Py_RETURN_NONE;
+}
+
 static PyObject *write_stacks(PyObject *self, PyObject *args) {
   (void)self;
   const char *dump, *reason;
@@ -482,6 +616,10 @@ static PyMethodDef methods[] = {
      "requests for stacks on the communicator, dumping on signum."},
     {"stop_answering", stop_answering, METH_NOARGS,
      "Make no MPI call more (before MPI_Finalize)."},
+    {"watch_interrupts", watch_interrupts, METH_VARARGS,
+     "watch_interrupts(dump_signum, grace_s): after a SIGINT that Python does "
+     "not act on within grace_s (it waits in C), write the stacks (dumping on "
+     "dump_signum; 0: none) and end the job with MPI_Abort."},
     {"write", write_stacks, METH_VARARGS,
      "write(dump, reason): write a dump as the thread does; return where."},
     {"library_version", library_version, METH_NOARGS,

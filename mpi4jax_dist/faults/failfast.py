@@ -1,8 +1,10 @@
 """When one rank fails, the whole job ends: an uncaught exception in any thread, a
 non-zero ``sys.exit`` and the launcher's SIGTERM end every rank with
 ``MPI_Abort``, where JAX's atexit barrier and preemption service would leave the
-others waiting. :func:`install` sets it up in a bootstrapped world of more than one
-process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/design.rst, *When a rank fails*.
+others waiting; ``os._exit`` waits for the other ranks to reach their exit, or
+ends the job non-zero. :func:`install` sets it up in a bootstrapped world of more
+than one process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/design.rst, *When a
+rank fails*.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ _SIGINT_CODE = 128 + 2
 # How long a rank whose error another rank reports waits for that rank's
 # MPI_Abort before it ends the job itself.
 _QUIET_S = 10.0
+# How long a SIGINT may find Python not running (its main thread waits in C)
+# before the job ends without it.
+SIGINT_GRACE_S = 2.0
+# How long os._exit waits for every rank to reach its exit (the hang timeout
+# where one is set), and how long the end of the program waits for them before
+# it goes on as it would have (to JAX's own shutdown and MPI_Finalize, which
+# wait for them too).
+_OS_EXIT_WAIT_S = 60.0
+_END_WAIT_S = 300.0
+# The barrier of JAX's coordination service that every rank's exit passes.
+_EXIT_BARRIER = "mpi4jax_dist/exit"
 
 
 @dataclass
@@ -39,6 +52,10 @@ class _State:
     previous_excepthook: object = None
     previous_thread_excepthook: object = None
     original_exit: object = None
+    original_os_exit: object = None
+    pid: int = 0  # the rank's process (a forked child calls os._exit too)
+    # Whether this process has been to the exit barrier (once only).
+    at_exit_barrier: bool = False
 
 
 _state = _State()
@@ -92,8 +109,19 @@ def install(rank: int, size: int) -> bool:
     sys.excepthook = _excepthook
     threading.excepthook = _thread_excepthook
     sys.exit = _exit
+    _state.original_os_exit, _state.pid = os._exit, os.getpid()
+    os._exit = _os_exit
+    atexit.register(_meet_at_exit)
     _state.installed = True
     return True
+
+
+def watch_interrupts() -> bool:
+    """Where fail-fast is installed: one Ctrl-C ends the job even where every rank
+    waits in C, where Python would raise KeyboardInterrupt only once it runs
+    again (:func:`mpi4jax_dist.faults.hangs.watch_interrupts`); after the stacks
+    are set up (the writer's thread)."""
+    return _state.installed and hangs.watch_interrupts(SIGINT_GRACE_S)
 
 
 def report() -> dict:
@@ -164,6 +192,49 @@ def _exit(status=None):
                 atexit.unregister(_at_exit)
                 atexit.register(_at_exit)
         raise
+
+
+def _os_exit(status):
+    """``os._exit`` in a job of several processes. The launcher ends the other
+    ranks with this one and returns its status (MPICH's Hydra: ``os._exit(0)`` on
+    one rank ended the job with status 0 and the others' work undone), so it
+    first waits for every rank to reach its exit (the others' ``os._exit`` or the
+    end of their program); where they do not in time, it ends the job non-zero,
+    naming this rank."""
+    if os.getpid() != _state.pid:  # a forked child (multiprocessing's end)
+        _state.original_os_exit(status)
+    wait_s = hangs.hang_timeout_s() or _OS_EXIT_WAIT_S
+    if _every_rank_at_exit(wait_s) is False:
+        _abort(
+            f"os._exit({status!r}) while other ranks had not reached their exit "
+            f"in {wait_s:g} s (the launcher would have ended them with this rank, "
+            f"with status {status!r})",
+            None,
+            status if isinstance(status, int) and status else 1,
+        )
+    _state.original_os_exit(status)
+
+
+def _meet_at_exit() -> None:
+    """At the end of the program: meet the ranks that leave by ``os._exit`` at the
+    exit barrier (a while at most; then on to JAX's shutdown, as before)."""
+    if os.getpid() == _state.pid:
+        _every_rank_at_exit(_END_WAIT_S)
+
+
+def _every_rank_at_exit(timeout_s: float) -> bool | None:
+    """Wait at most ``timeout_s`` for every rank at the exit barrier of JAX's
+    coordination service; return whether they all came (None: there is no
+    service client, or this process has been there already)."""
+    client = _compat.coordination_client()
+    if client is None or _state.at_exit_barrier:
+        return None
+    _state.at_exit_barrier = True
+    try:
+        client.wait_at_barrier(_EXIT_BARRIER, int(timeout_s * 1000))
+    except Exception:  # the deadline passed, or the service has gone
+        return False
+    return True
 
 
 def _at_exit() -> None:

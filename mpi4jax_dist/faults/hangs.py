@@ -57,6 +57,7 @@ class _State:
     stacks: bool = False  # SIGUSR1 registered
     writer: object = None  # the _stacks module, its thread started
     timeout_s: float | None = None  # the job's (rank 0's) once bootstrapped
+    hang_timeout_s: float | None = None  # likewise
     bootstrapped: bool = False
     watchdog: _Watchdog | None = None
     # The communicators the compiled ops know (mpi4jax_dist.ops.common.Comm), in
@@ -78,6 +79,11 @@ def timeout_s() -> float | None:
     return _config.collective_timeout()
 
 
+def hang_timeout_s() -> float | None:
+    """The job's hang timeout once bootstrapped (rank 0's setting), or None."""
+    return _state.hang_timeout_s if _state.bootstrapped else None
+
+
 def install(
     rank: int,
     size: int,
@@ -94,6 +100,7 @@ def install(
             return
         _state.rank, _state.size = rank, size
         _state.timeout_s, _state.bootstrapped = timeout, True
+        _state.hang_timeout_s = hang_timeout
     _start_writer()
     if comm is not None and (timeout is not None or hang_timeout is not None):
         _state.watchdog = _Watchdog(comm, hang_timeout)
@@ -223,6 +230,21 @@ def _start_writer() -> None:
     _state.stacks = True
 
 
+def watch_interrupts(grace_s: float) -> bool:
+    """Have ``_stacks``'s thread end the job where a SIGINT (Ctrl-C) finds the main
+    thread in C and Python does not run within ``grace_s``: the rank's stacks
+    written, one line, ``MPI_Abort`` (status 130). Return whether it watches."""
+    if _state.writer is None:
+        return False
+    signum = signal.SIGUSR1 if _state.stacks else 0
+    try:
+        _state.writer.watch_interrupts(signum, grace_s)
+    except (OSError, RuntimeError) as err:
+        logger.warning("mpi4jax_dist: Ctrl-C is not watched from C: %s", err)
+        return False
+    return True
+
+
 def _caught_in_c(signum: int) -> bool:
     """Whether a handler not Python's catches ``signum`` (Linux's SigCgt)."""
     try:
@@ -267,16 +289,35 @@ class _Watchdog(threading.Thread):
         self.verdict = progress.Verdict(comm, self.period_s) if hang_timeout_s else None
         self._urgent = False
         self._sent: list = []  # this rank's alarm, sent without waiting
+        # At exit, with the hang timeout: this rank stays in the verdicts as one
+        # that has reached its exit until every rank stops (chain_ended).
+        self._exiting = threading.Event()
+        self._chain_ended = threading.Event()
 
     def stop(self) -> None:
-        """Stop polling before MPI is finalized (an atexit handler); with the hang
-        timeout, end the verdict's chain alike on every rank first."""
+        """Stop polling before MPI is finalized (an atexit handler). With the hang
+        timeout this rank first stays in the verdicts, as stuck at its exit, and
+        answers rank 0, until every rank stops (no reduction is then left pending
+        at ``MPI_Finalize``) or a verdict ends the job naming it: others waiting
+        in a collective for this rank are a hang, and it is named as exited."""
+        if (
+            self.verdict is not None
+            and self.is_alive()
+            and threading.current_thread() is not self
+        ):
+            self._exiting.set()
+            while self.is_alive() and not self._chain_ended.wait(POLL_S):
+                pass
         self._stopping.set()
         if _state.writer is not None:
             _state.writer.stop_answering()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=POLL_S + 2)
-        if self.verdict is not None and not self.is_alive():
+        if (
+            self.verdict is not None
+            and not self.is_alive()
+            and not self._chain_ended.is_set()
+        ):
             self.verdict.finish(deadline_s=max(10.0, 3 * self.period_s))
 
     def run(self) -> None:
@@ -301,7 +342,11 @@ class _Watchdog(threading.Thread):
                             # rank 0, which may be asking already.
                             self._sent.append(self.comm.isend(alarm, dest=0, tag=_TAG))
                 if self.verdict is not None and not self._reporting:
-                    self._watch_progress(time.monotonic())
+                    if self._exiting.is_set():
+                        if self._watch_at_exit(time.monotonic()):
+                            return
+                    else:
+                        self._watch_progress(time.monotonic())
             except Exception as err:  # a watchdog that dies says why
                 if not self._stopping.is_set():
                     logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
@@ -348,6 +393,33 @@ class _Watchdog(threading.Thread):
             # cannot run (a thread holding the GIL, a stopped process).
             self._report_hang(stuck_s)
 
+    def _watch_at_exit(self, now: float) -> bool:
+        """The hang timeout at this rank's exit: post that it is stuck at its exit
+        and stopping, at once whenever none is pending; return True once every
+        rank stops. Ranks that wait elsewhere for the timeout make a hang verdict
+        (not all at one place), which rank 0 reports."""
+        result = self.verdict.test()
+        if result is not None:
+            if result["all_stopping"]:
+                self._chain_ended.set()
+                return True
+            if result["all_stuck"] and not result["one_place"]:
+                self._urgent = True
+                if self.rank == 0:
+                    self._report_hang(self.progress.stuck_for(now))
+                return False  # the others wait for rank 0's request for stacks
+        if not self.verdict.pending:
+            self.verdict.post(now, time.time(), True, _EXITED_PLACE, stopping=True)
+        elif (
+            self.rank == 0
+            and now - self.verdict.posted_at
+            >= self.hang_timeout_s + self.verdict.late_s(POLL_S)
+        ):
+            # A rank has not taken part for longer than the timeout (a thread
+            # holding its GIL, a stopped process): rank 0 reports.
+            self._report_hang(self.progress.stuck_for(now))
+        return False
+
     def _handle(self, message: dict) -> None:
         kind = message.get("kind")
         if kind == "alarm" and self.rank == 0 and not self._reporting:
@@ -359,7 +431,7 @@ class _Watchdog(threading.Thread):
                 "rank": self.rank,
                 "count": _count_of(message["group"]),
                 "where": dump(message["reason"]),
-                **_standing(self.progress),
+                **_standing(self.progress, self._exiting.is_set()),
             }
             self.comm.send(reply, dest=0, tag=_TAG)
 
@@ -372,7 +444,12 @@ class _Watchdog(threading.Thread):
 
         ask = {"kind": "dump", "reason": reason, "group": group}
         requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
-        replies = {0: {"count": _count_of(group), **_standing(self.progress)}}
+        replies = {
+            0: {
+                "count": _count_of(group),
+                **_standing(self.progress, self._exiting.is_set()),
+            }
+        }
         where = {dump(reason)}
         start = time.monotonic()
         asked_c = False
@@ -430,9 +507,16 @@ class _Watchdog(threading.Thread):
         _mpi.abort(self.comm, 1)
 
 
-def _standing(watched: progress.Progress) -> dict:
+# The place of a rank at its exit, in the hang timeout's verdicts.
+_EXITED_PLACE = progress.place_key([], "its exit")
+
+
+def _standing(watched: progress.Progress, exited: bool = False) -> dict:
     """Where this rank's main thread stands, for rank 0's report: its frames,
-    innermost first, and their source lines as they read now."""
+    innermost first, and their source lines as they read now, and the calls the
+    record says it is in; or that it has reached its exit."""
+    if exited:
+        return {"place": [], "source": [], "call": "", "exited": True}
     place = watched.place()
     return {
         "place": [tuple(f) for f in place],
@@ -601,7 +685,10 @@ def hang_report(
     may not, after ``REPLY_S`` and ``waited_s`` more) and where the stacks are."""
     groups: dict = {}
     sources: dict = {}
+    exited = sorted(r for r, reply in replies.items() if reply.get("exited"))
     for rank, reply in sorted(replies.items()):
+        if reply.get("exited"):
+            continue
         frames = tuple(stacks.Frame(*f) for f in reply["place"])
         groups.setdefault((frames, reply.get("call", "")), []).append(rank)
         for frame, text in zip(frames, reply["source"], strict=True):
@@ -617,6 +704,12 @@ def hang_report(
         lines.append(
             f"  no answer from {ranks_text(silent)} in {REPLY_S + waited_s:g} s "
             f"({silent_why}): where it stands is unknown"
+        )
+    if exited:
+        lines.append(
+            f"  {ranks_text(exited)} reached {'its' if len(exited) == 1 else 'their'} "
+            f"exit (the end of the program, or sys.exit): in no collective, waiting "
+            f"at exit for the others"
         )
     held = sorted(r for r, reply in replies.items() if reply.get("held"))
     if held:

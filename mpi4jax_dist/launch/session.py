@@ -49,7 +49,9 @@ def start(topo: bootstrap.Topology) -> None:
        (:func:`mpi4jax_dist.faults.failfast.install`);
     4. stacks on SIGUSR1, the job's collective and hang timeouts and, with
        either, the watchdog thread on a duplicate of the job's communicator
-       (:func:`mpi4jax_dist.faults.hangs.install`);
+       (:func:`mpi4jax_dist.faults.hangs.install`), and under fail-fast a
+       Ctrl-C that ends the job where Python cannot
+       (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`);
     5. JAX's proxy warning off where only launcher variables set it off;
     6. the address JAX's Gloo collectives publish;
     7. the persistent compilation cache written by every process
@@ -68,6 +70,7 @@ def start(topo: bootstrap.Topology) -> None:
         _watchdog_comm(current),
         hang_timeout=current.hang_timeout_s,
     )
+    failfast.watch_interrupts()
     _silence_false_proxy_alarm(topo)
     _one_version_warning(topo.rank)
     _choose_gloo_address(topo)
