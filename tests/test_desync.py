@@ -239,3 +239,19 @@ def test_a_communicator_the_ranks_disagreed_on_takes_no_more_calls():
     assert len(re.findall(r"CAUGHT \d (Jax|Xla)RuntimeError", proc.stdout)) == 2
     refused = re.findall(r"AGAIN \d refused: .*disagreed on its call #3,", proc.stdout)
     assert len(refused) == 2, output(proc)
+
+
+def test_the_first_call_s_set_up_is_under_the_collective_timeout():
+    """3 ranks: the first allreduce on a new communicator makes its private
+    duplicate with every rank, and rank 2 waits in an mpi4py Barrier instead
+    (mpi4jax's Clone() there hung without a word). Under the collective timeout
+    the set-up is polled like the call: the job ends in seconds, rank 2 named as
+    not having entered the call."""
+    proc, took = desync("setup", n=3, ODD=2, MPI4JAX_DIST_COLLECTIVE_TIMEOUT=5)
+    assert proc.returncode != 0, output(proc)
+    assert took < 60, output(proc)
+    assert re.search(
+        r"waited 5 s in mpi4jax_dist\.allreduce, call 1 on a communicator of 3 "
+        r"ranks \(MPI4JAX_DIST_COLLECTIVE_TIMEOUT\); not entered by rank 2",
+        proc.stderr,
+    ), output(proc)

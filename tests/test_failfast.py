@@ -114,7 +114,9 @@ def test_os_exit_0_at_the_end_waits_for_the_others_work():
     work was cut short (the launcher ended it with rank 1, status 0); now rank 1
     waits at its exit and both finish, status 0."""
     proc, _ = launch("os_exit0_early")
-    assert proc.returncode == 0, show(proc)
+    # Open MPI's launcher counts a rank that ends without MPI_Finalize as a
+    # failure (status 1) after the job, whatever its status; MPICH's does not.
+    assert proc.returncode == (1 if util.mpi_family() == "openmpi" else 0), show(proc)
     assert "RANK0 LATE DONE" in proc.stdout, show(proc)
     assert "MPI_Abort" not in proc.stderr + proc.stdout
 
@@ -249,7 +251,8 @@ def test_one_ctrl_c_ends_a_job_waiting_in_c():
     process group. Python would raise KeyboardInterrupt only when its main thread
     runs again, which it never does, and Hydra asks for a second Ctrl-C; the
     package's C thread sees Python has not run for 2 s, writes each rank's stacks
-    and one line, and MPI_Abort ends the job, non-zero, within seconds."""
+    and one line, and MPI_Abort ends the job, non-zero, within seconds. (Open
+    MPI's launcher ends the ranks itself at the first Ctrl-C, before that.)"""
     cmd = [util.mpiexec()]
     if util.mpi_family() == "openmpi":
         cmd.append("--oversubscribe")
@@ -285,6 +288,8 @@ def test_one_ctrl_c_ends_a_job_waiting_in_c():
             proc.communicate()
     assert proc.returncode != 0, f"exit {proc.returncode}\n{out}\n{err}"
     assert took < 15, f"the job took {took:.1f} s after the Ctrl-C\n{err}"
+    if util.mpi_family() == "openmpi":
+        return  # Open MPI's prterun ends the ranks itself at the first Ctrl-C
     said = "interrupted (SIGINT), and its Python has not run for 2 s since"
     assert said in err, err
     # Where each rank stood: its stacks, the script's line among them.

@@ -121,6 +121,26 @@ def test_a_rank_holding_the_gil_answers_from_c_with_its_stacks():
 
 
 @util.same_under_every_jax
+def test_rank_0_holding_the_gil_is_reported_by_the_deputy():
+    """Rank 0 holds the GIL: its watchdog, the one that reports, cannot run (the
+    job ended only when the timed-out calls gave up, 67 s, naming nobody). The
+    deputy, rank 1, reports in its place, placing rank 0 by the stacks its C
+    thread sends."""
+    proc, ended = stall(GIL=1, STALL_RANK=0)
+    assert proc.returncode != 0, show(proc)
+    found = LINE.search(proc.stderr)
+    assert found, show(proc)
+    assert found.group(1) != "0", found.group(0)
+    assert re.search(
+        r"rank 0 answered from C only \(a thread holds the GIL\), so whether each "
+        r"entered is unknown: rank 0 stands at stall\.py:\d+ in stalled_compute",
+        found.group(3),
+    ), found.group(0)
+    took = ended - stalled_at(proc)
+    assert took < TIMEOUT_S + 30, took
+
+
+@util.same_under_every_jax
 def test_a_stopped_rank_is_named_as_not_answering():
     """Rank 3 is stopped (SIGSTOP): neither its Python nor its C thread answers,
     and the line says so, not that it entered the call."""
@@ -628,6 +648,23 @@ def test_below_thread_multiple_the_hang_timeout_keeps_through_jax_s_service(
     assert re.search(inside, report.group(1)), report.group(0)
     assert HANG_S < ended - stalled_at(proc) < HANG_S + 30
     assert stack_headers(proc.stderr) == {"0", "1", "2", "3"}, show(proc)
+
+
+def test_the_hang_timeout_s_deputy_reports_for_rank_0_holding_the_gil():
+    """Rank 0 holds the GIL while the others wait in the package's allreduce: no
+    verdict completes and rank 0 cannot report it; the deputy (rank 1) does,
+    placing rank 0 by its C thread's stacks and the others by theirs."""
+    proc, _ = hang("allreduce", GIL="1", STALL_S=60, STALL_RANK=0)
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
+        r"  rank 0 answered from C only \(a thread holds the GIL\): placed below by "
+        r"the stacks written then\n"
+        r"  1 rank at stall\.py:\d+ in stalled_compute: `ctypes.*: rank 0\n"
+        r"  3 ranks in allreduce #\d+ SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"at stall\.py:\d+ in <module>.*: ranks 1-3\n",
+        proc.stderr,
+    ), show(proc)
 
 
 @needs_counters

@@ -9,10 +9,11 @@ and writes each dump to MPI4JAX_DIST_HANG_DIR/rank-N.txt (or to stderr as
 was written, why) and, once per place, the source line each frame stands at as
 its file reads at that moment (# line PATH:N: TEXT), for --hangs.
 
-With answer() the thread also answers rank 0 on the watchdog's communicator
-when the rank's Python cannot: each request (tag `ask`, the dump's reason as
+With answer() the thread also answers the reporting rank (rank 0, or its
+deputy where rank 0's watchdog cannot run) on the watchdog's communicator when
+the rank's Python cannot: each request (tag `ask`, the dump's reason as
 text) raises the signal, so that faulthandler dumps into the pipe, and the
-dump goes back to rank 0 (tag `reply`: where it was written, a newline, the
+dump goes back to the asker (tag `reply`: where it was written, a newline, the
 dump). It looks for requests every `poll_ms` milliseconds (MPI_Improbe, a
 local call) and never else; without answer() it wakes only for a dump.
 
@@ -298,8 +299,8 @@ static void write_dump(const char *dump, const char *reason,
   free(file.data);
 }
 
-/* Rank 0's requests, answered (with g.mu held): a dump on the signal, written,
-   and sent back. */
+/* The reporter's requests (rank 0's, or its deputy's), answered (with g.mu
+   held): a dump on the signal, written, and sent back to the asker. */
 static void answer_requests(void) {
   while (atomic_load(&g.answering)) {
     int found = 0;
@@ -308,8 +309,8 @@ static void answer_requests(void) {
     /* A message that has come may take more than one call's progress to be
        matched (MPICH 5's shared memory): a few calls a look. */
     for (int tries = 0; tries < PROBES && !found; ++tries) {
-      if (MPI_Improbe(0, g.tag_ask, g.comm, &found, &message, &status) !=
-          MPI_SUCCESS) {
+      if (MPI_Improbe(MPI_ANY_SOURCE, g.tag_ask, g.comm, &found, &message,
+                      &status) != MPI_SUCCESS) {
         return;
       }
     }
@@ -346,7 +347,8 @@ static void answer_requests(void) {
     Text reply = {0};
     addf(&reply, "%s\n", where);
     add(&reply, whole.data, whole.size);
-    MPI_Send(reply.data, (int)reply.size, MPI_CHAR, 0, g.tag_reply, g.comm);
+    MPI_Send(reply.data, (int)reply.size, MPI_CHAR, status.MPI_SOURCE,
+             g.tag_reply, g.comm);
     free(dump.data);
     free(whole.data);
     free(reply.data);

@@ -40,6 +40,11 @@ REPLY_S = 10.0
 # (_stacks's thread, which looks every C_POLL_S; both well within REPLY_S).
 PYTHON_REPLY_S = 3.0
 C_POLL_S = 3.0
+# Rank 0's watchdog reports; where it cannot run (its main thread holds the GIL),
+# the deputy does, this long after rank 0 would have: a timed-out call's alarm
+# reaches both, and the deputy stands down once rank 0 asks it for its stacks.
+DEPUTY = 1
+DEPUTY_AFTER_S = PYTHON_REPLY_S + 2 * POLL_S
 # The pipe faulthandler writes into: a dump of all threads is a few KiB; the
 # write end does not block, so that a full pipe cannot stall the signal handler.
 _PIPE_BYTES = 1 << 20
@@ -106,7 +111,7 @@ def install(
         _state.watchdog = _Watchdog(comm, hang_timeout)
         _state.watchdog.start()
         atexit.register(_state.watchdog.stop)
-        if _state.writer is not None and rank != 0:
+        if _state.writer is not None:  # rank 0's too: the deputy may ask it
             signum = signal.SIGUSR1 if _state.stacks else 0
             _state.writer.answer(
                 comm.py2f(), signum, _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
@@ -293,6 +298,8 @@ class _Watchdog(threading.Thread):
         # that has reached its exit until every rank stops (chain_ended).
         self._exiting = threading.Event()
         self._chain_ended = threading.Event()
+        # The deputy: an alarm rank 0 has not acted on yet, and when it came.
+        self._deputy_alarm: tuple[dict, float] | None = None
 
     def stop(self) -> None:
         """Stop polling before MPI is finalized (an atexit handler). With the hang
@@ -325,11 +332,12 @@ class _Watchdog(threading.Thread):
 
         while not self._stopping.wait(self._wait_s()):
             try:
-                message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
+                status = MPI.Status()
+                message = self.comm.improbe(MPI.ANY_SOURCE, _TAG, status)
                 while message is not None:
                     self._urgent = True
-                    self._handle(message.recv())
-                    message = self.comm.improbe(MPI.ANY_SOURCE, _TAG)
+                    self._handle(message.recv(), status.Get_source())
+                    message = self.comm.improbe(MPI.ANY_SOURCE, _TAG, status)
                 if not self._alarm_sent:
                     alarm = _local_alarm()
                     if alarm is not None:
@@ -341,6 +349,18 @@ class _Watchdog(threading.Thread):
                             # Not waited for: this thread must go on answering
                             # rank 0, which may be asking already.
                             self._sent.append(self.comm.isend(alarm, dest=0, tag=_TAG))
+                            if self.rank == DEPUTY:
+                                self._deputy_alarm = (alarm, time.monotonic())
+                            else:
+                                self._sent.append(
+                                    self.comm.isend(alarm, dest=DEPUTY, tag=_TAG)
+                                )
+                if (
+                    self._deputy_alarm is not None
+                    and not self._reporting
+                    and time.monotonic() - self._deputy_alarm[1] >= DEPUTY_AFTER_S
+                ):
+                    self._report(self._deputy_alarm[0])  # rank 0 did not
                 if self.verdict is not None and not self._reporting:
                     if self._exiting.is_set():
                         if self._watch_at_exit(time.monotonic()):
@@ -384,10 +404,8 @@ class _Watchdog(threading.Thread):
             self.verdict.post(now, wall, stuck, place)
         elif (
             self.verdict.pending
-            and self.rank == 0
             and stuck_s >= self.hang_timeout_s
-            and now - self.verdict.posted_at
-            >= self.hang_timeout_s + self.verdict.late_s(POLL_S)
+            and self._reports_late(now)
         ):
             # A rank has not taken part for longer than the timeout: its watchdog
             # cannot run (a thread holding the GIL, a stopped process).
@@ -410,22 +428,31 @@ class _Watchdog(threading.Thread):
                 return False  # the others wait for rank 0's request for stacks
         if not self.verdict.pending:
             self.verdict.post(now, time.time(), True, _EXITED_PLACE, stopping=True)
-        elif (
-            self.rank == 0
-            and now - self.verdict.posted_at
-            >= self.hang_timeout_s + self.verdict.late_s(POLL_S)
-        ):
+        elif self._reports_late(now):
             # A rank has not taken part for longer than the timeout (a thread
             # holding its GIL, a stopped process): rank 0 reports.
             self._report_hang(self.progress.stuck_for(now))
         return False
 
-    def _handle(self, message: dict) -> None:
+    def _reports_late(self, now: float) -> bool:
+        """Whether this rank reports a verdict pending for longer than the timeout:
+        rank 0, and the deputy ``DEPUTY_AFTER_S`` later (rank 0's watchdog may be
+        the one that cannot run)."""
+        late = now - self.verdict.posted_at - self.hang_timeout_s
+        late -= self.verdict.late_s(POLL_S)
+        if self.rank == 0:
+            return late >= 0
+        return self.rank == DEPUTY and late >= DEPUTY_AFTER_S
+
+    def _handle(self, message: dict, source: int) -> None:
         kind = message.get("kind")
         if kind == "alarm" and self.rank == 0 and not self._reporting:
             self._report(message)
+        elif kind == "alarm" and self.rank == DEPUTY and self._deputy_alarm is None:
+            self._deputy_alarm = (message, time.monotonic())
         elif kind == "dump":
-            self._reporting = True  # rank 0 reports: this rank posts no verdict more
+            # Rank 0 (or the deputy) reports: this rank posts no verdict more.
+            self._reporting = True
             reply = {
                 "kind": "reply",
                 "rank": self.rank,
@@ -433,19 +460,20 @@ class _Watchdog(threading.Thread):
                 "where": dump(message["reason"]),
                 **_standing(self.progress, self._exiting.is_set()),
             }
-            self.comm.send(reply, dest=0, tag=_TAG)
+            self.comm.send(reply, dest=source, tag=_TAG)
 
     def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
-        """Rank 0: ask every rank for its stacks, count and place; the ranks whose
-        Python has not answered in ``PYTHON_REPLY_S``, the C way (their stacks
-        and place only). Return the replies by rank (this one's included) and
-        where the stacks went, after at most ``REPLY_S``."""
+        """Rank 0 (or the deputy): ask every other rank for its stacks, count and
+        place; the ranks whose Python has not answered in ``PYTHON_REPLY_S``, the
+        C way (their stacks and place only). Return the replies by rank (this
+        one's included) and where the stacks went, after at most ``REPLY_S``."""
         from mpi4py import MPI
 
         ask = {"kind": "dump", "reason": reason, "group": group}
-        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in range(1, self.size)]
+        others = [r for r in range(self.size) if r != self.rank]
+        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in others]
         replies = {
-            0: {
+            self.rank: {
                 "count": _count_of(group),
                 **_standing(self.progress, self._exiting.is_set()),
             }
@@ -457,7 +485,7 @@ class _Watchdog(threading.Thread):
             if not asked_c and time.monotonic() >= start + PYTHON_REPLY_S:
                 asked_c = True
                 text = reason.encode()
-                for r in range(1, self.size):
+                for r in others:
                     if r not in replies:
                         requests.append(
                             self.comm.Isend([text, MPI.CHAR], dest=r, tag=_TAG_ASK_C)

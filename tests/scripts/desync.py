@@ -13,6 +13,8 @@ passed), prints ``READY``, then ``CASE`` decides what the ranks do; the ranks in
 - ``order``: in one jit, ``a`` (SUM) then ``b`` (MAX) against ``b`` then ``a``;
 - ``kind``: ``allreduce`` against ``iallreduce`` and its wait, of ``LARGE``
   float32 (default 4);
+- ``setup``: the first call on a new communicator, the odd ranks in an mpi4py
+  ``Barrier`` on the world instead;
 - ``agree``: every rank alike (the control);
 - ``loop``: every rank alike, ``STEPS`` jitted steps of 4 calls each (small and
   large, blocking and not), printing ``BIG <rank> True`` where the large one kept
@@ -46,6 +48,10 @@ case = os.environ.get("CASE", "agree")
 
 # Called as the user would, so that each report names the script's own lines.
 allreduce = functools.partial(mpi4jax_dist.allreduce, op=MPI.SUM, comm=comm)
+
+
+def partial_allreduce(on):
+    return functools.partial(mpi4jax_dist.allreduce, op=MPI.SUM, comm=on)
 
 
 def iallreduce(x, op=MPI.SUM):
@@ -87,6 +93,13 @@ def run_case():
     elif case == "kind":  # of LARGE float32 (default 4)
         v = jnp.ones(int(os.environ.get("LARGE", "4")), jnp.float32)
         out = jax.jit(iallreduce if odd else allreduce)(v)
+    elif case == "setup":  # a first call on a new communicator; the odd rank
+        fresh = comm.Dup()  # waits in an mpi4py barrier instead
+        if odd:
+            comm.Barrier()
+            out = x
+        else:
+            out = jax.jit(partial_allreduce(fresh))(x)
     elif case == "agree":
         out = jax.jit(allreduce)(x)
     elif case == "loop":
