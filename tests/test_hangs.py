@@ -667,6 +667,20 @@ def test_the_hang_timeout_s_deputy_reports_for_rank_0_holding_the_gil():
     ), show(proc)
 
 
+def test_a_rank_answering_from_c_says_the_call_it_is_in():
+    """Rank 3's main thread waits in an allreduce nobody else makes while another
+    of its threads holds the GIL: its C thread answers for it, quoting the call
+    the record says it is in, and the report groups it by that call."""
+    proc, _ = hang("allreduce", GIL="thread", STALL_S=60)
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"  rank 3 answered from C only \(a thread holds the GIL\)[^\n]*\n"
+        r"  1 rank in allreduce #1 SUM float32\[2\] at stall\.py:\d+ in "
+        r"stalled_compute, at stall\.py:\d+ in stalled_compute.*: rank 3\n",
+        proc.stderr,
+    ), show(proc)
+
+
 @needs_counters
 def test_below_thread_multiple_one_shared_long_step_is_no_hang():
     proc, _ = hang("together", STALL_S=4 * HANG_S, **SERIALIZED)

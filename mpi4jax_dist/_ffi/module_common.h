@@ -49,6 +49,11 @@ inline nb::dict StatsDict(const std::vector<StatsItems>& groups) {
 // MPI_STANDARD, LARGE_COUNT, ALLREDUCE_LARGE_COUNT), the communicator registry
 // (register_comm, call_counts) and the collective timeout
 // (set_collective_timeout, alarm).
+// Record::InFlightText as a plain C function, for _stacks (stacks.c).
+extern "C" inline size_t InFlightReader(char* out, size_t capacity) {
+  return Record::Get().InFlightText(out, capacity);
+}
+
 inline void DefineCommon(nb::module_& m) {
   m.def(
       "library_version",
@@ -127,6 +132,24 @@ inline void DefineCommon(nb::module_& m) {
       "Return the record of the last collectives, oldest first, as (comm id, "
       "call number there, kind, op, dtype, count, state, site, entered at "
       "(steady ns)) tuples.");
+  m.def(
+      "in_flight",
+      [] {
+        char text[2048];
+        Record::Get().InFlightText(text, sizeof text);
+        return std::string(text);
+      },
+      "Return the calls this process is in (entered, not yet returned), "
+      "'allreduce #5 SUM float32[4] at step.py:12 in body', several joined by "
+      "'; ' ('' when none).");
+  m.def(
+      "in_flight_reader",
+      [] {
+        return nb::capsule(reinterpret_cast<void*>(&InFlightReader),
+                           "mpi4jax_dist.in_flight");
+      },
+      "Return a capsule of the C function size_t(char* out, size_t capacity) "
+      "that writes in_flight()'s text without Python, for _stacks's thread.");
   m.def(
       "record_text", [] { return Record::Get().Text(); },
       "Return the calls still entered and the last three done, one line "

@@ -202,6 +202,28 @@ class Record {
     return out;
   }
 
+  // The calls still entered, as the hang reports group ranks by them:
+  // "allreduce #5 SUM float32[4] at step.py:12 in body", several joined by
+  // "; " ("" when none). Written into `out` (at most `capacity` bytes, NUL
+  // ended); any thread, no lock, no Python: the _stacks thread reads it for a
+  // rank whose Python cannot answer.
+  size_t InFlightText(char* out, size_t capacity) const {
+    if (capacity == 0) return 0;
+    size_t used = 0;
+    out[0] = '\0';
+    for (const Copy& e : Entries()) {
+      if (e.state != kEntered) continue;
+      const char* site = Site(e.site);
+      const int n = std::snprintf(
+          out + used, capacity - used, "%s%s%s%s", used ? "; " : "",
+          CallText(e.kind, e.seq, e.op, e.type, e.count).c_str(),
+          site[0] ? " at " : "", site);
+      if (n < 0) break;
+      used = std::min(capacity - 1, used + static_cast<size_t>(n));
+    }
+    return used;
+  }
+
   // The calls still entered, and the last few done, one line each ("allreduce
   // #5 SUM float32[4] on communicator id 1, entered, at step.py:12"): what
   // the reports quote. No allocation beyond the string.

@@ -11,11 +11,12 @@ its file reads at that moment (# line PATH:N: TEXT), for --hangs.
 
 With answer() the thread also answers the reporting rank (rank 0, or its
 deputy where rank 0's watchdog cannot run) on the watchdog's communicator when
-the rank's Python cannot: each request (tag `ask`, the dump's reason as
-text) raises the signal, so that faulthandler dumps into the pipe, and the
-dump goes back to the asker (tag `reply`: where it was written, a newline, the
-dump). It looks for requests every `poll_ms` milliseconds (MPI_Improbe, a
-local call) and never else; without answer() it wakes only for a dump.
+the rank's Python cannot: each request (tag `ask`, the dump's reason as text)
+raises the signal, so that faulthandler dumps into the pipe, and the dump goes
+back to the asker (tag `reply`: where it was written, a newline, the calls the
+extensions' records say the rank is in, a newline, the dump). It looks for
+requests every `poll_ms` milliseconds (MPI_Improbe, a local call) and never
+else; without answer() it wakes only for a dump.
 
 With watch_interrupts() it also sees SIGINT (Ctrl-C) come: a handler in front
 of Python's writes a byte into a pipe and calls Python's. Python raises
@@ -67,6 +68,11 @@ static struct {
   int dump_signum;
   double grace_s;
   atomic_int python_ran;
+  /* set_in_flight(): the extensions' readers of the calls the rank is in
+     (Record::InFlightText), quoted in a reply for a rank whose Python cannot
+     answer. */
+  size_t (*in_flight[4])(char *out, size_t capacity);
+  atomic_int readers;
 } g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1, .interrupts = {-1, -1}};
 
 /* A growing byte string. */
@@ -346,6 +352,25 @@ static void answer_requests(void) {
     write_dump(dump.data, reason, &came, &whole, where, sizeof where);
     Text reply = {0};
     addf(&reply, "%s\n", where);
+    /* The calls the record says the rank is in, one line ("" for none). */
+    char calls[2048] = "";
+    size_t used = 0;
+    for (int i = 0; i < atomic_load(&g.readers); ++i) {
+      char one[1024];
+      if (g.in_flight[i](one, sizeof one) == 0) continue;
+      int n = snprintf(calls + used, sizeof calls - used, "%s%s",
+                       used ? "; " : "", one);
+      if (n < 0) break;
+      used += (size_t)n;
+      if (used >= sizeof calls) {
+        used = sizeof calls - 1;
+        break;
+      }
+    }
+    for (char *c = calls; *c; ++c) {
+      if (*c == '\n') *c = ' ';
+    }
+    addf(&reply, "%s\n", calls);
     add(&reply, whole.data, whole.size);
     MPI_Send(reply.data, (int)reply.size, MPI_CHAR, status.MPI_SOURCE,
              g.tag_reply, g.comm);
@@ -582,6 +607,22 @@ static PyObject *watch_interrupts(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *set_in_flight(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *capsule;
+  if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
+  void *reader = PyCapsule_GetPointer(capsule, "mpi4jax_dist.in_flight");
+  if (reader == NULL) return NULL;
+  int n = atomic_load(&g.readers);
+  for (int i = 0; i < n; ++i) {
+    if ((void *)g.in_flight[i] == reader) Py_RETURN_NONE;
+  }
+  if (n >= (int)(sizeof g.in_flight / sizeof g.in_flight[0])) Py_RETURN_NONE;
+  g.in_flight[n] = (size_t(*)(char *, size_t))reader;
+  atomic_store(&g.readers, n + 1);
+  Py_RETURN_NONE;
+}
+
 static PyObject *write_stacks(PyObject *self, PyObject *args) {
   (void)self;
   const char *dump, *reason;
@@ -622,6 +663,9 @@ static PyMethodDef methods[] = {
      "watch_interrupts(dump_signum, grace_s): after a SIGINT that Python does "
      "not act on within grace_s (it waits in C), write the stacks (dumping on "
      "dump_signum; 0: none) and end the job with MPI_Abort."},
+    {"set_in_flight", set_in_flight, METH_VARARGS,
+     "set_in_flight(capsule): quote the calls an extension's record says the "
+     "rank is in (its in_flight_reader()) in each reply."},
     {"write", write_stacks, METH_VARARGS,
      "write(dump, reason): write a dump as the thread does; return where."},
     {"library_version", library_version, METH_NOARGS,

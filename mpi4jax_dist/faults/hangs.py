@@ -145,6 +145,8 @@ def _apply(module) -> None:
     module.set_collective_timeout(
         timeout_s() or 0.0, _state.watchdog is not None, _state.stacks
     )
+    if _state.writer is not None:  # its replies quote the module's record
+        _state.writer.set_in_flight(module.in_flight_reader())
 
 
 def configure_loaded_modules() -> None:
@@ -162,13 +164,7 @@ def calls_in_flight() -> str:
     """The package's collectives this process is in (entered, not yet returned),
     as its extensions' records say: ``allreduce #5 SUM float32[4] at step.py:12 in
     body``, several joined by ``; ``; "" when none."""
-    calls = []
-    for module in _loaded_modules():
-        for _, seq, kind, op, dtype, count, state, site, _ in module.record():
-            if state == "entered":
-                at = f" at {site}" if site else ""
-                calls.append(f"{kind} #{seq} {op} {dtype}[{count}]{at}")
-    return "; ".join(calls)
+    return "; ".join(filter(None, (m.in_flight() for m in _loaded_modules())))
 
 
 def note_comm(comm) -> None:
@@ -566,9 +562,11 @@ def _say_one_long_step(hang_timeout_s: float) -> None:
 
 def _held_reply(text: str) -> dict:
     """A reply of a rank's ``_stacks`` thread (where its stacks went, a newline,
-    the dump) as a watchdog's: its main thread's stack for its place (and where
-    that stands, as text), no count."""
-    went, _, dump_text = text.partition("\n")
+    the calls its record says it is in, a newline, the dump) as a watchdog's: its
+    main thread's stack for its place (and where that stands, as text), the
+    calls, no count."""
+    went, _, rest = text.partition("\n")
+    calls, _, dump_text = rest.partition("\n")
     _, _, threads = stacks.parse_stacks(dump_text)
     place = threads.get("main", [])
     sources = threads["source"]
@@ -576,6 +574,7 @@ def _held_reply(text: str) -> dict:
         "count": None,
         "held": True,
         "where": went,
+        "call": calls,
         "place": [tuple(f) for f in place],
         "source": [sources.get((f.file, f.line), "") for f in place],
         "stands": stacks.where(place, sources),  # as the reports say it

@@ -9,8 +9,10 @@ processes (``psum``: JAX's own CPU collectives), in
 ``multihost_utils.sync_global_devices`` (``sync``) or in an mpi4py
 ``comm.Barrier()`` (``barrier``). With ``GIL=1`` the stalled rank holds Python's
 GIL instead of sleeping (a C call that never releases it: ``usleep`` through
-``ctypes.PyDLL``); with ``STOP=1`` it stops itself (``SIGSTOP``: not even C code
-of its own runs). Prints ``DONE`` at the end.
+``ctypes.PyDLL``); with ``GIL=thread`` a thread of its own holds the GIL while its
+main thread waits in an allreduce on a duplicate of the world that no other rank
+calls; with ``STOP=1`` it stops itself (``SIGSTOP``: not even C code of its own
+runs). Prints ``DONE`` at the end.
 
 Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=steps``
 (every rank makes short jitted steps for ``STALL_S`` seconds) and ``MODE=together``
@@ -20,6 +22,7 @@ Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=ste
 import ctypes
 import os
 import signal
+import threading
 import time
 
 import jax
@@ -32,6 +35,7 @@ jax.distributed.initialize()
 from mpi4py import MPI  # noqa: E402
 
 comm = MPI.COMM_WORLD
+alone = comm.Dup()  # GIL=thread: the stalled rank's call that nobody matches
 rank, size = comm.Get_rank(), comm.Get_size()
 stall = int(os.environ.get("STALL_RANK", size - 1))
 mode = os.environ.get("MODE", "allreduce")
@@ -102,6 +106,14 @@ def stalled_compute():
     elif os.environ.get("GIL") == "1":
         # usleep through the C API with the GIL held: no Python thread runs.
         ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+    elif os.environ.get("GIL") == "thread":
+
+        def hold():
+            time.sleep(1)  # the main thread is in the allreduce by then
+            ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+        threading.Thread(target=hold, daemon=True).start()
+        mpi4jax_dist.allreduce(jnp.ones(2), comm=alone).block_until_ready()
     else:
         time.sleep(seconds)
 
