@@ -109,6 +109,7 @@ def test_os_exit_0_while_the_other_rank_waits_ends_the_job_non_zero():
     assert took < 5 + ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
 
 
+@util.same_under_every_jax
 def test_os_exit_0_at_the_end_waits_for_the_others_work():
     """Rank 1 calls os._exit(0) at its end while rank 0 works 3 s more: rank 0's
     work was cut short (the launcher ended it with rank 1, status 0); now rank 1
@@ -121,6 +122,8 @@ def test_os_exit_0_at_the_end_waits_for_the_others_work():
     assert "MPI_Abort ends the job" not in proc.stderr + proc.stdout
 
 
+@util.same_under_every_jax
+@util.same_under_every_mpi
 def test_a_forked_child_s_os_exit_is_not_the_rank_s():
     """A child that rank 1 forks ends by os._exit(0) (as multiprocessing's do): it
     ends at once, without waiting for the ranks at their exit, and the job goes on
@@ -132,6 +135,7 @@ def test_a_forked_child_s_os_exit_is_not_the_rank_s():
     assert "RANK0 DONE 2.0" in proc.stdout, show(proc)
 
 
+@util.same_under_every_jax
 def test_sys_exit_0_while_the_other_rank_waits_is_named_exited():
     """Rank 1 ends by sys.exit(0) while rank 0 waits for it in an allreduce: under
     the hang timeout the report names rank 1 as at its exit (it was 'no answer
@@ -245,6 +249,7 @@ def test_exit_hook_aborts_only_when_the_exit_ends_the_program(shape, code, abort
     assert ("ABORT" in proc.stdout) == aborts, proc.stdout + proc.stderr
 
 
+@util.same_under_every_jax
 def test_one_ctrl_c_ends_a_job_waiting_in_c():
     """Ranks deadlocked in C (allreduce on rank 0 against iallreduce on rank 1, no
     timeout set) and one Ctrl-C, as a terminal sends it: SIGINT to the launcher's
