@@ -569,9 +569,3 @@ def mpi4jax_ordering():
 
     return ordered_effect, abstract_token
 
-
-def mpi4jax_default_comm():
-    """Return mpi4jax's default communicator (its clone of ``COMM_WORLD``)."""
-    from mpi4jax._src.utils import get_default_comm
-
-    return get_default_comm()
