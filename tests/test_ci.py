@@ -16,7 +16,9 @@ def items(request):
     """Every test of the session, which must have collected every test file."""
     files = {item.path.name for item in request.session.items}
     left_out = sorted(
-        p.name for p in util.HERE.glob("test_*.py") if p.name not in files
+        p.name
+        for p in util.HERE.glob("test_*.py")
+        if p.name not in files and p.name not in util.BESIDE_FILES
     )
     if left_out:
         pytest.skip(f"reads the whole suite's collection; not collected: {left_out}")
@@ -41,3 +43,13 @@ def test_tests_at_four_ranks_are_mpi_tests(items):
         if item.get_closest_marker("more_ranks") and not item.get_closest_marker("mpi")
     ]
     assert not serial, f"marked more_ranks, not mpi (every rank runs them): {serial}"
+
+
+def test_files_run_beside_the_serial_suite_are_run_and_hold_no_mpi_tests():
+    """tools/test.sh leaves util.BESIDE_FILES out of .venv's serial suite and runs
+    them in a stage beside it; marked mpi, their tests would never run."""
+    script = (util.ROOT / "tools" / "test.sh").read_text()
+    for name in sorted(util.BESIDE_FILES):
+        assert f"tests/{name}" in script, f"tools/test.sh never names {name}"
+        text = (util.HERE / name).read_text()
+        assert "mark.mpi(" not in text and "more_ranks" not in text, name
