@@ -568,4 +568,3 @@ def mpi4jax_ordering():
     from mpi4jax._src.utils import ordered_effect
 
     return ordered_effect, abstract_token
-
