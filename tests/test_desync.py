@@ -183,10 +183,11 @@ def test_the_collective_timeout_changes_no_answer(case):
 
 
 def test_without_the_checks_the_answer_is_wrong():
-    """The fault the checks guard against: MPI4JAX_DIST_CHECKS=0, SUM against MAX,
-    and the job exits 0 with a wrong sum on some rank (SUM is [1, 3, 5, 7]; MPICH
-    gives both ranks [1, 3, 3, 4], Open MPI rank 1 [1, 2, 3, 4])."""
-    proc, _ = desync("op", MPI4JAX_DIST_CHECKS=0)
+    """The fault the checks guard against: MPI4JAX_DIST_CHECKS=0, rank 0 MAX
+    against rank 1 SUM, and the job exits 0 with a wrong sum on some rank (SUM is
+    [1, 3, 5, 7]; MPICH gives both ranks [1, 2, 5, 7], Intel MPI both the MAX
+    [1, 2, 3, 4], Open MPI rank 0 the MAX)."""
+    proc, _ = desync("op", ODD=0, MPI4JAX_DIST_CHECKS=0)
     assert proc.returncode == 0, output(proc)
     got = values(proc)
     assert len(got) == 2 and got != ["float32[1.0, 3.0, 5.0, 7.0]"] * 2, output(proc)
