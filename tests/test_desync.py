@@ -8,8 +8,9 @@ prints (the call's number, each side in names, the script's source lines, the od
 ranks first), that no rank printed a value, and the seconds it took. Without the
 checks (MPI4JAX_DIST_CHECKS=0) the same case returns wrong numbers with exit
 status 0: the fault the checks guard against. Serially:
-python -m pytest tests/test_desync.py (CI runs it with the oldest JAX and under
-Open MPI, beside .venv's serial suite: tools/test.sh).
+python -m pytest tests/test_desync.py. Under Open MPI (CI's stage beside .venv's
+suite) only the cases whose outcome is the MPI's own run: the others (marked
+same_under_every_mpi) test the package's logic alike under every MPI.
 """
 
 import re
@@ -18,7 +19,7 @@ import time
 import pytest
 import util
 
-pytestmark = [pytest.mark.mpi_skip]
+pytestmark = [pytest.mark.mpi_skip, util.same_under_every_jax]
 
 REPORT = "disagree on its call"
 SCRIPT = (util.SCRIPTS / "desync.py").read_text().splitlines()
@@ -140,6 +141,7 @@ def test_ranks_that_disagree_fail_named(case, env, odd, others):
     assert re.search(r"at desync\.py:\d+", proc.stderr), output(proc)
 
 
+@util.same_under_every_mpi
 def test_the_odd_rank_is_named_first_once():
     """4 ranks, rank 2 the odd one: it leads the one report, the others after it in
     one run of ranks; only the communicator's rank 0 prints it."""
@@ -153,6 +155,7 @@ def test_the_odd_rank_is_named_first_once():
     assert "communicator 'MPI_COMM_WORLD' (4 ranks)" in report
 
 
+@util.same_under_every_mpi
 def test_an_order_mismatch_in_one_jit_names_both_lines():
     """In one jitted function rank 0 reduces a then b, rank 1 b then a: the
     report names the two source lines, not the chunk size."""
@@ -197,8 +200,14 @@ def test_without_the_checks_the_answer_is_wrong():
     "env",
     [
         {"STEPS": 300, "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES": "16K"},
-        {"STEPS": 300, "MPI4PY_RC_THREAD_LEVEL": "serialized"},
-        {"STEPS": 100, "MPI4JAX_DIST_COLLECTIVE_TIMEOUT": 30},
+        pytest.param(
+            {"STEPS": 300, "MPI4PY_RC_THREAD_LEVEL": "serialized"},
+            marks=util.same_under_every_mpi,
+        ),
+        pytest.param(
+            {"STEPS": 100, "MPI4JAX_DIST_COLLECTIVE_TIMEOUT": 30},
+            marks=util.same_under_every_mpi,
+        ),
     ],
     ids=["multiple-chunked", "serialized", "collective-timeout"],
 )
@@ -212,6 +221,7 @@ def test_no_false_alarm_in_a_long_run_of_matched_calls(env):
     assert sorted(re.findall(r"BIG \d (True|False)", proc.stdout)) == ["True", "True"]
 
 
+@util.same_under_every_mpi
 def test_a_deadlock_at_one_line_is_named_from_the_record():
     """``allreduce`` on rank 0 against ``iallreduce`` on rank 1, of 4 bytes and
     without the collective timeout: MPI matches neither with the other, and both
@@ -231,6 +241,7 @@ def test_a_deadlock_at_one_line_is_named_from_the_record():
         ), output(proc)
 
 
+@util.same_under_every_mpi
 def test_a_communicator_the_ranks_disagreed_on_takes_no_more_calls():
     """Where the job goes on (fail-fast off, the error caught), the next call on
     the communicator is refused on every rank, naming the call they disagreed on:
@@ -243,6 +254,7 @@ def test_a_communicator_the_ranks_disagreed_on_takes_no_more_calls():
     assert len(refused) == 2, output(proc)
 
 
+@util.same_under_every_mpi
 def test_the_first_call_s_set_up_is_under_the_collective_timeout():
     """3 ranks: the first allreduce on a new communicator makes its private
     duplicate with every rank, and rank 2 waits in an mpi4py Barrier instead

@@ -145,9 +145,9 @@ MPI_FILES = frozenset(
 
 
 # Files that tools/test.sh runs beside .venv's serial suite rather than in it
-# (its build_tests and beside_tests, to even the two lanes): they hold no tests
-# marked mpi, and tests/test_ci.py reads the collection without them.
-BESIDE_FILES = frozenset({"test_build_mpicc.py", "test_desync.py"})
+# (its build_tests, to even the two lanes): they hold no tests marked mpi, and
+# tests/test_ci.py reads the collection without them.
+BESIDE_FILES = frozenset({"test_build_mpicc.py"})
 
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that

@@ -75,10 +75,6 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 other_mpi=(-m "not same_under_every_mpi")
 build_tests=(tests/test_build_mpicc.py)
-# Run beside rather than in .venv's serial suite, to even the two lanes: the
-# disagreeing ranks under MPICH with the oldest JAX (.venv-jaxmin's stage) and
-# under Open MPI with the newest (.venv-ompi's).
-beside_tests=(tests/test_desync.py)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
@@ -135,8 +131,7 @@ other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1200 python -m pytest "${build_tests[@]/#/--ignore=}" \
-    "${beside_tests[@]/#/--ignore=}"
+run "${other[@]}" timeout -k 10 1200 python -m pytest "${build_tests[@]/#/--ignore=}"
 
 trap - EXIT
 beside_status=0
