@@ -118,21 +118,6 @@ inline void DefineCommon(nb::module_& m) {
       "Return the id that compiled calls carry for the place `text` in the "
       "user's code (0 once 4096 places are known).");
   m.def(
-      "record",
-      [] {
-        nb::list list;
-        for (const Record::Copy& e : Record::Get().Entries()) {
-          list.append(nb::make_tuple(
-              e.comm_id, e.seq, KindName(e.kind), OpName(e.op),
-              TypeName(e.type), e.count, StateName(e.state),
-              std::string(Record::Get().Site(e.site)), e.entered_ns));
-        }
-        return list;
-      },
-      "Return the record of the last collectives, oldest first, as (comm id, "
-      "call number there, kind, op, dtype, count, state, site, entered at "
-      "(steady ns)) tuples.");
-  m.def(
       "in_flight",
       [] {
         char text[2048];
@@ -150,10 +135,6 @@ inline void DefineCommon(nb::module_& m) {
       },
       "Return a capsule of the C function size_t(char* out, size_t capacity) "
       "that writes in_flight()'s text without Python, for _stacks's thread.");
-  m.def(
-      "record_text", [] { return Record::Get().Text(); },
-      "Return the calls still entered and the last three done, one line "
-      "each, as the reports quote them.");
   m.def(
       "disagreement",
       []() -> nb::object {

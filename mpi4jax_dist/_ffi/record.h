@@ -1,11 +1,12 @@
 // The record of the collectives this process runs: a ring of the last
-// kRecordEntries calls (their communicator, number there, kind, op, element
+// Record::kEntries calls (their communicator, number there, kind, op, element
 // type and count, state, where the user made them), and the table of those
 // places. Written by the handlers with plain stores into fixed memory (no
 // allocation per call, no lock: the ordered token runs one collective at a
 // time; a reader tolerates a torn entry, which only a report reads), and read
-// by Python (record()) and by C (RecordText) for the reports of a timeout or
-// a disagreement: a rank whose Python cannot run still says what it is in.
+// as the calls a rank is in (InFlightText) by Python (in_flight()) and by C
+// (_stacks, through in_flight_reader()) for the hang reports: a rank whose
+// Python cannot run still says what it is in.
 
 #ifndef MPI4JAX_DIST_FFI_RECORD_H_
 #define MPI4JAX_DIST_FFI_RECORD_H_
@@ -40,18 +41,6 @@ inline const char* KindName(int32_t kind) {
   return kind == kNonBlocking ? "iallreduce" : "allreduce";
 }
 
-inline const char* StateName(int32_t state) {
-  switch (state) {
-    case kEntered:
-      return "entered";
-    case kDone:
-      return "done";
-    case kFailed:
-      return "failed";
-    default:
-      return "?";
-  }
-}
 
 // The reduction ops by the code the Python side gives them (ops/common.py's
 // OPS, op_dtype.h's OpFromCode).
@@ -222,30 +211,6 @@ class Record {
       used = std::min(capacity - 1, used + static_cast<size_t>(n));
     }
     return used;
-  }
-
-  // The calls still entered, and the last few done, one line each ("allreduce
-  // #5 SUM float32[4] on communicator id 1, entered, at step.py:12"): what
-  // the reports quote. No allocation beyond the string.
-  std::string Text(int last_done = 3) const {
-    std::vector<Copy> entries = Entries();
-    std::string text;
-    int done = 0;
-    for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
-      const bool entered = it->state == kEntered;
-      if (!entered && done >= last_done) continue;
-      if (!entered) ++done;
-      char line[96];
-      std::snprintf(line, sizeof line, " on communicator id %lld, %s",
-                    static_cast<long long>(it->comm_id), StateName(it->state));
-      std::string entry = CallText(it->kind, it->seq, it->op, it->type,
-                                   it->count) +
-                          line;
-      const char* site = Site(it->site);
-      if (site[0]) entry += std::string(", at ") + site;
-      text = entry + "\n" + text;
-    }
-    return text;
   }
 
  private:

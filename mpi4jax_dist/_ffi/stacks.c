@@ -305,6 +305,21 @@ static void write_dump(const char *dump, const char *reason,
   free(file.data);
 }
 
+/* Raise `signum` (0: none) here, so that faulthandler dumps into the pipe, and
+   read the dump into `dump`. This thread blocks every signal (start): the one
+   is let through, so that faulthandler's handler runs here, before raise
+   returns. */
+static void dump_on(int signum, Text *dump) {
+  if (signum <= 0) return;
+  sigset_t one;
+  sigemptyset(&one);
+  sigaddset(&one, signum);
+  pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+  int raised = raise(signum) == 0;
+  pthread_sigmask(SIG_BLOCK, &one, NULL);
+  if (raised) read_dump(dump);
+}
+
 /* The reporter's requests (rank 0's, or its deputy's), answered (with g.mu
    held): a dump on the signal, written, and sent back to the asker. */
 static void answer_requests(void) {
@@ -332,17 +347,7 @@ static void answer_requests(void) {
     struct timespec came;
     clock_gettime(CLOCK_REALTIME, &came);
     Text dump = {0}, whole = {0};
-    if (g.signum > 0) {
-      /* This thread blocks every signal (start): let this one through, so that
-         faulthandler's handler runs here, before raise returns. */
-      sigset_t one;
-      sigemptyset(&one);
-      sigaddset(&one, g.signum);
-      pthread_sigmask(SIG_UNBLOCK, &one, NULL);
-      int raised = raise(g.signum) == 0;
-      pthread_sigmask(SIG_BLOCK, &one, NULL);
-      if (raised) read_dump(&dump);
-    }
+    dump_on(g.signum, &dump);
     if (dump.size == 0) {
       static const char kNone[] =
           "(no stacks: faulthandler is not registered on a signal here)\n";
@@ -413,15 +418,7 @@ static void end_interrupted(void) {
   struct timespec came;
   clock_gettime(CLOCK_REALTIME, &came);
   Text dump = {0};
-  if (g.dump_signum > 0) {
-    sigset_t one;
-    sigemptyset(&one);
-    sigaddset(&one, g.dump_signum);
-    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
-    int raised = raise(g.dump_signum) == 0;
-    pthread_sigmask(SIG_BLOCK, &one, NULL);
-    if (raised) read_dump(&dump);
-  }
+  dump_on(g.dump_signum, &dump);
   char where[PATH_MAX] = "";
   if (dump.size) {
     write_dump(dump.data, "SIGINT, and Python did not run", &came, NULL, where,
