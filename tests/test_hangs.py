@@ -341,7 +341,9 @@ def test_a_folder_the_dump_makes_is_private(tmp_path):
         "from mpi4jax_dist.faults import hangs\n"
         "os.umask(0)\n"
         "jax.distributed.initialize()\n"
-        "print('WENT', hangs.dump('test'), flush=True)\n"
+        # One string, one write: PYTHONUNBUFFERED writes each argument of
+        # print apart, and the two ranks' pieces then interleave on the pipe.
+        "print(f'WENT {hangs.dump(\"test\")}', flush=True)\n"
     )
     folder = tmp_path / "a" / "b"
     env = util.clean_env(**QUIET, **{_config.HANG_DIR: str(folder)})
