@@ -188,6 +188,33 @@ def use_private_world(duplicate_world) -> bool:
 _given: list = []  # the duplicate given to the wrapper, once
 
 
+def record():
+    """XLA's calls into MPI as the wrapper records them, for the hang reports:
+    ``(in_flight, reader)``, where ``in_flight()`` returns the calls this process
+    is in (``XLA's MPI_Allreduce #3 SUM float32[4] on 2 ranks``, several joined
+    by ``; ``, "" for none) and ``reader`` is the address of the C function that
+    writes that text without Python (``mpi4jax_dist_mpiabi_in_flight`` in
+    mpiabi.c), for ``_stacks``'s thread. None unless XLA's collectives go
+    through our wrapper (:func:`use_private_world` gave it the world)."""
+    if not _given:
+        return None
+    import ctypes
+
+    try:
+        reader = ctypes.CDLL(_config.trampoline_lib()).mpi4jax_dist_mpiabi_in_flight
+    except (OSError, AttributeError, TypeError):
+        return None
+    reader.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    reader.restype = ctypes.c_size_t
+
+    def in_flight() -> str:
+        text = ctypes.create_string_buffer(4096)  # one per call: any thread
+        size = reader(text, len(text))
+        return text.raw[:size].decode(errors="replace")
+
+    return in_flight, ctypes.cast(reader, ctypes.c_void_p).value
+
+
 def report() -> dict:
     """What the diagnostics print: the switch, JAX's setting and the wrapper."""
     from . import _compat

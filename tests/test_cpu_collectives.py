@@ -8,6 +8,7 @@ tools/test.sh's Open MPI stage), so they run in the serial session.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -184,3 +185,72 @@ def test_waitall_with_statuses_ignored_beyond_its_stack_arrays():
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     _, rc, received, nulled, ignore = line.split()
     assert (rc, received, nulled) == ("0", "True", "True"), (line, proc.stderr)
+
+
+# --- the hang reports name XLA's call ---------------------------------------------
+
+HUNG = (
+    r"mpi4jax_dist: no rank of 4 made progress for [\d.]+ s "
+    r"\(MPI4JAX_DIST_HANG_TIMEOUT\), and they do not all stand at one place: the job "
+    r"is hung\. Where the ranks stand, the odd ones out first:\n"
+)
+XLA_CALL = (
+    r"XLA's MPI_Allreduce #(\d+) SUM float32\[4\] on 4 ranks, at stall\.py:\d+ in "
+)
+
+
+def hung_in_psum(**env):
+    """tests/scripts/stall.py's psum job under the switch, with a 2 s hang timeout:
+    JAX's psum is XLA's MPI_Allreduce in the MPI wrapper."""
+    needs_wrapper()
+    env = util.clean_env(
+        MPI4JAX_NO_WARN_JAX_VERSION="1",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        MODE="psum",
+        STALL_S="60",
+        **SWITCH,
+        **{
+            # stall.py imports jax first: the job script's lines, as the docs say.
+            _config.TRAMPOLINE_LIB: str(_ffi.mpiabi_library()),
+            _config.JAX_CPU_COLLECTIVES: "mpi",
+            _config.HANG_TIMEOUT: "2",
+        },
+        **env,
+    )
+    proc = util.run_mpi("stall.py", 4, check=False, timeout=120, env=env)
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+@util.same_under_every_jax
+@util.same_under_every_mpi
+def test_the_hang_report_names_the_xla_call_the_ranks_wait_in():
+    """Rank 3 sleeps while ranks 0-2 wait in a psum over MPI: their Python frame
+    is only the jitted call, and the report says which of XLA's calls into MPI
+    they are in (the wrapper's record): its number on XLA's communicator (the
+    second there: one psum ran before), op, type and count."""
+    stderr = hung_in_psum()
+    found = re.search(
+        HUNG + r"  1 rank at stall\.py:\d+ in stalled_compute: .*: rank 3\n"
+        r"  3 ranks in " + XLA_CALL + r"<lambda>: .*: ranks 0-2\n",
+        stderr,
+    )
+    assert found and found.group(1) == "2", stderr[-4000:]
+
+
+@util.same_under_every_jax
+@util.same_under_every_mpi
+def test_a_rank_holding_the_gil_in_an_xla_call_is_placed_from_c():
+    """Rank 0's main thread waits in a psum over MPI that no other rank makes
+    while another of its threads holds the GIL; the others reach their exit. Rank
+    0's Python cannot answer: its C thread does, quoting the wrapper's record
+    through the reader the bootstrap handed it."""
+    stderr = hung_in_psum(GIL="thread", STALL_RANK="0")
+    found = re.search(
+        HUNG + r"  ranks 1-3 reached their exit .*\n"
+        r"  rank 0 answered from C only \(a thread holds the GIL\): placed below by "
+        r"the stacks written then\n"
+        r"  1 rank in " + XLA_CALL + r"<lambda>: .*: rank 0\n",
+        stderr,
+    )
+    assert found and found.group(1) == "3", stderr[-4000:]

@@ -68,9 +68,9 @@ static struct {
   int dump_signum;
   double grace_s;
   atomic_int python_ran;
-  /* set_in_flight(): the extensions' readers of the calls the rank is in
-     (Record::InFlightText), quoted in a reply for a rank whose Python cannot
-     answer. */
+  /* set_in_flight(): the readers of the calls the rank is in (the
+     extensions' Record::InFlightText, the MPI wrapper's record of XLA's
+     calls), quoted in a reply for a rank whose Python cannot answer. */
   size_t (*in_flight[4])(char *out, size_t capacity);
   atomic_int readers;
 } g = {.mu = PTHREAD_MUTEX_INITIALIZER, .read_fd = -1, .interrupts = {-1, -1}};
@@ -606,10 +606,18 @@ static PyObject *watch_interrupts(PyObject *self, PyObject *args) {
 
 static PyObject *set_in_flight(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *capsule;
-  if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
-  void *reader = PyCapsule_GetPointer(capsule, "mpi4jax_dist.in_flight");
-  if (reader == NULL) return NULL;
+  PyObject *given;
+  if (!PyArg_ParseTuple(args, "O", &given)) return NULL;
+  /* An extension's capsule, or the address of a C function of that signature
+   * (the MPI wrapper's mpi4jax_dist_mpiabi_in_flight, which is no module). */
+  void *reader = PyLong_Check(given)
+                     ? PyLong_AsVoidPtr(given)
+                     : PyCapsule_GetPointer(given, "mpi4jax_dist.in_flight");
+  if (reader == NULL) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "set_in_flight: a null address");
+    return NULL;
+  }
   int n = atomic_load(&g.readers);
   for (int i = 0; i < n; ++i) {
     if ((void *)g.in_flight[i] == reader) Py_RETURN_NONE;
@@ -661,8 +669,9 @@ static PyMethodDef methods[] = {
      "not act on within grace_s (it waits in C), write the stacks (dumping on "
      "dump_signum; 0: none) and end the job with MPI_Abort."},
     {"set_in_flight", set_in_flight, METH_VARARGS,
-     "set_in_flight(capsule): quote the calls an extension's record says the "
-     "rank is in (its in_flight_reader()) in each reply."},
+     "set_in_flight(reader): quote the calls a record says the rank is in "
+     "in each reply; reader is an extension's in_flight_reader() capsule or "
+     "the address of a C function size_t(char *out, size_t capacity)."},
     {"write", write_stacks, METH_VARARGS,
      "write(dump, reason): write a dump as the thread does; return where."},
     {"library_version", library_version, METH_NOARGS,

@@ -70,6 +70,9 @@ class _State:
     comms: list = field(default_factory=list)
     # The extension modules loaded (_ffi's CPU and CUDA ones), as configured.
     modules: list = field(default_factory=list)
+    # Other records of the calls this process is in: (in_flight, C reader)
+    # pairs (JAX's collectives over MPI, mpi4jax_dist.xla_mpi.record()).
+    records: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -160,11 +163,26 @@ def _loaded_modules() -> list:
         return list(_state.modules)
 
 
+def quote_record(in_flight, reader: int) -> None:
+    """Quote another record of the calls this process is in, beside the
+    extensions' (XLA's collectives over MPI: :func:`mpi4jax_dist.xla_mpi.record`):
+    ``in_flight()`` its text for :func:`calls_in_flight`, ``reader`` the address
+    of its C reader, for the replies of a rank whose Python cannot run."""
+    with _state.lock:
+        _state.records.append((in_flight, reader))
+    if _state.writer is not None:
+        _state.writer.set_in_flight(reader)
+
+
 def calls_in_flight() -> str:
-    """The package's collectives this process is in (entered, not yet returned),
-    as its extensions' records say: ``allreduce #5 SUM float32[4] at step.py:12 in
-    body``, several joined by ``; ``; "" when none."""
-    return "; ".join(filter(None, (m.in_flight() for m in _loaded_modules())))
+    """The collectives this process is in (entered, not yet returned), as the
+    records say: the package's (``allreduce #5 SUM float32[4] at step.py:12 in
+    body``) and XLA's over MPI (``XLA's MPI_Allreduce #3 SUM float32[4] on 2
+    ranks``), several joined by ``; ``; "" when none."""
+    with _state.lock:
+        texts = [in_flight for in_flight, _ in _state.records]
+    texts += [m.in_flight for m in _loaded_modules()]
+    return "; ".join(filter(None, (in_flight() for in_flight in texts)))
 
 
 def note_comm(comm) -> None:

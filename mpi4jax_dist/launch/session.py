@@ -49,8 +49,9 @@ def start(topo: bootstrap.Topology) -> None:
        (:func:`mpi4jax_dist.faults.failfast.install`);
     4. stacks on SIGUSR1, the job's collective and hang timeouts and, with
        either, the watchdog thread on a duplicate of the job's communicator
-       (:func:`mpi4jax_dist.faults.hangs.install`), and under fail-fast a
-       Ctrl-C that ends the job where Python cannot
+       (:func:`mpi4jax_dist.faults.hangs.install`), whose reports quote XLA's
+       calls into MPI too (:func:`mpi4jax_dist.xla_mpi.record`), and under
+       fail-fast a Ctrl-C that ends the job where Python cannot
        (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`);
     5. JAX's proxy warning off where only launcher variables set it off;
     6. the address JAX's Gloo collectives publish;
@@ -70,6 +71,8 @@ def start(topo: bootstrap.Topology) -> None:
         _watchdog_comm(current),
         hang_timeout=current.hang_timeout_s,
     )
+    if (xla_record := xla_mpi.record()) is not None:
+        hangs.quote_record(*xla_record)
     failfast.watch_interrupts()
     _silence_false_proxy_alarm(topo)
     _one_version_warning(topo.rank)

@@ -5,7 +5,7 @@ rank ``STALL_RANK`` (default the last) prints ``STALL <epoch seconds>`` and slee
 ``STALL_S`` seconds in ``stalled_compute`` while the others wait, by ``MODE``: in a
 4th call (``allreduce``, the default), on an ``iallreduce`` (``iallreduce``), in a
 jitted ``mpi4jax.allreduce`` (``mpi4jax``), in a ``shard_map`` ``psum`` across the
-processes (``psum``: JAX's own CPU collectives), in
+processes, its first made together (``psum``: JAX's own CPU collectives), in
 ``multihost_utils.sync_global_devices`` (``sync``) or in an mpi4py
 ``comm.Barrier()`` (``barrier``). With ``GIL=1`` the stalled rank holds Python's
 GIL instead of sleeping (a C call that never releases it: ``usleep`` through
@@ -72,7 +72,17 @@ def waits(mode):
                 out_specs=PartitionSpec("ranks"),
             )
         )
-        return lambda x: mpi4jax_dist.to_local(summed(mpi4jax_dist.to_global(x, mesh)))
+        # The global array is made and summed once before the stall (to_global
+        # checks the ranks' shapes with an MPI allreduce; the first psum makes
+        # its communicator): the others then wait in the psum itself.
+        made = {}
+
+        def prepare(x):
+            made["x"] = mpi4jax_dist.to_global(x, mesh)
+            summed(made["x"]).block_until_ready()
+
+        before_stall.append(prepare)
+        return lambda x: mpi4jax_dist.to_local(summed(made["x"]))
     if mode == "sync":
         from jax.experimental import multihost_utils
 
@@ -91,11 +101,14 @@ def waits(mode):
     raise SystemExit(f"stall.py: MODE={mode!r} is not one of the modes it knows")
 
 
+before_stall = []  # what every rank does first, with the steps' result
 later = waits(mode)
 x = jnp.ones(4)
 for _ in range(3):
     x = step(x)
 x.block_until_ready()
+for prepare in before_stall:
+    prepare(x)
 print(f"READY {rank}", flush=True)
 
 
@@ -113,7 +126,11 @@ def stalled_compute():
             ctypes.PyDLL(None).usleep(int(seconds * 1e6))
 
         threading.Thread(target=hold, daemon=True).start()
-        mpi4jax_dist.allreduce(jnp.ones(2), comm=alone).block_until_ready()
+        if mode == "psum":  # one psum the others make too, then one they never make
+            for _ in range(2):
+                later(x).block_until_ready()
+        else:
+            mpi4jax_dist.allreduce(jnp.ones(2), comm=alone).block_until_ready()
     else:
         time.sleep(seconds)
 
