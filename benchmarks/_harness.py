@@ -461,6 +461,7 @@ def meta(comm=None, **extra) -> dict:
         "cpu_count": os.cpu_count(),
         "versions": diagnostics.versions(),
     }
+    info["pages"] = pages()
     if comm is not None:
         import jax
         from mpi4py import MPI
@@ -479,6 +480,39 @@ def meta(comm=None, **extra) -> dict:
         )
     info.update(extra)
     return info
+
+
+def pages() -> dict:
+    """What pages large buffers get: the kernel's transparent huge page mode, and
+    whether glibc's malloc asks for huge pages (``GLIBC_TUNABLES`` with
+    ``glibc.malloc.hugetlb=1``, read when the process started). NumPy asks for
+    huge pages for its large arrays itself; XLA's CPU buffers come from malloc,
+    so under the kernel's ``madvise`` mode they are on 4 KiB pages unless glibc
+    asks (docs/benchmarks.rst, *The in-place allreduce and huge pages*)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        mode = None
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    malloc_huge = any(
+        t.strip() in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2")
+        for t in tunables.split(":")
+    )
+    return {"thp": mode, "malloc_hugetlb": malloc_huge}
+
+
+def pages_line(info: dict) -> str:
+    """One header line: whether XLA's buffers are on huge pages, as NumPy's."""
+    p = info["pages"]
+    if p["malloc_hugetlb"] or p["thp"] == "always":
+        how = "GLIBC_TUNABLES" if p["malloc_hugetlb"] else "the kernel's THP mode"
+        return f"# pages: XLA's buffers on huge pages ({how}), as NumPy's"
+    return (
+        f"# pages: XLA's buffers on 4 KiB pages, NumPy's on huge pages (THP mode "
+        f"{p['thp']}): large sizes favour mpi4py by up to 1.25x; "
+        "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before mpiexec evens them"
+    )
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -519,6 +553,8 @@ def plot_lines(
     style: Callable[[str], dict] | None = None,
     logx: int | None = 2,
     bands: dict[str, tuple[str, str]] | None = None,
+    banded: Callable[[str], bool] | None = None,
+    titles: Sequence[str] | None = None,
     extra: Callable | None = None,
 ) -> None:
     """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
@@ -526,7 +562,9 @@ def plot_lines(
     panels (right of them).
 
     ``bands[key] = (low, high)`` shades each line's ``low .. high`` (its quartiles)
-    in that panel; ``extra(ax)``, where given, draws one more panel to the right.
+    in that panel, for the series ``banded(name)`` accepts (all without it);
+    ``titles`` titles the panels in order (``extra``'s last); ``extra(ax)``, where
+    given, draws one more panel to the right.
     """
     import matplotlib.pyplot as plt
 
@@ -546,9 +584,14 @@ def plot_lines(
             kwargs = style(name) if style else {}
             xs = [r[x] for r in rows]
             ax.plot(
-                xs, [r[key] * scale for r in rows], marker=".", label=name, **kwargs
+                xs,
+                [r[key] * scale for r in rows],
+                label=name,
+                **{"marker": ".", **kwargs},
             )
             low, high = (bands or {}).get(key, (None, None))
+            if banded is not None and not banded(name):
+                low = None
             if low and all(r.get(low) is not None for r in rows):
                 ax.fill_between(
                     xs,
@@ -566,6 +609,8 @@ def plot_lines(
         ax.grid(True, which="both", alpha=0.3)
     if extra is not None:
         extra(axes[0][-1])
+    for ax, text in zip(axes[0], titles or (), strict=False):
+        ax.set_title(text, fontsize=10)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.suptitle(title)

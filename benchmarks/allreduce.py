@@ -77,6 +77,17 @@ import _harness  # noqa: E402
 IMPLS = _harness.Registry("allreduce implementation")
 MODES = ("loop", "call")
 DEFAULT_SIZES = [4 * 8**i for i in range(9)]  # 4 B .. 64 MiB
+POW2_SIZES = [4 * 2**i for i in range(25)]  # --sizes pow2: every power of two, as OSU
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``--sizes``: ``pow2`` (every power of two from 4 B to 64 MiB, as OSU's
+    benchmarks step), or sizes as ``_harness.parse_sizes`` reads them."""
+    if text.strip().lower() == "pow2":
+        return list(POW2_SIZES)
+    return _harness.parse_sizes(text)
+
+
 DTYPES = ("float32", "float64", "int32", "int8")
 
 # ---------------------------------------------------------------------------------
@@ -291,11 +302,14 @@ class Allreduce:
     again before a check. Class attribute ``uses_jax`` says whether results live on
     JAX devices (benchmarks/memory.py then asks the device for its memory);
     ``transport`` names what carries the data (``"mpi"``, or ``"xla"`` for XLA's
-    own collectives): cases are timed round-robin within one transport at a time.
+    own collectives): cases are timed round-robin within one transport at a time;
+    ``in_place`` says whether the result is written over the input (no second
+    buffer), the table's ``in-place`` column.
     """
 
     uses_jax = False
     transport = "mpi"
+    in_place = False
 
     def __init__(self, n: int, dtype, comm):
         self.n, self.dtype, self.comm = n, np.dtype(dtype), comm
@@ -352,6 +366,8 @@ class Mpi4py(Allreduce):
 @IMPLS.register("mpi4py_inplace")
 class Mpi4pyInplace(Mpi4py):
     """``Comm.Allreduce(MPI.IN_PLACE, x)``: no result buffer at all."""
+
+    in_place = True
 
     def __init__(self, n, dtype, comm):
         Allreduce.__init__(self, n, dtype, comm)
@@ -496,6 +512,7 @@ class Mpi4jaxDist(Mpi4jax):
     # Its handler counts its calls and whether it got one buffer
     # (mpi4jax_dist._ffi's stats): benchmarks/memory.py reports them.
     extension = True
+    in_place = True
 
     def reduce(self, v):
         from mpi4py import MPI
@@ -546,10 +563,6 @@ class Mpi4jaxDistUnchecked(Mpi4jaxDist):
                 del os.environ[_config.CHECKS]
             else:
                 os.environ[_config.CHECKS] = before
-
-
-# What a run measures unless --impls says otherwise.
-DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
 
 
 class GlobalJax(JaxAllreduce):
@@ -657,6 +670,11 @@ class Gspmd(GlobalJax):
         return np.asarray(mpi4jax_dist.to_local(array))[0]
 
 
+# What a run measures unless --impls says otherwise: every implementation
+# registered above (so after the last of them), but the unchecked variant.
+DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
+
+
 # ---------------------------------------------------------------------------------
 # What one dispatch costs
 
@@ -674,8 +692,9 @@ DISPATCH = (
     ("mpi4py", "Comm.Allreduce, no dispatch (the floor)", Mpi4py, "world"),
     ("jit(v + 1)", "a jitted call, no effect", JitPlusOne, "world"),
     (
-        "ordered no-op",
-        "mpi4jax_dist.allreduce on COMM_SELF: the ordered effect, no communication",
+        "alone on COMM_SELF",
+        "mpi4jax_dist.allreduce on COMM_SELF: JAX's path for an op kept in "
+        "program order, nothing sent",
         Mpi4jaxDist,
         "self",
     ),
@@ -750,10 +769,11 @@ DISPATCH_TABLE = _harness.Table(
 # The sweep
 
 
-def check(impls: dict, n: int, comm, wrong: dict) -> None:
+def check(impls: dict, n: int, comm, wrong: dict, checked: dict) -> None:
     """Add to ``wrong[(name, mode)]`` the wrong elements (summed over ranks) of
     ``call`` and ``loop(1)`` (both ``S``) and ``loop(2)`` (``P S``) from the
-    pattern; untimed. Leaves every implementation loaded with zeros."""
+    pattern, and to ``checked[(name, mode)]`` the elements compared; untimed.
+    Leaves every implementation loaded with zeros."""
     rank, procs = comm.Get_rank(), comm.Get_size()
     dtype = next(iter(impls.values())).dtype
     mine = pattern(n, rank, procs, dtype)
@@ -771,11 +791,13 @@ def check(impls: dict, n: int, comm, wrong: dict) -> None:
         impl.loop(2)
         bad_loop += count_wrong(impl.result(), twice)
         impl.load(zeros)
-        local += [bad_call, bad_loop]
+        local += [bad_call, bad_loop, n, 2 * n]  # wrong, then compared
     total = comm.allreduce(np.asarray(local, np.int64))
     for index, name in enumerate(impls):
-        wrong[(name, "call")] += int(total[2 * index])
-        wrong[(name, "loop")] += int(total[2 * index + 1])
+        wrong[(name, "call")] += int(total[4 * index])
+        wrong[(name, "loop")] += int(total[4 * index + 1])
+        checked[(name, "call")] += int(total[4 * index + 2])
+        checked[(name, "loop")] += int(total[4 * index + 3])
 
 
 def measure(
@@ -792,7 +814,8 @@ def measure(
     loop_steps = _harness.steps_for(nbytes, loop_most or most)
     impls = {name: IMPLS[name](n, dtype, comm) for name in names}
     wrong = {(name, mode): 0 for name in names for mode in MODES}
-    check(impls, n, comm, wrong)
+    checked = dict(wrong)
+    check(impls, n, comm, wrong, checked)
     # Round-robin within each transport, one transport after the other: MPI
     # collectives run within a few ms after XLA's gloo ones are slowed (256 B:
     # 13 us instead of 3), which made mpi4py and mpi4jax rows 2-15x too slow
@@ -816,7 +839,7 @@ def measure(
         for group_keys, cases in groups.values():
             keys += group_keys
             times += _harness.time_rounds(cases, comm, samples)
-    check(impls, n, comm, wrong)
+    check(impls, n, comm, wrong, checked)
     del impls
     gc.collect()
     procs = comm.Get_size()
@@ -837,6 +860,7 @@ def measure(
             "impl": name,
             "mode": mode,
             "transport": IMPLS[name].transport,
+            "in_place": IMPLS[name].in_place,
             "count": n,
             "dtype": np.dtype(dtype).name,
             "steps": trips,
@@ -852,6 +876,7 @@ def measure(
         row["algbw_GBps"] = nbytes / row["t_median_s"] / 1e9
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (procs - 1) / procs
         row["wrong"] = wrong[(name, mode)]
+        row["checked"] = checked[(name, mode)]
         row["compiles"] = compiled.count  # during the timing, all cases together
         rows.append(row)
     floor = {r["mode"]: r["t_median_s"] for r in rows if r["impl"] == "mpi4py"}
@@ -861,37 +886,85 @@ def measure(
     return rows
 
 
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def _iters(row: dict) -> str:
+    """Collectives per sample: K, and K and 2K for the loop."""
+    k = row["steps"]
+    return f"{k},{2 * k}" if row["mode"] == "loop" else str(k)
+
+
 TABLE = _harness.Table(
     [
         _harness.Column("bytes", "bytes", "per rank", 10),
+        _harness.Column("count", "count", "elements", 10),
         _harness.Column("impl", "impl", "", 22, left=True),
         _harness.Column("mode", "mode", "", 5, left=True),
+        _harness.Column("in_place", "in-place", "", 8, _yes),
+        _harness.Column("steps", "iters", "/sample", 9, text=_iters),
+        _harness.Column("samples", "samples", "", 7),
         _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
+        _harness.Column("t_mean_s", "t_avg", "us", 9, ".1f", 1e6),
         _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
         _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
         _harness.Column("t_spread", "spread", "+-", 6, _percent),
         _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
         _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
-        _harness.Column("ratio", "ratio", "", 6, ".2f"),
+        _harness.Column("ratio", "ratio", "/mpi4py", 7, ".2f"),
         _harness.Column("fixed_s", "fixed", "us", 9, text=_fixed),
         _harness.Column("wrong", "wrong", "", 6),
         _harness.Column("t_wide", "", "", 4, _wide, left=True),
     ]
 )
 
+# What the table's header says of its columns, under the titles' line.
+LEGEND = (
+    "# t_*: per allreduce over the samples (avg the mean); ratio: t_median over "
+    "mpi4py's in the same mode and size; algbw = bytes / t_median, busbw = algbw "
+    "* 2(P-1)/P",
+    "# fixed: what one dispatch adds to the loop; <X: at most X us, the samples "
+    "do not resolve it; ~0: too small to see; -: none (mpi4py's Python loop, "
+    "call mode); wrong: elements that differ from the expected sum",
+)
+
+
+def closing_lines(results: list[dict]) -> list[str]:
+    """The summary under the table (as nccl-tests closes with its average bus
+    bandwidth and its out-of-bounds count): wrong values of those checked, and
+    per implementation and mode the mean bus bandwidth over the sizes."""
+    wrong = sum(r["wrong"] for r in results)
+    checked = sum(r["checked"] for r in results)
+    verdict = "OK" if wrong == 0 else "WRONG"
+    lines = [f"# wrong values: {wrong} of {checked:,} checked {verdict}"]
+    series = dict.fromkeys((r["impl"], r["mode"]) for r in results)
+    for impl, mode in series:
+        rows = [r for r in results if (r["impl"], r["mode"]) == (impl, mode)]
+        mean = sum(r["busbw_GBps"] for r in rows) / len(rows)
+        lines.append(
+            f"# avg bus bandwidth, {impl} ({mode}), {len(rows)} sizes: "
+            f"{mean:.3f} GB/s"
+        )
+    return lines
+
 
 def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> None:
-    """Latency (the quartiles shaded) and bus bandwidth against size, a line per
-    implementation and mode (solid: loop, dashed: call), and the time of one
-    dispatch per kind of call (the ``dispatch`` rows)."""
+    """Latency (the loop rows' quartiles shaded) and bus bandwidth against size, a
+    line per implementation and mode (a colour per implementation; loop: solid
+    with dots, call: dashed with crosses), and the time of one dispatch per kind
+    of call (the ``dispatch`` rows)."""
     names = IMPLS.names()
 
     def style(series):
         impl, mode = series.split(" ")
         index = names.index(impl) if impl in names else len(names)
+        loop = mode == "(loop)"
         return {
             "color": f"C{index}",
-            "linestyle": "-" if mode == "(loop)" else "--",
+            "linestyle": "-" if loop else "--",
+            "marker": "o" if loop else "x",
+            "markersize": 3 if loop else 5,
         }
 
     def draw_dispatch(ax):
@@ -923,6 +996,12 @@ def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> No
         xlabel="message size per rank [bytes]",
         style=style,
         bands={"t_median_s": ("t_q1_s", "t_q3_s")},
+        banded=lambda name: name.endswith("(loop)"),
+        titles=[
+            "time per allreduce (loop: the collective alone; call: with a dispatch)",
+            "bus bandwidth (as nccl-tests: algbw * 2(P-1)/P)",
+            "one jitted call at 4 B: where a Python loop's time goes",
+        ],
         extra=draw_dispatch if dispatch else None,
     )
 
@@ -931,10 +1010,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes",
-        type=_harness.parse_sizes,
+        type=parse_sizes,
         default=DEFAULT_SIZES,
-        help="bytes per rank, comma-separated (4,4096,1MiB); "
-        "default 4 B to 64 MiB by powers of 8",
+        help="bytes per rank, comma-separated (4,4096,1MiB), or pow2 (every power "
+        "of two from 4 B to 64 MiB, as OSU's benchmarks); default 4 B to 64 MiB by "
+        "powers of 8",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
@@ -1021,6 +1101,7 @@ def main(argv=None) -> list[dict]:
         f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
+        _harness.pages_line(meta),
         "# time per allreduce, slowest rank per sample, checked outside the timing:"
         " loop = x <- allreduce(x) K and 2K times in one dispatch, less 'fixed' "
         "(what the dispatch adds: the median intercept of the lines through the "
@@ -1029,6 +1110,7 @@ def main(argv=None) -> list[dict]:
         f"{100 * _harness.WIDE:.0f}% (a busy machine): read such a row's median as "
         "no better than a factor of 1.5",
         TABLE.header(),
+        *LEGEND,
     )
     results = []
     for index, nbytes in enumerate(args.sizes):
@@ -1049,6 +1131,7 @@ def main(argv=None) -> list[dict]:
         )
         results += rows
         _harness.say(comm, *(TABLE.row(r) for r in rows))
+    _harness.say(comm, *closing_lines(results))
     dispatch = measure_dispatch(args.dtype, args.samples, args.iters, comm)
     _harness.say(
         comm,

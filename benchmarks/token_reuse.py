@@ -88,7 +88,7 @@ def main(argv=None) -> list[dict]:
     procs = comm.Get_size()
     cases = [  # (name, record, communicator, the result of one call on ones)
         ("jit(v + 1)", bench.JitPlusOne, comm, 2.0),
-        ("ordered no-op", bench.Mpi4jaxDist, MPI.COMM_SELF, 1.0),
+        ("alone on COMM_SELF", bench.Mpi4jaxDist, MPI.COMM_SELF, 1.0),
         ("mpi4jax", bench.Mpi4jax, comm, float(procs)),
         ("mpi4jax_dist", bench.Mpi4jaxDist, comm, float(procs)),
     ]

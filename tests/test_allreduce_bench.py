@@ -106,6 +106,15 @@ def test_tiny_sweep(world, tmp_path_factory):
         assert row["ratio"] > 0
         if row["impl"] == "mpi4py":
             assert row["ratio"] == 1.0
+        # Counted as compared, on every rank, before and after the timing:
+        # call's result once, loop(1)'s and loop(2)'s.
+        per_check = row["count"] * (2 if row["mode"] == "loop" else 1)
+        assert row["checked"] == 2 * per_check * comm.Get_size(), row
+        assert row["in_place"] == (row["impl"] in ("mpi4py_inplace", "mpi4jax_dist"))
+    closing = bench.closing_lines(results)
+    checked = sum(r["checked"] for r in results)
+    assert closing[0] == f"# wrong values: 0 of {checked:,} checked OK", closing
+    assert len(closing) == 1 + len(bench.DEFAULT_IMPLS) * len(bench.MODES)
     ok = True
     if comm.Get_rank() == 0:
         with open(path) as f:
@@ -202,6 +211,17 @@ def test_mpi4jax_dist_is_donated_and_in_place(world):
 def test_defaults_and_sizes(world):
     bench = load_benchmark()
     assert bench.DEFAULT_SIZES[0] == 4 and bench.DEFAULT_SIZES[-1] == 64 << 20
+    # The main job compares every implementation (the JAX-native ones were
+    # left out when the default list was made before they were registered).
+    assert bench.DEFAULT_IMPLS == [
+        "mpi4py",
+        "mpi4py_inplace",
+        "mpi4jax",
+        "mpi4jax_dist",
+        "psum",
+        "gspmd",
+    ]
+    assert bench.parse_args(["--sizes", "pow2"]).sizes == [4 << i for i in range(25)]
     with pytest.raises(SystemExit):
         bench.parse_args(["--impls", "mpi4py,nccl"])
     args = bench.parse_args([])
@@ -209,6 +229,20 @@ def test_defaults_and_sizes(world):
     for flag in ("--iters", "--loop-iters"):
         with pytest.raises(SystemExit):
             bench.parse_args([flag, "0"])
+
+
+def test_closing_lines_say_wrong_values(world):
+    """The summary under the table says WRONG where an element was wrong, and
+    averages each series' bus bandwidth over its sizes."""
+    bench = load_benchmark()
+    rows = [
+        {"impl": "a", "mode": "loop", "wrong": 0, "checked": 8, "busbw_GBps": 1.0},
+        {"impl": "a", "mode": "loop", "wrong": 3, "checked": 8, "busbw_GBps": 3.0},
+    ]
+    assert bench.closing_lines(rows) == [
+        "# wrong values: 3 of 16 checked WRONG",
+        "# avg bus bandwidth, a (loop), 2 sizes: 2.000 GB/s",
+    ]
 
 
 def test_token_reuse_benchmark_restores_jax(world):
@@ -222,7 +256,7 @@ def test_token_reuse_benchmark_restores_jax(world):
     rows = bench.main(["--calls", "3", "--samples", "2"])
     assert [r["impl"] for r in rows] == [
         "jit(v + 1)",
-        "ordered no-op",
+        "alone on COMM_SELF",
         "mpi4jax",
         "mpi4jax_dist",
     ]

@@ -234,12 +234,14 @@ def test_allreduce_table_alone_on_stdout():
     assert "[Gloo]" not in proc.stdout, proc.stdout
     lines = proc.stdout.splitlines()
     rows = [line.split() for line in lines if not line.startswith("#")]
-    assert [r[:3] for r in rows if r[0] == "4"] == [
-        ["4", "mpi4py", "loop"],
-        ["4", "mpi4py", "call"],
-        ["4", "psum", "loop"],
-        ["4", "psum", "call"],
+    # bytes, count, impl, mode, in-place, iters, samples
+    assert [r[:7] for r in rows if r[0] == "4"] == [
+        ["4", "1", "mpi4py", "loop", "no", "3,6", "2"],
+        ["4", "1", "mpi4py", "call", "no", "3", "2"],
+        ["4", "1", "psum", "loop", "no", "3,6", "2"],
+        ["4", "1", "psum", "call", "no", "3", "2"],
     ], proc.stdout
+    assert any(line.startswith("# wrong values: 0 of ") for line in lines)
 
 
 def test_latency_interposer_holds_every_reduction_until_its_time():
