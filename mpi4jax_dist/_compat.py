@@ -559,6 +559,56 @@ def require_mpi4jax(what: str, alternative: str = "") -> None:
         raise ModuleNotFoundError(message, name="mpi4jax")
 
 
+# The JAX minors whose suites (the ordering, desync, fail-fast and iallreduce
+# tests, mpi4jax's calls mixed with ours) ran with the runtime token reused: on
+# others JAX's own path stays. Add a minor when its sweep row passes with it.
+TOKEN_REUSE_RAN = ((0, 6), (0, 12))
+
+
+def reuse_runtime_tokens(enabled: bool = True) -> bool:
+    """Hand an ordered-effect program the last one's runtime token as it is, where
+    it already sits on the program's one device; return whether that is in force.
+
+    Why: on every call of a program with an ordered effect (mpi4jax's, which the
+    package's ops share) JAX's ``RuntimeTokenSet.get_token_input`` (jax 0.6.0 to
+    today) ``device_put`` s the last token onto a ``Mesh``/``NamedSharding`` built
+    afresh, and the token's shard handler first waits for the last program to end
+    and then copies an empty array to the device: half of a 4-byte call's 220 µs
+    (docs/design.rst, *Dispatch and program order*). Returning the token as it is
+    keeps program order (the runtime waits on the token buffer as on any input)
+    and gives up only where the last program's error is raised: at the next
+    ``block_until_ready`` instead of the next dispatch (jax#25671).
+    For: the JAX minors in :data:`TOKEN_REUSE_RAN`; programs over one device per
+    process (several devices keep JAX's resharding). Test:
+    tests/test_jax_compat.py's token tests (same token, same results, JAX's own
+    method restored when turned off). Drop it when JAX's own method returns the
+    token it holds (the change in docs/design.rst, ready to send). Idempotent;
+    ``enabled=False`` (``MPI4JAX_DIST_TOKEN_REUSE=0``) restores JAX's method.
+    """
+    from jax._src import core, dispatch
+
+    tokens = dispatch.RuntimeTokenSet
+    current = tokens.get_token_input
+    original = getattr(current, "jax_original", current)
+    if not enabled or JAX_VERSION[:2] not in TOKEN_REUSE_RAN:
+        tokens.get_token_input = original
+        return False
+    if current is not original:
+        return True
+
+    def get_token_input(self, eff, devices):
+        token = self.current_tokens.get(eff)
+        if isinstance(token, core.Token) and len(devices) == 1:
+            buf = token._buf
+            if not buf.is_deleted() and buf.devices() == {devices[0]}:
+                return token
+        return original(self, eff, devices)
+
+    get_token_input.jax_original = original
+    tokens.get_token_input = get_token_input
+    return True
+
+
 def mpi4jax_ordering():
     """Return ``(ordered_effect, abstract_token)``: mpi4jax's ordered effect, which
     the compiled ops carry so that one token orders mpi4jax's calls and theirs

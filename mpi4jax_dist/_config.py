@@ -534,6 +534,18 @@ def checks(env: Mapping[str, str] | None = None) -> bool:
     return get_bool(CHECKS, True, env)
 
 
+TOKEN_REUSE = "MPI4JAX_DIST_TOKEN_REUSE"
+
+
+def token_reuse(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether an ordered-effect program (the package's ops, mpi4jax's)
+    gets the last one's runtime token as it is (default on, on the JAX versions
+    it ran on: :func:`mpi4jax_dist._compat.reuse_runtime_tokens`), which halves a
+    jitted call's dispatch. ``MPI4JAX_DIST_TOKEN_REUSE=0`` keeps JAX's own path,
+    which waits for the last program before it dispatches the next."""
+    return get_bool(TOKEN_REUSE, True, env)
+
+
 # --- hangs: stacks on demand and the collective timeout (faults/hangs.py) ----------
 
 STACKS = "MPI4JAX_DIST_STACKS"

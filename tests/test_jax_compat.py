@@ -314,3 +314,51 @@ def test_an_import_after_tracing_traces_again():
     assert proc.returncode == 0, proc.stderr
     again = _compat.since("jax.extend registers trace context")
     assert proc.stdout.split()[-1] == ("2" if again else "1"), proc.stdout
+
+
+_TOKENS = """
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from mpi4py import MPI
+import mpi4jax_dist
+from jax._src import dispatch
+from mpi4jax_dist import _compat
+
+step = jax.jit(lambda v: mpi4jax_dist.allreduce(v, MPI.SUM, comm=MPI.COMM_SELF) + 1)
+x = step(jnp.zeros(3)).block_until_ready()  # compiles, and applies the setting
+own = dispatch.RuntimeTokenSet.get_token_input
+handed = []
+
+def recording(self, eff, devices):
+    handed.append(own(self, eff, devices))
+    return handed[-1]
+
+dispatch.RuntimeTokenSet.get_token_input = recording
+held = []
+for _ in range(3):
+    (eff, token), = dispatch.runtime_tokens.current_tokens.items()
+    held.append(token)
+    x = step(x)
+print(json.dumps({
+    "patched": hasattr(own, "jax_original"),
+    "same": [a is b for a, b in zip(handed, held)],
+    "result": np.asarray(x).tolist(),
+}))
+"""
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_runtime_token_is_handed_on_as_it_is(setting):
+    """With MPI4JAX_DIST_TOKEN_REUSE=1 (the default) on a JAX it ran on, each call
+    of an ordered-effect program gets the token the last call returned, the very
+    object, and the same results; with 0, JAX's own method (a new token each
+    call, made after waiting for the last program)."""
+    env = util.clean_env(MPI4JAX_DIST_TOKEN_REUSE=setting)
+    proc = util.run_command([sys.executable, "-c", _TOKENS], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["result"] == [4.0, 4.0, 4.0], found
+    reused = setting == "1" and jax.__version_info__[:2] in _compat.TOKEN_REUSE_RAN
+    assert found["patched"] is reused, found
+    assert found["same"] == [reused] * 3, found

@@ -55,7 +55,9 @@ def start(topo: bootstrap.Topology) -> None:
        (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`);
     5. JAX's proxy warning off where only launcher variables set it off;
     6. the address JAX's Gloo collectives publish;
-    7. the persistent compilation cache written by every process
+    7. the runtime token of ordered-effect programs handed on as it is
+       (``MPI4JAX_DIST_TOKEN_REUSE``);
+    8. the persistent compilation cache written by every process
        (``MPI4JAX_DIST_CACHE_EVERY_PROCESS``).
 
     The duplicates are collectives: every rank makes them here, in this order.
@@ -77,6 +79,8 @@ def start(topo: bootstrap.Topology) -> None:
     _silence_false_proxy_alarm(topo)
     _one_version_warning(topo.rank)
     _choose_gloo_address(topo)
+    # mpi4jax's programs too, where no op of ours runs (_compat.reuse_runtime_tokens).
+    _compat.reuse_runtime_tokens(_config.token_reuse())
     if _config.cache_every_process():
         # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
         # were before jax.distributed made all but rank 0 stop writing.

@@ -162,6 +162,8 @@ def _primitive():
 
     # mpi4jax's effect, not one of ours: one token orders its calls and ours.
     ordered_effect, abstract_token = _compat.mpi4jax_ordering()
+    # Its runtime token handed on as it is (_compat.reuse_runtime_tokens).
+    _compat.reuse_runtime_tokens(_config.token_reuse())
 
     prim = Primitive("mpi4jax_dist_allreduce")
 
