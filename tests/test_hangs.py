@@ -594,6 +594,32 @@ def test_the_hang_timeout_names_the_stalled_rank_whatever_the_others_wait_in(
     assert proc.stdout.count("DONE") == 0
 
 
+def test_in_a_two_rank_job_the_rank_in_no_collective_comes_first():
+    """Two ranks, one group each: no group is the odd one out by size, so the one
+    that is in no recorded call (rank 1, sleeping) comes before the one waiting
+    for it in the allreduce (rank 0), not after it by rank; and the stacks leave
+    out the frames of the watchdog thread that wrote them."""
+    env = util.clean_env(
+        **QUIET, **{_config.HANG_TIMEOUT: str(HANG_S)}, MODE="allreduce", STALL_S="60"
+    )
+    proc = util.run_mpi("stall.py", 2, check=False, timeout=120, env=env)
+    assert proc.returncode != 0, show(proc)
+    assert re.search(
+        r"the odd ones out first:\n"
+        r"  1 rank at stall\.py:\d+ in stalled_compute: .*: rank 1\n"
+        r"  1 rank in allreduce #4 SUM float32\[4\] at stall\.py:\d+ .*: rank 0\n",
+        proc.stderr,
+    ), show(proc)
+    # Each rank's stacks are the program's: the watchdog that wrote them is one
+    # line, without its frames.
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] Current thread 0x" in proc.stderr
+            and "mpi4jax_dist's watchdog, its frames left out" in proc.stderr
+        ), show(proc)
+    assert "mpi4jax_dist/faults/" not in proc.stderr, show(proc)
+
+
 @pytest.mark.parametrize("mode", ["steps", "together"])
 def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode):
     """No false alarm: every rank makes 0.1 s steps for 4 timeouts (progress), or

@@ -227,9 +227,49 @@ static void make_dirs(const char *dir) {
    (a file written whole, then renamed over rank-N.txt: a reader sees a whole
    dump or the one before), else on stderr. `whole` receives the header and the
    dump (NULL: not wanted); `where` the directory or "stderr". */
-static void write_dump(const char *dump, const char *reason,
+/* The dump less the package's own threads: a block of faulthandler's
+   ("Thread 0x... (most recent call first):", its frames, a blank line) of a
+   thread other than the main one whose innermost frame is in
+   mpi4jax_dist/faults/ (the watchdog, which asks for the dump or answers) is
+   one line saying so. The main thread is kept whatever it runs. */
+static void leave_out_own_threads(const char *dump, Text *out) {
+  for (const char *block = dump; *block;) {
+    const char *next = strstr(block, "\n\n");
+    size_t length = next ? (size_t)(next - block) + 2 : strlen(block);
+    const char *id = strstr(block, "hread 0x");
+    const char *line_end = strchr(block, '\n');
+    const char *frame = line_end ? line_end + 1 : NULL;
+    const char *frame_end = frame ? strchr(frame, '\n') : NULL;
+    int own = 0;
+    if (id != NULL && line_end != NULL && id < line_end && frame != NULL &&
+        frame < block + length) {
+      unsigned long thread = strtoul(id + strlen("hread "), NULL, 16);
+      size_t frame_length =
+          frame_end ? (size_t)(frame_end - frame) : strlen(frame);
+      char innermost[1024];
+      snprintf(innermost, sizeof innermost, "%.*s", (int)frame_length, frame);
+      own = thread != g.main_thread &&
+            strstr(innermost, "/mpi4jax_dist/faults/") != NULL;
+    }
+    if (own) {
+      const char *paren = strstr(block, " (most recent");
+      int header = paren && paren < line_end ? (int)(paren - block)
+                                             : (int)(line_end - block);
+      addf(out, "%.*s: mpi4jax_dist's watchdog, its frames left out\n%s",
+           header, block, next ? "\n" : "");
+    } else {
+      add(out, block, length);
+    }
+    block += length;
+  }
+}
+
+static void write_dump(const char *whole_dump, const char *reason,
                        const struct timespec *came, Text *whole, char *where,
                        size_t where_capacity) {
+  Text kept = {0};
+  leave_out_own_threads(whole_dump, &kept);
+  const char *dump = kept.data ? kept.data : "";
   struct timespec now;
   char came_text[64], now_text[64];
   clock_gettime(CLOCK_REALTIME, &now);
@@ -303,6 +343,7 @@ static void write_dump(const char *dump, const char *reason,
   free(sources.data);
   free(header.data);
   free(file.data);
+  free(kept.data);
 }
 
 /* Raise `signum` (0: none) here, so that faulthandler dumps into the pipe, and

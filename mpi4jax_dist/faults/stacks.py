@@ -134,7 +134,9 @@ def group_lines(
     ``3 ranks at cg.py:123 in solve: ...: ranks 0-2``, the smallest groups first
     (``odd_first``) or the largest. With ``by_call`` the keys are ``(frames,
     call)``, the call being the collectives the record says the ranks are in
-    (``allreduce #5 SUM float32[4] at step.py:12 in body``, or ""), said first."""
+    (``allreduce #5 SUM float32[4] at step.py:12 in body``, or ""), said first;
+    among groups of one size those in no recorded call come first (in a 2-rank
+    job, the rank that stalled before the one waiting for it)."""
 
     def frames_of(key):
         return key[0] if by_call else key
@@ -144,7 +146,12 @@ def group_lines(
     )
     sign = 1 if odd_first else -1
     ordered = sorted(
-        groups.items(), key=lambda item: (sign * len(item[1]), min(item[1]))
+        groups.items(),
+        key=lambda item: (
+            sign * len(item[1]),
+            bool(by_call and item[0][1]),  # in a recorded call: after
+            min(item[1]),
+        ),
     )
     lines = []
     for key, ranks in ordered:
