@@ -53,3 +53,32 @@ def test_files_run_beside_the_serial_suite_are_run_and_hold_no_mpi_tests():
         assert f"tests/{name}" in script, f"tools/test.sh never names {name}"
         text = (util.HERE / name).read_text()
         assert "mark.mpi(" not in text and "more_ranks" not in text, name
+
+
+@pytest.mark.parametrize("script", [".ci/run", "tools/setup.sh"])
+def test_help_prints_usage_and_starts_nothing(script, tmp_path):
+    """``--help`` of the README's two entry points says what they do and starts
+    nothing: run from a copy of the tree's scripts whose setup.sh and test.sh
+    (for .ci/run) only leave a mark, and with VENV in a fresh folder."""
+    for name in (".ci/run", "tools/setup.sh", "tools/test.sh", "tools/find_python.sh"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        text = (util.ROOT / name).read_text()
+        if script == ".ci/run" and name != ".ci/run":
+            text = f"#!/usr/bin/env bash\ntouch {tmp_path}/started\n"
+        (tmp_path / name).write_text(text)
+    venv = tmp_path / "venv"
+    proc = util.run_command(
+        ["bash", str(tmp_path / script), "--help"],
+        env=util.clean_env(VENV=str(venv)),
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout.lower() or "bash tools/setup.sh" in proc.stdout
+    assert not (tmp_path / "started").exists() and not venv.exists()
+    wrong = util.run_command(
+        ["bash", str(tmp_path / script), "--no-such-flag"],
+        env=util.clean_env(VENV=str(venv)),
+        timeout=30,
+    )
+    assert wrong.returncode == 2 and "--no-such-flag" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "started").exists() and not venv.exists()

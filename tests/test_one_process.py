@@ -140,3 +140,15 @@ def test_jax_slurm_env_still_asked_before_the_fallback():
     (r,) = results(plain(**slurm), 1)
     assert r["cluster_env"] == "SlurmCluster"
     assert r["mean"] == pytest.approx(EXPECTED_MEAN, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name", ["MPI4JAX_DIST_HANG_TIMEOUT", "MPI4JAX_DIST_COLLECTIVE_TIMEOUT"]
+)
+def test_a_bad_setting_is_an_error_in_one_process_too(name):
+    """Under a launcher the bootstrap refuses ``=ten``; without one the
+    one-process world refuses it alike, naming the variable, instead of running
+    without the timeout the user asked for."""
+    proc = plain(**{name: "ten"})
+    assert proc.returncode != 0, proc.stdout
+    assert f"{name}='ten' is not a number of seconds" in proc.stderr, proc.stderr

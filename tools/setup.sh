@@ -30,10 +30,14 @@
 # environment holds (Python, jax, jaxlib, mpi4py, mpi4jax, the MPI).
 set -euo pipefail
 
+# --help: the comment above, as usage; nothing is installed.
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
 others=()
 all=
 for arg in "$@"; do
     case "$arg" in
+        -h|--help) usage; exit 0 ;;
         --with-openmpi) others+=(openmpi) ;;
         --with-intel-mpi) others+=(impi) ;;
         --with-oldest-jax) others+=(jaxmin) ;;
