@@ -13,9 +13,11 @@ this measures: where the last token is already on this call's device, hand it ov
 as it is, neither waiting nor copying; the runtime orders the calls through the
 token buffer as it does any data dependence.
 
-This script patches that one method of JAX **for its own run only** (the package
-patches none of JAX's dispatch), and times, in one job, round-robin, one jitted call
-at 4 B of each case with JAX as installed and with the patch: an ordered-effect op
+The package applies the change (``_compat.reuse_runtime_tokens``,
+``MPI4JAX_DIST_TOKEN_REUSE``); this script switches that one method between JAX's
+own and the change within its run, whatever the setting, and times, in one job,
+round-robin, one jitted call at 4 B of each case with JAX's own method and with
+the change: an ordered-effect op
 that communicates nothing (``mpi4jax_dist.allreduce`` on ``COMM_SELF``),
 ``mpi4jax.allreduce`` and ``mpi4jax_dist.allreduce`` on ``COMM_WORLD``, and, as the
 floor, a jitted call without effects. Each patched result is checked. What the
@@ -58,14 +60,18 @@ class Patch:
         from jax._src import dispatch
 
         self.on, self.cls = on, dispatch.RuntimeTokenSet
-        self.stock = self.cls.get_token_input
+        self.found = self.cls.get_token_input
+        # JAX's own method, also where the package has put the change in place.
+        self.stock = getattr(self.found, "jax_original", self.found)
 
     def __enter__(self):
-        if self.on:
-            self.cls.get_token_input = reusing_get_token_input(self.stock)
+        self.found = self.cls.get_token_input
+        self.cls.get_token_input = (
+            reusing_get_token_input(self.stock) if self.on else self.stock
+        )
 
     def __exit__(self, *exc):
-        self.cls.get_token_input = self.stock
+        self.cls.get_token_input = self.found
 
 
 def main(argv=None) -> list[dict]:

@@ -223,10 +223,6 @@ static void make_dirs(const char *dir) {
   mkdir(path, 0700);
 }
 
-/* Write a dump, which came at `came`, with its header: into the hang directory
-   (a file written whole, then renamed over rank-N.txt: a reader sees a whole
-   dump or the one before), else on stderr. `whole` receives the header and the
-   dump (NULL: not wanted); `where` the directory or "stderr". */
 /* The dump less the package's own threads: a block of faulthandler's
    ("Thread 0x... (most recent call first):", its frames, a blank line) of a
    thread other than the main one whose innermost frame is in
@@ -264,6 +260,11 @@ static void leave_out_own_threads(const char *dump, Text *out) {
   }
 }
 
+/* Write a dump, which came at `came`, with its header and without the
+   package's own threads (leave_out_own_threads): into the hang directory
+   (a file written whole, then renamed over rank-N.txt: a reader sees a whole
+   dump or the one before), else on stderr. `whole` receives the header and the
+   dump (NULL: not wanted); `where` the directory or "stderr". */
 static void write_dump(const char *whole_dump, const char *reason,
                        const struct timespec *came, Text *whole, char *where,
                        size_t where_capacity) {
