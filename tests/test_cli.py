@@ -92,8 +92,24 @@ def test_report_without_launcher_and_without_mpiexec_on_path(tmp_path):
     assert report["mpi"]["mpiexec_on_path"] is False
 
 
+def test_check_prints_what_readme_shows():
+    """``--check`` prints the lines README.rst shows, in its order (details under
+    ``--verbose``, which prints those lines and more)."""
+    readme = (util.ROOT / "README.rst").read_text()
+    shown = readme.split("A good run prints, from rank 0:", 1)[1]
+    shown = shown.split(".. code-block:: text", 1)[1].split("\n\n")[1]
+    heads = [line.split()[0] for line in shown.splitlines() if line.strip()]
+    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--check", timeout=120)
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == heads, _shown(proc)
+    verbose = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--check", "--verbose")
+    more = verbose.stdout.splitlines()
+    assert len(more) > len(lines) + 10, _shown(verbose)
+    assert all(line.split()[0] in {x.split()[0] for x in more} for line in lines[:-1])
+
+
 def test_report_under_mpiexec_names_the_launcher_by_its_variables():
-    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2)
+    proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--verbose")
     lines = proc.stdout.splitlines()
     launcher = util.expected_launcher()
     assert lines[0] == f"launcher      {launcher}, recognised by its variables:"

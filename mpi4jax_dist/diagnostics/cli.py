@@ -55,14 +55,23 @@ def _print_devices(devices: list[dict], ranks_per_node: dict) -> None:
         print(f"  {count} more rank(s): {visible} visible, {used} used")
 
 
-def _print_text(report: dict) -> None:
+def _print_text(report: dict, verbose: bool = False) -> None:
+    """The report as README shows it; with ``verbose`` every detail as well (the
+    launcher's variables, mpiexec, nodes, devices, the bootstrap's MPI calls,
+    versions, limits and timeouts, CPU collectives)."""
     mpi, topo = report["mpi"], report["topology"]
+
+    def more(*args, **kwargs):
+        if verbose:
+            print(*args, **kwargs)
+
     if report["launcher"] is None:
         print("launcher      none recognised: no launcher variables in the environment")
     else:
-        print(f"launcher      {report['launcher']}, recognised by its variables:")
+        colon = ":" if verbose else ""
+        print(f"launcher      {report['launcher']}, recognised by its variables{colon}")
     for name, value in report["launcher_variables"].items():
-        print(f"  {name}={value}")
+        more(f"  {name}={value}")
     print(
         f"MPI           {mpi['library']} (MPI {mpi['standard']}, thread level "
         f"{mpi['thread_level']})"
@@ -71,11 +80,13 @@ def _print_text(report: dict) -> None:
     print(f"  {mpi['thread_level']}: {mpi['thread_level_means']}")
     if settings:
         print(f"  set by {settings}")
+    # Without a launcher, which mpiexec to start the job with is what matters.
+    say = print if report["launcher"] is None else more
     if mpi["mpiexec"] is None:
-        print("mpiexec       none on PATH, nor beside this Python")
+        say("mpiexec       none on PATH, nor beside this Python")
     else:
         where = "" if mpi["mpiexec_on_path"] else " (beside this Python; not on PATH)"
-        print(
+        say(
             f"mpiexec       {mpi['mpiexec']}{where}: "
             f"{mpi['mpiexec_version'] or 'printed no version'}"
         )
@@ -83,17 +94,19 @@ def _print_text(report: dict) -> None:
         print(f"  note: {mpi['mpiexec_note']}")
     print(f"size          {topo['size']} ranks on {topo['num_nodes']} node(s)")
     for node, ranks in topo.get("ranks_per_node", {}).items():
-        print(f"  node {node}: ranks {ranks}")
-    _print_devices(report.get("devices", []), topo.get("ranks_per_node", {}))
+        more(f"  node {node}: ranks {ranks}")
+    devices = report.get("devices", [])
+    if verbose or any(d["source"] for d in devices):  # accelerators: always
+        _print_devices(devices, topo.get("ranks_per_node", {}))
     release = {
         "thread": "rank 0's thread releases the others",
         "probe": "the others probe its port",
         None: "one rank",
     }[topo["release"]]
     print(f"coordinator   {topo['coordinator_address']} ({release})")
-    print("bootstrap     MPI calls that communicate, as they ran on rank 0:")
+    more("bootstrap     MPI calls that communicate, as they ran on rank 0:")
     for call in report["bootstrap_calls"]:
-        print(
+        more(
             f"  {call['phase']:<8} {call['name']:<10} {call['bytes_per_rank']:>5} B "
             f"per rank; {call['mpi_adds']}"
         )
@@ -102,29 +115,29 @@ def _print_text(report: dict) -> None:
         f"proxies       {', '.join(proxy['variables']) or 'none'}"
         f" (no_grpc_proxy={proxy['no_grpc_proxy']}, keep={proxy['keep']})"
     )
-    print(
+    more(
         "versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
     )
     scale = report["scale"]
     files = scale["open_files"]
-    print(
+    more(
         f"scale         P={scale['processes']}: rank 0's open files soft "
         f"{files['soft']}, hard {files['hard']}, needed {files['needed']}; "
         f"listen backlog {scale['listen_backlog']}; topology exchange "
         f"{scale['topology_exchange_bytes']:,} B"
     )
     for name, values in scale["timeouts"].items():
-        print(
+        more(
             f"  timeouts of {name}: "
             + ", ".join(f"{k} {v} s" for k, v in values.items())
         )
     for name, values in scale["topology_timeouts_minutes"].items():
-        print(
+        more(
             f"  topology timeouts of {name}: "
             + ", ".join(f"{k} {v} min" for k, v in values.items())
         )
     model, gpu = scale["topology_exchange_s"], scale["gpu_topology_exchange"]
-    print(
+    more(
         f"  topology exchange by the model: CPU {model['whole']:.0f} s; CUDA plugin, "
         f"one GPU per process {gpu['seconds']['whole']:.0f} s (XLA's fixed limit "
         f"{gpu['xla_timeouts_minutes']['global']} min)"
@@ -137,7 +150,7 @@ def _print_text(report: dict) -> None:
         print(f"on failure    a failing rank calls MPI_Abort ({when})")
     else:
         print("on failure    JAX's own behaviour: the other ranks may wait")
-    print(f"  SIGTERM: {failure['sigterm']}")
+    more(f"  SIGTERM: {failure['sigterm']}")
     cpu = report["cpu_collectives"]
     if cpu["jax"] == "mpi" and cpu["wrapper_loaded"]:
         in_force = f"MPI, through {cpu['wrapper']}"
@@ -145,7 +158,7 @@ def _print_text(report: dict) -> None:
         in_force = (
             f"{cpu['jax'] or 'gloo'} (MPI4JAX_DIST_CPU_COLLECTIVES=mpi: over MPI)"
         )
-    print(f"CPU collectives {in_force}")
+    more(f"CPU collectives {in_force}")
     for name, value in failure["settings"].items():
         if value is not None:
             print(f"  {name}={value}")
@@ -154,7 +167,7 @@ def _print_text(report: dict) -> None:
         print(f"backend       {check['backend']}: {', '.join(check['devices'])}")
         print(f"check         psum correct: {check['psum_correct']}")
         if check.get("gloo_address"):
-            print(f"  JAX's Gloo collectives on {check['gloo_address']}")
+            more(f"  JAX's Gloo collectives on {check['gloo_address']}")
         if check.get("psum_error"):
             print(f"  {check['psum_error']}")
         if check["allreduce_equals_psum"] is None:
@@ -163,6 +176,11 @@ def _print_text(report: dict) -> None:
             print(f"  mpi4jax.allreduce == psum: {check['allreduce_equals_psum']}")
     for problem in report["problems"]:
         print(f"PROBLEM       {problem}")
+    if not verbose:
+        print(
+            "(--verbose adds the launcher's variables, mpiexec, nodes, devices, the "
+            "bootstrap's MPI calls, versions, limits and timeouts)"
+        )
 
 
 @contextlib.contextmanager
@@ -202,7 +220,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["env"],
         help="env: print the shell lines that make JAX's CPU collectives use MPI",
     )
-    cli.add_argument("--json", action="store_true", help="print JSON")
+    cli.add_argument("--json", action="store_true", help="print JSON (everything)")
+    cli.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every detail (default: the lines README shows, warnings and "
+        "problems)",
+    )
     cli.add_argument(
         "--check",
         action="store_true",
@@ -267,5 +291,5 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(report, indent=1))
         else:
-            _print_text(report)
+            _print_text(report, verbose=args.verbose)
     return 1 if report["problems"] else 0
