@@ -515,6 +515,38 @@ def pages_line(info: dict) -> str:
     )
 
 
+def import_mpi4jax_explained() -> str | None:
+    """Import mpi4jax, where installed, with its warning about a JAX newer than
+    it names caught; return one header line that says what it means (None where
+    it did not warn). Other warnings are passed on as they came."""
+    import re
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import mpi4jax
+    except ImportError:
+        return None
+    line = None
+    for w in caught:
+        found = re.search(
+            r"latest supported JAX version with this release of mpi4jax is (\S+), "
+            r"but you have (\S+?)\. If",
+            str(w.message),
+        )
+        if found:
+            line = (
+                f"# mpi4jax {mpi4jax.__version__} names JAX {found[1]} as the newest "
+                f"it was released with; this is JAX {found[2]}, on which this "
+                "package's CI runs mpi4jax's calls and checks them; its warning is "
+                "not repeated here (MPI4JAX_NO_WARN_JAX_VERSION=1 silences it)"
+            )
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return line
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--json PATH`` and ``--plot PNG``, which :func:`save` honours."""
     parser.add_argument("--json", metavar="PATH", help="write meta and results here")

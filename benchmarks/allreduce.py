@@ -1079,6 +1079,7 @@ def main(argv=None) -> list[dict]:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    mpi4jax_note = _harness.import_mpi4jax_explained()
     try:
         pattern_bound(comm.Get_size(), args.dtype)
     except ValueError as err:
@@ -1102,6 +1103,7 @@ def main(argv=None) -> list[dict]:
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
         _harness.pages_line(meta),
+        *filter(None, [mpi4jax_note]),
         "# time per allreduce, slowest rank per sample, checked outside the timing:"
         " loop = x <- allreduce(x) K and 2K times in one dispatch, less 'fixed' "
         "(what the dispatch adds: the median intercept of the lines through the "
