@@ -4,7 +4,7 @@ optional dependency mpi4jax with the private names of it this package shares.
 Supported: jax 0.6.0 (``FLOOR``, the floor in setup.cfg) up to today. ``CHANGES``
 is the table of what changed since, one row per difference the code meets; the
 functions here choose by it (:func:`since`), nowhere else. The test of this module
-(tests/test_compat.py) checks every row against the JAX it runs with: CI's runs
+(tests/test_jax_compat.py) checks every row against the JAX it runs with: CI's runs
 on the oldest and the newest JAX keep the table true at both ends.
 
 =========  ==========================================================================

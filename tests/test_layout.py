@@ -2,6 +2,7 @@
 upward import, few top-level modules, no long source file (tools/imports.py)."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,26 @@ def test_few_top_level_modules():
         {p.name for p in package.glob("*.py")} - {"__init__.py", "__main__.py"}
     )
     assert len(top) <= 8, top
+
+
+# A path a comment or docstring names: the package's, the tests', conf's, tools'.
+_NAMED = re.compile(
+    r"\b((?:mpi4jax_dist|tests|conf|tools|benchmarks)/[\w/.-]*\w\.(?:py|h|c|cc|txt|sh))\b"
+)
+
+
+def test_paths_named_in_the_sources_exist():
+    """A file the package's sources name (``mpi4jax_dist/faults/hangs.py`` in a
+    comment of a C header, say) exists: a move must take its mentions along."""
+    sources = [
+        p
+        for p in (util.ROOT / "mpi4jax_dist").rglob("*")
+        if p.suffix in (".py", ".h", ".c", ".cc") and p.is_file()
+    ]
+    sources += list((util.ROOT / "conf").glob("*.py"))
+    missing = []
+    for path in sources:
+        for named in _NAMED.findall(path.read_text()):
+            if not (util.ROOT / named).exists():
+                missing.append(f"{path.relative_to(util.ROOT)} names {named}")
+    assert not missing, "\n".join(missing)

@@ -1,5 +1,5 @@
 // The reduction ops and element types the handlers take, as MPI's: ops by the
-// code mpi4jax_dist/_allreduce.py gives them, types by XLA's.
+// code mpi4jax_dist/ops/common.py gives them (OPS), types by XLA's.
 
 #ifndef MPI4JAX_DIST_FFI_OP_DTYPE_H_
 #define MPI4JAX_DIST_FFI_OP_DTYPE_H_
@@ -10,7 +10,7 @@
 
 namespace mpi4jax_dist {
 
-// Reduction ops, numbered as mpi4jax_dist/_allreduce.py numbers them (_OPS).
+// Reduction ops, numbered as mpi4jax_dist/ops/common.py numbers them (OPS).
 inline bool OpFromCode(int32_t code, MPI_Op* op) {
   static const MPI_Op kOps[] = {MPI_SUM, MPI_PROD, MPI_MIN,  MPI_MAX, MPI_LAND,
                                 MPI_LOR, MPI_LXOR, MPI_BAND, MPI_BOR, MPI_BXOR};

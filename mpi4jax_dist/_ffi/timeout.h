@@ -1,5 +1,5 @@
 // The collective timeout (MPI4JAX_DIST_COLLECTIVE_TIMEOUT, set from
-// mpi4jax_dist/_hangs.py): on, every wait of the handlers polls MPI_Test
+// mpi4jax_dist/faults/hangs.py): on, every wait of the handlers polls MPI_Test
 // against a deadline; past it the call raises the process's alarm for the
 // watchdog, or ends the job itself (MPI_Abort) where none runs. A timed-out
 // call never returns: MPI may still write into XLA's buffer.
