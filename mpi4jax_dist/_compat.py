@@ -122,6 +122,13 @@ def register_first(cls) -> None:
     registry[:] = [cls] + [c for c in registry if c is not cls]
 
 
+def cluster_types_after(cls) -> list:
+    """The ClusterEnv subclasses JAX asks after ``cls``, in its order (JAX's
+    private registry, read here only)."""
+    registry = ClusterEnv._cluster_types
+    return list(registry[registry.index(cls) + 1 :])
+
+
 def complete_trace_context() -> None:
     """Import now the JAX modules whose import adds options to JAX's trace context
     and that this package's first calls would import (mpi4jax imports

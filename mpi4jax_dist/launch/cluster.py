@@ -105,8 +105,7 @@ class OneProcessCluster(_compat.ClusterEnv):
             if detect.detect(env) is not None or detect.mpi_initialized_here():
                 return False
             # Envs registered after ours (a site's own) are asked before it too.
-            registry = _compat.ClusterEnv._cluster_types
-            later = registry[registry.index(cls) + 1 :]
+            later = _compat.cluster_types_after(cls)
             return not any(
                 not other.opt_in_only_method and other.is_env_present()
                 for other in later
