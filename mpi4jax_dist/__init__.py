@@ -21,6 +21,7 @@ from .launch.api import initialize, topology  # noqa: E402
 from .launch.bootstrap import Topology  # noqa: E402
 from .launch.cluster import Mpi4jaxDistCluster  # noqa: E402
 from .ops.allreduce import allreduce  # noqa: E402
+from .ops.counts import op_counts  # noqa: E402
 from .ops.iallreduce import Request, iallreduce  # noqa: E402
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "global_mesh",
     "iallreduce",
     "initialize",
+    "op_counts",
     "to_global",
     "to_local",
     "topology",

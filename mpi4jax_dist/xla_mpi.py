@@ -230,7 +230,21 @@ def report() -> dict:
         "wrapper": library,
         "wrapper_loaded": wrapper_loaded(library) if library else False,
         "wrapper_built": str(_ffi.mpiabi_library() or "") or None,
+        # How often XLA passed MPI_COMM_WORLD and got the private duplicate
+        # (None where no duplicate was given).
+        "xla_world_redirects": _world_redirects(library) if _given else None,
     }
+
+
+def _world_redirects(library: str) -> int | None:
+    import ctypes
+
+    try:
+        count = ctypes.CDLL(library).mpi4jax_dist_mpiabi_world_redirects
+    except (OSError, AttributeError, TypeError):
+        return None
+    count.restype = ctypes.c_ulonglong
+    return int(count())
 
 
 def _not_built() -> str:

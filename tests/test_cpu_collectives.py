@@ -74,6 +74,7 @@ def test_collectives_over_mpi_against_numpy(n):
         world = r["xla_world"]
         assert world["private"] and world["congruent"], world
         assert world["redirects"] > 0, world
+        assert r["reported_redirects"] == world["redirects"], r
 
 
 @util.same_under_every_mpi

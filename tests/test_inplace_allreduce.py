@@ -210,6 +210,36 @@ def test_donated_call_reduces_in_place():
     all_ranks(not problems, problems)
 
 
+def test_op_counts_count_what_ran():
+    """The public diagnostic counts what ran, from zero after a reset: two calls,
+    each one MPI call of 8 elements, each handed one buffer (the donated one
+    reduced where it was; the other XLA copied first, its caller's buffer kept:
+    the addresses tell the two apart, not the count)."""
+    import jax
+    import jax.numpy as jnp
+
+    comm = world()
+    mpi4jax_dist.op_counts(reset=True)
+    assert mpi4jax_dist.op_counts()["handler_calls"] == 0
+    donated = jax.jit(lambda a: mpi4jax_dist.allreduce(a), donate_argnums=0)
+    kept = jax.jit(lambda a: mpi4jax_dist.allreduce(a))
+    x, w = jnp.ones(8), jnp.ones(8)
+    x_at, w_at = x.unsafe_buffer_pointer(), w.unsafe_buffer_pointer()
+    y, z = kept(x), donated(w)
+    counts = mpi4jax_dist.op_counts(reset=True)
+    problems = []
+    want = {"handler_calls": 2, "same_buffer_calls": 2, "mpi_calls": 2}
+    if {k: counts[k] for k in want} != want or counts["max_call_count"] != 8:
+        problems.append(f"counts: {counts}")
+    if y.unsafe_buffer_pointer() == x_at or z.unsafe_buffer_pointer() != w_at:
+        problems.append("the kept argument was written, or the donated one moved")
+    if not (np.asarray(y) == comm.size).all() or not (np.asarray(z) == comm.size).all():
+        problems.append("wrong sum")
+    if mpi4jax_dist.op_counts()["handler_calls"] != 0:
+        problems.append("reset=True did not reset")
+    all_ranks(not problems, problems)
+
+
 def test_chunks_and_one_call(monkeypatch):
     import jax
     import jax.numpy as jnp

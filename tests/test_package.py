@@ -359,6 +359,7 @@ def test_public_api():
         "global_mesh",
         "iallreduce",
         "initialize",
+        "op_counts",
         "to_global",
         "to_local",
         "topology",

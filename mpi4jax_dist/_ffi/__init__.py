@@ -325,6 +325,16 @@ def cuda_mismatch(
     return None
 
 
+def loaded_extensions() -> list:
+    """The extension modules loaded so far (the CPU one, the CUDA one), without
+    loading any."""
+    loaded = []
+    for loader in (load, load_cuda):
+        if loader.cache_info().currsize:  # a load that raised is not cached
+            loaded.append(loader())
+    return loaded
+
+
 @functools.cache
 def load_stacks():
     """Import ``_stacks`` (the thread that writes a rank's stacks without Python's

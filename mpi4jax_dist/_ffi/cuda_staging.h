@@ -24,7 +24,7 @@
 
 namespace mpi4jax_dist {
 
-// What the CUDA handler did beyond the shared Stats, for the tests.
+// What the CUDA handler did beyond the shared Stats (op_counts' CUDA keys).
 struct CudaStats {
   std::atomic<int64_t> cuda_aware_calls{0};
   std::atomic<int64_t> staged_calls{0};

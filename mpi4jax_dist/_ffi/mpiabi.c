@@ -129,7 +129,8 @@ _Static_assert(MPI_MAX_PROCESSOR_NAME <= 256, "MPIABI_MAX_PROCESSOR_NAME");
  * mpi4jax_dist's bootstrap), XLA gets the world itself, as MPItrampoline's own
  * wrapper would give it. */
 static MPI_Comm xla_world = MPI_COMM_NULL;
-/* Calls in which XLA passed MPI_COMM_WORLD and got the duplicate, for the tests. */
+/* Calls in which XLA passed MPI_COMM_WORLD and got the duplicate: what
+ * --check --json reports (xla_mpi.report()'s xla_world_redirects). */
 static unsigned long long world_redirects = 0;
 
 /* Set XLA's world (a native handle, congruent to MPI_COMM_WORLD); once, before

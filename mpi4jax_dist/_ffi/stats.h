@@ -1,5 +1,5 @@
-// What the handlers did, counted where it runs, for the tests and the
-// benchmarks (each module's stats()).
+// What the handlers did, counted where it runs: each module's stats(), which
+// mpi4jax_dist.op_counts() (ops/counts.py), a public diagnostic, sums.
 
 #ifndef MPI4JAX_DIST_FFI_STATS_H_
 #define MPI4JAX_DIST_FFI_STATS_H_
@@ -11,8 +11,8 @@
 
 namespace mpi4jax_dist {
 
-// What the handlers did, for the tests: a count of what ran, not of what was
-// asked for. Relaxed atomics: handlers run on XLA's worker threads.
+// What the handlers did: a count of what ran, not of what was asked for.
+// Relaxed atomics: handlers run on XLA's worker threads.
 struct Stats {
   std::atomic<int64_t> handler_calls{0};
   // Handler calls where XLA gave one buffer for operand and result (in place).
@@ -66,7 +66,7 @@ inline void CountHandlerCall(const void* operand, const void* result) {
   }
 }
 
-// What the non-blocking handlers did, for the tests and benchmarks.
+// What the non-blocking handlers did (op_counts' iallreduce_* keys).
 struct RequestStats {
   std::atomic<int64_t> starts{0};
   std::atomic<int64_t> large_count_starts{0};

@@ -49,6 +49,7 @@ import numpy as np
 # mpi4jax_dist first: its own switch (MPI4JAX_DIST_CPU_COLLECTIVES=mpi) must see
 # jaxlib before it loads. It registers the cluster env.
 import mpi4jax_dist
+from mpi4jax_dist import xla_mpi
 import jax
 from jax.sharding import PartitionSpec as P
 from mpi4jax_dist import _compat
@@ -254,6 +255,8 @@ report = dict(
     wrapper=os.path.basename(library) if library else None,
     wrapper_loaded=mapped,
     xla_world=xla_world() if mapped else None,
+    # What the diagnostics report of it (python -m mpi4jax_dist --check --json).
+    reported_redirects=xla_mpi.report()["xla_world_redirects"],
     mpi=MPI.Get_library_version().splitlines()[0].strip(),
     thread_level=MPI.Query_thread(),
     jax=jax.__version__,
