@@ -581,7 +581,7 @@ def reuse_runtime_tokens(enabled: bool = True) -> bool:
     today) ``device_put`` s the last token onto a ``Mesh``/``NamedSharding`` built
     afresh, and the token's shard handler first waits for the last program to end
     and then copies an empty array to the device: half of a 4-byte call's 220 µs
-    (docs/design.rst, *Dispatch and program order*). Returning the token as it is
+    (docs/design.rst, the compiled op's *Dispatch*). Returning the token as it is
     keeps program order (the runtime waits on the token buffer as on any input)
     and gives up only where the last program's error is raised: at the next
     ``block_until_ready`` instead of the next dispatch (jax#25671).
