@@ -44,6 +44,7 @@
 #include <mpi.h>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,8 +184,6 @@ static MPI_Comm comm_in(uintptr_t comm) {
  * and from _stacks's C thread for a rank whose Python cannot run. Plain stores
  * into fixed memory: no allocation and no lock per call, but the communicators'
  * numbering, under a mutex (XLA's worker threads may call at once). */
-
-#include <pthread.h>
 
 #define RECORD_ENTRIES 64
 #define RECORD_COMMS 64
