@@ -422,6 +422,7 @@ def shared_dir(world):
 
 
 @mpi
+@util.same_under_every_jax  # the benchmark's report; the solvers run below
 def test_benchmark_reports_every_method(world, shared_dir):
     bench = load_benchmark()
     out, png = shared_dir / "cg.json", shared_dir / "cg.png"

@@ -242,16 +242,16 @@ def test_the_hang_report_names_the_xla_call_the_ranks_wait_in():
 @util.same_under_every_jax
 @util.same_under_every_mpi
 def test_a_rank_holding_the_gil_in_an_xla_call_is_placed_from_c():
-    """Rank 0's main thread waits in a psum over MPI that no other rank makes
+    """Rank 3's main thread waits in a psum over MPI that no other rank makes
     while another of its threads holds the GIL; the others reach their exit. Rank
-    0's Python cannot answer: its C thread does, quoting the wrapper's record
+    3's Python cannot answer: its C thread does, quoting the wrapper's record
     through the reader the bootstrap handed it."""
-    stderr = hung_in_psum(GIL="thread", STALL_RANK="0")
+    stderr = hung_in_psum(GIL="thread", STALL_RANK="3")
     found = re.search(
-        HUNG + r"  ranks 1-3 reached their exit .*\n"
-        r"  rank 0 answered from C only \(a thread holds the GIL\): placed below by "
+        HUNG + r"  ranks 0-2 reached their exit .*\n"
+        r"  rank 3 answered from C only \(a thread holds the GIL\): placed below by "
         r"the stacks written then\n"
-        r"  1 rank in " + XLA_CALL + r"<lambda>: .*: rank 0\n",
+        r"  1 rank in " + XLA_CALL + r"<lambda>: .*: rank 3\n",
         stderr,
     )
     assert found and found.group(1) == "3", stderr[-4000:]

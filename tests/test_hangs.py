@@ -594,6 +594,7 @@ def test_the_hang_timeout_names_the_stalled_rank_whatever_the_others_wait_in(
     assert proc.stdout.count("DONE") == 0
 
 
+@util.same_under_every_jax
 def test_in_a_two_rank_job_the_rank_in_no_collective_comes_first():
     """Two ranks, one group each: no group is the odd one out by size, so the one
     that is in no recorded call (rank 1, sleeping) comes before the one waiting
@@ -630,6 +631,7 @@ def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode
     assert proc.stdout.count("DONE") == 4
 
 
+@util.same_under_every_jax
 def test_the_hang_timeout_places_a_rank_holding_the_gil():
     """Rank 3 holds the GIL while the others wait in the package's allreduce: its
     watchdog takes no part, its C thread answers with its stacks, and the report
