@@ -781,17 +781,19 @@ def check(impls: dict, n: int, comm, wrong: dict, checked: dict) -> None:
     zeros = np.zeros(n, dtype)
     local = []
     for impl in impls.values():
+        # (wrong, compared): the elements of each result as it came back
         impl.load(mine)
         impl.call()
-        bad_call = count_wrong(impl.result(), once)
+        call = (count_wrong(impl.result(), once), np.size(impl.result()))
         impl.load(mine)
         impl.loop(1)
-        bad_loop = count_wrong(impl.result(), once)
+        loop = [count_wrong(impl.result(), once), np.size(impl.result())]
         impl.load(mine)
         impl.loop(2)
-        bad_loop += count_wrong(impl.result(), twice)
+        loop[0] += count_wrong(impl.result(), twice)
+        loop[1] += np.size(impl.result())
         impl.load(zeros)
-        local += [bad_call, bad_loop, n, 2 * n]  # wrong, then compared
+        local += [call[0], loop[0], call[1], loop[1]]
     total = comm.allreduce(np.asarray(local, np.int64))
     for index, name in enumerate(impls):
         wrong[(name, "call")] += int(total[4 * index])
