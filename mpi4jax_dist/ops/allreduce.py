@@ -18,6 +18,7 @@ from .common import (
     communicator,
     extension,
     op_name,
+    ordering,
     unsupported_lowering,
 )
 
@@ -160,10 +161,7 @@ def _primitive():
 
     from .. import _ffi
 
-    # mpi4jax's effect, not one of ours: one token orders its calls and ours.
-    ordered_effect, abstract_token = _compat.mpi4jax_ordering()
-    # Its runtime token handed on as it is (_compat.reuse_runtime_tokens).
-    _compat.reuse_runtime_tokens(_config.token_reuse())
+    ordered_effect, abstract_token = ordering()
 
     prim = Primitive("mpi4jax_dist_allreduce")
 

@@ -141,6 +141,17 @@ _ELSEWHERE = {
 _OTHER = "There use mpi4jax.allreduce, or lax.psum inside shard_map."
 
 
+def ordering():
+    """Return ``(ordered_effect, abstract_token)`` of mpi4jax (an effect not ours:
+    one token orders its calls and ours), with the runtime token of such programs
+    handed on as it is (:func:`mpi4jax_dist._compat.reuse_runtime_tokens`,
+    ``MPI4JAX_DIST_TOKEN_REUSE``); each op's primitives call it once."""
+    from .. import _compat
+
+    _compat.reuse_runtime_tokens(_config.token_reuse())
+    return _compat.mpi4jax_ordering()
+
+
 def unsupported_lowering(who: str, supported: tuple[str, ...]):
     """Return a lowering rule for the platforms without a handler: it raises
     ``NotImplementedError`` naming them and what runs there instead (at lowering,

@@ -465,8 +465,7 @@ def _primitives():
 
     from .. import _ffi
 
-    ordered_effect, abstract_token = _compat.mpi4jax_ordering()
-    _compat.reuse_runtime_tokens(_config.token_reuse())
+    ordered_effect, abstract_token = common.ordering()
 
     start_target, test_target, wait_target, tie_target = _ffi.IALLREDUCE_TARGETS
     start = Primitive("mpi4jax_dist_iallreduce_start")
