@@ -162,17 +162,15 @@ def use_private_world(duplicate_world) -> bool:
 
     from mpi4py import MPI
 
-    library = _config.trampoline_lib()
-    try:
-        # The library MPItrampoline loaded: dlopen gives back the same one.
-        set_world = ctypes.CDLL(library).mpi4jax_dist_mpiabi_set_world
-    except (OSError, AttributeError, TypeError):
+    set_world = _wrapper_function(
+        "mpi4jax_dist_mpiabi_set_world", ctypes.c_int, [ctypes.c_size_t]
+    )
+    if set_world is None:
         return False
     world = duplicate_world()
     if world is None:
         return False
-    set_world.argtypes = [ctypes.c_size_t]
-    set_world.restype = ctypes.c_int
+    library = _config.trampoline_lib()
     rc = set_world(MPI._handleof(world))
     if rc != MPI.SUCCESS:
         raise RuntimeError(
@@ -188,6 +186,20 @@ def use_private_world(duplicate_world) -> bool:
 _given: list = []  # the duplicate given to the wrapper, once
 
 
+def _wrapper_function(name: str, restype, argtypes=()):
+    """The function ``name`` of the MPI wrapper MPItrampoline loaded (dlopen of
+    ``MPITRAMPOLINE_LIB`` gives back the same library), typed; None where that
+    variable names another wrapper, one without it."""
+    import ctypes
+
+    try:
+        function = getattr(ctypes.CDLL(_config.trampoline_lib()), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
 def record():
     """XLA's calls into MPI as the wrapper records them, for the hang reports:
     ``(in_flight, reader)``, where ``in_flight()`` returns the calls this process
@@ -200,12 +212,13 @@ def record():
         return None
     import ctypes
 
-    try:
-        reader = ctypes.CDLL(_config.trampoline_lib()).mpi4jax_dist_mpiabi_in_flight
-    except (OSError, AttributeError, TypeError):
+    reader = _wrapper_function(
+        "mpi4jax_dist_mpiabi_in_flight",
+        ctypes.c_size_t,
+        [ctypes.c_char_p, ctypes.c_size_t],
+    )
+    if reader is None:
         return None
-    reader.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    reader.restype = ctypes.c_size_t
 
     def in_flight() -> str:
         text = ctypes.create_string_buffer(4096)  # one per call: any thread
@@ -232,19 +245,15 @@ def report() -> dict:
         "wrapper_built": str(_ffi.mpiabi_library() or "") or None,
         # How often XLA passed MPI_COMM_WORLD and got the private duplicate
         # (None where no duplicate was given).
-        "xla_world_redirects": _world_redirects(library) if _given else None,
+        "xla_world_redirects": _world_redirects() if _given else None,
     }
 
 
-def _world_redirects(library: str) -> int | None:
+def _world_redirects() -> int | None:
     import ctypes
 
-    try:
-        count = ctypes.CDLL(library).mpi4jax_dist_mpiabi_world_redirects
-    except (OSError, AttributeError, TypeError):
-        return None
-    count.restype = ctypes.c_ulonglong
-    return int(count())
+    count = _wrapper_function("mpi4jax_dist_mpiabi_world_redirects", ctypes.c_ulonglong)
+    return None if count is None else int(count())
 
 
 def _not_built() -> str:
