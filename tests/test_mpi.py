@@ -242,12 +242,12 @@ def test_the_hang_timeout_s_reduction_runs_its_rounds_at_the_fast_poll():
 
     from mpi4py import MPI
 
-    from mpi4jax_dist.faults import hangs
+    from mpi4jax_dist.faults import watchdog as watchdogs
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         pytest.skip("the watchdog calls MPI from its thread")
     comm = MPI.COMM_WORLD.Dup()
-    watchdog = hangs._Watchdog(comm, hang_timeout_s=2)
+    watchdog = watchdogs.Watchdog(comm, hang_timeout_s=2)
     verdict, took = watchdog.verdict, []
     test = verdict.test
 
@@ -265,4 +265,4 @@ def test_the_hang_timeout_s_reduction_runs_its_rounds_at_the_fast_poll():
     watchdog.stop()
     comm.Free()
     all_ranks(len(took) >= 3, f"{len(took)} reductions in 3 periods: {took}")
-    all_ranks(max(took) < hangs.POLL_S / 2, f"seconds to complete: {took}")
+    all_ranks(max(took) < watchdogs.POLL_S / 2, f"seconds to complete: {took}")

@@ -119,7 +119,7 @@ def install(rank: int, size: int) -> bool:
 def watch_interrupts() -> bool:
     """Where fail-fast is installed: one Ctrl-C ends the job even where every rank
     waits in C, where Python would raise KeyboardInterrupt only once it runs
-    again (:func:`mpi4jax_dist.faults.hangs.watch_interrupts`); after the stacks
+    again (:func:`mpi4jax_dist.faults.writer.watch_interrupts`); after the stacks
     are set up (the writer's thread)."""
     return _state.installed and hangs.watch_interrupts(SIGINT_GRACE_S)
 

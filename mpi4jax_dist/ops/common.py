@@ -259,6 +259,11 @@ class Comm:
             self._ids[module.__name__] = module.register_comm(self.handle)
         return self._ids[module.__name__]
 
+    def registered_id(self, module) -> int | None:
+        """The communicator's id in ``module`` if it has one yet, else None (what
+        a timeout's report reads: it registers nothing)."""
+        return self._ids.get(module.__name__)
+
     def __hash__(self):
         return hash(("mpi4jax_dist.Comm", self.key))
 

@@ -1,0 +1,174 @@
+"""What runs, as a timeout's report names it: the extension modules the compiled
+ops loaded, the communicators they were given, and other records of the calls this
+process is in (XLA's collectives over MPI). Reading them waits on no other rank."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+_lock = threading.Lock()
+# The extension modules loaded (_ffi's CPU and CUDA ones), as configured.
+_modules: list = []
+# The communicators the compiled ops know (mpi4jax_dist.ops.common.Comm), in
+# order of registration.
+_comms: list = []
+# Other records of the calls this process is in: (in_flight, C reader) pairs
+# (JAX's collectives over MPI, mpi4jax_dist.xla_mpi.record()).
+_records: list = []
+
+
+def add_module(module) -> bool:
+    """Note an extension module the compiled ops loaded; False if already noted."""
+    with _lock:
+        if module in _modules:
+            return False
+        _modules.append(module)
+        return True
+
+
+def modules() -> list:
+    """The extension modules ``_ffi`` has loaded, in order."""
+    with _lock:
+        return list(_modules)
+
+
+def note_comm(comm) -> None:
+    """Remember a communicator the compiled ops were given (an ``ops.common.Comm``),
+    so that a timeout's report can name it and find its count on every rank."""
+    with _lock:
+        _comms.append(comm)
+
+
+def _noted_comms() -> list:
+    with _lock:
+        return list(_comms)
+
+
+def add_record(in_flight) -> None:
+    """Quote another record's ``in_flight()`` text in :func:`calls_in_flight`."""
+    with _lock:
+        _records.append(in_flight)
+
+
+def calls_in_flight() -> str:
+    """The collectives this process is in (entered, not yet returned), as the
+    records say: the package's (``allreduce #5 SUM float32[4] at step.py:12 in
+    body``) and XLA's over MPI (``XLA's MPI_Allreduce #3 SUM float32[4] on 2
+    ranks``), several joined by ``; ``; "" when none."""
+    with _lock:
+        texts = list(_records)
+    texts += [m.in_flight for m in modules()]
+    return "; ".join(filter(None, (in_flight() for in_flight in texts)))
+
+
+def reported_elsewhere(exc: BaseException) -> bool:
+    """Whether ``exc`` is the error of a call the ranks disagreed on whose report
+    another rank prints for the job (the communicator's rank 0): every rank
+    raises the same report, and one copy in the log is enough."""
+    text = str(exc)
+    for module in modules():
+        last = module.disagreement()
+        if last is not None and last[1] in text:
+            return not last[0]
+    return False
+
+
+# --- communicators as every rank can name them -------------------------------------
+
+
+def local_alarm(world_size: int) -> dict | None:
+    """This process's first timed-out call (from any loaded extension), as the
+    message for rank 0, or None."""
+    for module in modules():
+        alarm = module.alarm()
+        if alarm is None:
+            continue
+        who, comm_id, call, waited_s = alarm
+        comm = _comm_of(module, comm_id)
+        group = group_of(comm, world_size) if comm is not None else None
+        return {
+            "kind": "alarm",
+            "who": who,
+            "call": call,
+            "waited_s": waited_s,
+            "group": group,
+            "comm": _describe(comm),
+        }
+    return None
+
+
+def _comm_of(module, comm_id: int):
+    for comm in _noted_comms():
+        if comm.registered_id(module) == comm_id:
+            return comm
+    return None
+
+
+def _crc(ranks: list[int]) -> int:
+    return zlib.crc32(b"".join(r.to_bytes(4, "little") for r in ranks))
+
+
+def group_of(comm, world_size: int) -> tuple:
+    """A communicator as every rank can name it: (CRC of its group's world ranks,
+    its size, its place among the noted communicators of that group, and the
+    ranks themselves where they are not the whole world)."""
+    ranks = _world_ranks(comm.comm)
+    same = [c for c in _noted_comms() if c.comm.Get_size() == len(ranks)]
+    place = 0
+    for other in same:
+        if other is comm:
+            break
+        if _world_ranks(other.comm) == ranks:
+            place += 1
+    return (_crc(ranks), len(ranks), place, ranks if len(ranks) < world_size else None)
+
+
+def _world_ranks(comm) -> list[int]:
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in group.Translate_ranks(None, world)]
+    finally:
+        group.Free()
+        world.Free()
+
+
+def count_of(group) -> int | None:
+    """This rank's count of calls entered on the communicator ``group`` names (0
+    where it has none, or never called on it; None when the alarm named none)."""
+    if group is None:
+        return None
+    crc, size, place = group[:3]
+    matches = []
+    for comm in _noted_comms():
+        try:
+            ranks = _world_ranks(comm.comm)
+        except Exception:  # freed since
+            continue
+        if len(ranks) == size and _crc(ranks) == crc:
+            matches.append(comm)
+    if place >= len(matches):
+        return 0
+    comm = matches[place]
+    total = 0
+    for module in modules():
+        comm_id = comm.registered_id(module)
+        if comm_id is not None:
+            counts = module.call_counts()
+            if 0 < comm_id <= len(counts):
+                total += counts[comm_id - 1]
+    return total
+
+
+def _describe(comm) -> str:
+    if comm is None:
+        return "a communicator"
+    name = comm.comm.Get_name()
+    size = comm.comm.Get_size()
+    return (
+        f"communicator {name!r} ({size} ranks)"
+        if name
+        else (f"a communicator of {size} ranks")
+    )

@@ -1,0 +1,442 @@
+"""The watchdog: every rank's thread for the collective and hang timeouts
+(docs/design.rst, *When a rank hangs*). One loop looks at this rank once a poll;
+what differs is how the ranks reach their verdict and their reports: over MPI on a
+communicator of the watchdog's own (:class:`Watchdog`), or where the watchdog may
+not call MPI, through JAX's coordination service (:class:`ServiceWatchdog`)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+
+from .. import _compat, _config
+from . import progress, record, report, writer
+
+logger = logging.getLogger("mpi4jax_dist")
+
+# How often the watchdog looks for an alarm or a message (local calls only): once a
+# second, so that a rank where nothing is wrong is not woken more often (OS jitter
+# is what HPC codes measure); a hang is reported at most a few polls later. Once
+# something is wrong here (this rank's alarm, a message of the watchdogs), every
+# URGENT_POLL_S: MPI moves the report's messages only while the watchdog calls it,
+# against the main thread's own polling of a timed-out call.
+POLL_S = 1.0
+URGENT_POLL_S = 0.02
+# Rank 0 asks the ranks whose Python has not answered in this long the C way
+# (_stacks's thread, which looks every C_POLL_S; both well within REPLY_S).
+PYTHON_REPLY_S = 3.0
+C_POLL_S = 3.0
+# Rank 0's watchdog reports; where it cannot run (its main thread holds the GIL),
+# the deputy does, this long after rank 0 would have: a timed-out call's alarm
+# reaches both, and the deputy stands down once rank 0 asks it for its stacks.
+DEPUTY = 1
+DEPUTY_AFTER_S = PYTHON_REPLY_S + 2 * POLL_S
+# On the watchdog's own communicator, where no user message meets them: the
+# watchdogs' messages (pickled), and rank 0's requests to _stacks's threads and
+# their replies (text).
+_TAG = 31_415
+_TAG_ASK_C, _TAG_REPLY_C = _TAG + 1, _TAG + 2
+# The place of a rank at its exit, in the hang timeout's verdicts.
+_EXITED_PLACE = progress.place_key([], "its exit")
+
+
+class _Loop(threading.Thread):
+    """What both watchdogs share: a daemon thread that polls until stopped, the
+    main thread it looks at, and the end of the job with a report."""
+
+    def __init__(self, hang_timeout_s: float | None):
+        super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
+        self.hang_timeout_s = hang_timeout_s
+        self.progress = progress.Progress()
+        self.period_s = progress.period_s(hang_timeout_s or 0.0, POLL_S)
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.wait(self._wait_s()):
+            try:
+                if self._poll(time.monotonic()):
+                    return
+            except Exception as err:  # a watchdog that dies says why
+                if not self._stopping.is_set():
+                    logger.error("mpi4jax_dist: the watchdog stopped: %s", err)
+                return
+
+    def _wait_s(self) -> float:
+        return POLL_S
+
+    def _poll(self, now: float) -> bool:
+        """One look; True once the watchdog has nothing more to do."""
+        raise NotImplementedError
+
+    def _place(self, stuck: bool) -> int:
+        """This rank's place for a verdict: its stack and calls where stuck."""
+        if not stuck:
+            return 0
+        return progress.place_key(self.progress.place(), record.calls_in_flight())
+
+    @staticmethod
+    def _end_job(text: str, comm) -> None:
+        from .. import _mpi
+
+        logger.critical("%s", text)
+        _mpi.abort(comm, 1)
+
+
+class Watchdog(_Loop):
+    """The watchdogs over MPI, on a communicator of their own: a timed-out call's
+    alarm goes to rank 0 (and the deputy), which asks every rank for its count and
+    stacks; with the hang timeout, the verdict is one small reduction a period
+    (:class:`~mpi4jax_dist.faults.progress.Verdict`)."""
+
+    def __init__(self, comm, hang_timeout_s: float | None = None):
+        super().__init__(hang_timeout_s)
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._alarm_sent = False
+        self._reporting = False
+        self.verdict = progress.Verdict(comm, self.period_s) if hang_timeout_s else None
+        self._urgent = False
+        self._sent: list = []  # this rank's alarm, sent without waiting
+        # At exit, with the hang timeout: this rank stays in the verdicts as one
+        # that has reached its exit until every rank stops (chain_ended).
+        self._exiting = threading.Event()
+        self._chain_ended = threading.Event()
+        # The deputy: an alarm rank 0 has not acted on yet, and when it came.
+        self._deputy_alarm: tuple[dict, float] | None = None
+
+    def start(self) -> None:
+        """Start the thread, and have ``_stacks``'s thread answer a request for
+        this rank's stacks from C (rank 0's too: the deputy may ask it)."""
+        super().start()
+        if writer.module() is not None:
+            writer.module().answer(
+                self.comm.py2f(), writer.signum(), _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
+            )
+
+    def stop(self) -> None:
+        """Stop polling before MPI is finalized (an atexit handler). With the hang
+        timeout this rank first stays in the verdicts, as stuck at its exit, and
+        answers rank 0, until every rank stops (no reduction is then left pending
+        at ``MPI_Finalize``) or a verdict ends the job naming it: others waiting
+        in a collective for this rank are a hang, and it is named as exited."""
+        if (
+            self.verdict is not None
+            and self.is_alive()
+            and threading.current_thread() is not self
+        ):
+            self._exiting.set()
+            while self.is_alive() and not self._chain_ended.wait(POLL_S):
+                pass
+        self._stopping.set()
+        if writer.module() is not None:
+            writer.module().stop_answering()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=POLL_S + 2)
+        if (
+            self.verdict is not None
+            and not self.is_alive()
+            and not self._chain_ended.is_set()
+        ):
+            self.verdict.finish(deadline_s=max(10.0, 3 * self.period_s))
+
+    def _poll(self, now: float) -> bool:
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        message = self.comm.improbe(MPI.ANY_SOURCE, _TAG, status)
+        while message is not None:
+            self._urgent = True
+            self._handle(message.recv(), status.Get_source())
+            message = self.comm.improbe(MPI.ANY_SOURCE, _TAG, status)
+        if not self._alarm_sent:
+            self._raise_alarm()
+        if (
+            self._deputy_alarm is not None
+            and not self._reporting
+            and time.monotonic() - self._deputy_alarm[1] >= DEPUTY_AFTER_S
+        ):
+            self._report(self._deputy_alarm[0])  # rank 0 did not
+        if self.verdict is not None and not self._reporting:
+            if self._exiting.is_set():
+                return self._watch_at_exit(time.monotonic())
+            self._watch_progress(time.monotonic())
+        return False
+
+    def _raise_alarm(self) -> None:
+        """This rank's first timed-out call: rank 0 reports it; another rank sends
+        it to rank 0 and the deputy."""
+        alarm = record.local_alarm(self.size)
+        if alarm is None:
+            return
+        self._alarm_sent = self._urgent = True
+        alarm["rank"] = self.rank
+        if self.rank == 0:
+            self._report(alarm)
+            return
+        # Not waited for: this thread must go on answering rank 0, which may be
+        # asking already.
+        self._sent.append(self.comm.isend(alarm, dest=0, tag=_TAG))
+        if self.rank == DEPUTY:
+            self._deputy_alarm = (alarm, time.monotonic())
+        else:
+            self._sent.append(self.comm.isend(alarm, dest=DEPUTY, tag=_TAG))
+
+    def _wait_s(self) -> float:
+        if self._urgent:
+            return URGENT_POLL_S
+        if self.verdict is None:
+            return POLL_S
+        return self.verdict.wait_s(time.monotonic(), time.time(), POLL_S, URGENT_POLL_S)
+
+    def _watch_progress(self, now: float) -> None:
+        """The hang timeout: look at the main thread, read the last verdict, post
+        the next one when a period starts."""
+        self.progress.look(now)
+        stuck_s = self.progress.stuck_for(now)
+        result = self.verdict.test()
+        if result is not None and result["all_stuck"]:
+            if not result["one_place"]:
+                self._urgent = True  # rank 0 asks for the stacks now
+                if self.rank == 0:
+                    self._report_hang(stuck_s)
+                return  # the others wait for rank 0's request for their stacks
+            if self.rank == 0:
+                report.say_one_long_step(self.hang_timeout_s)
+        wall = time.time()
+        if self.verdict.due(wall):
+            stuck = stuck_s >= self.hang_timeout_s
+            self.verdict.post(now, wall, stuck, self._place(stuck))
+        elif (
+            self.verdict.pending
+            and stuck_s >= self.hang_timeout_s
+            and self._reports_late(now)
+        ):
+            # A rank has not taken part for longer than the timeout: its watchdog
+            # cannot run (a thread holding the GIL, a stopped process).
+            self._report_hang(stuck_s)
+
+    def _watch_at_exit(self, now: float) -> bool:
+        """The hang timeout at this rank's exit: post that it is stuck at its exit
+        and stopping, at once whenever none is pending; return True once every
+        rank stops. Ranks that wait elsewhere for the timeout make a hang verdict
+        (not all at one place), which rank 0 reports."""
+        result = self.verdict.test()
+        if result is not None:
+            if result["all_stopping"]:
+                self._chain_ended.set()
+                return True
+            if result["all_stuck"] and not result["one_place"]:
+                self._urgent = True
+                if self.rank == 0:
+                    self._report_hang(self.progress.stuck_for(now))
+                return False  # the others wait for rank 0's request for stacks
+        if not self.verdict.pending:
+            self.verdict.post(now, time.time(), True, _EXITED_PLACE, stopping=True)
+        elif self._reports_late(now):
+            # A rank has not taken part for longer than the timeout (a thread
+            # holding its GIL, a stopped process): rank 0 reports.
+            self._report_hang(self.progress.stuck_for(now))
+        return False
+
+    def _reports_late(self, now: float) -> bool:
+        """Whether this rank reports a verdict pending for longer than the timeout:
+        rank 0, and the deputy ``DEPUTY_AFTER_S`` later (rank 0's watchdog may be
+        the one that cannot run)."""
+        late = now - self.verdict.posted_at - self.hang_timeout_s
+        late -= self.verdict.late_s(POLL_S)
+        if self.rank == 0:
+            return late >= 0
+        return self.rank == DEPUTY and late >= DEPUTY_AFTER_S
+
+    def _handle(self, message: dict, source: int) -> None:
+        kind = message.get("kind")
+        if kind == "alarm" and self.rank == 0 and not self._reporting:
+            self._report(message)
+        elif kind == "alarm" and self.rank == DEPUTY and self._deputy_alarm is None:
+            self._deputy_alarm = (message, time.monotonic())
+        elif kind == "dump":
+            # Rank 0 (or the deputy) reports: this rank posts no verdict more.
+            self._reporting = True
+            reply = {
+                "kind": "reply",
+                "rank": self.rank,
+                "count": record.count_of(message["group"]),
+                "where": writer.dump(message["reason"]),
+                **report.standing(self.progress, self._exiting.is_set()),
+            }
+            self.comm.send(reply, dest=source, tag=_TAG)
+
+    def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
+        """Rank 0 (or the deputy): ask every other rank for its stacks, count and
+        place; the ranks whose Python has not answered in ``PYTHON_REPLY_S``, the
+        C way (their stacks and place only). Return the replies by rank (this
+        one's included) and where the stacks went, after at most ``REPLY_S``."""
+        from mpi4py import MPI
+
+        ask = {"kind": "dump", "reason": reason, "group": group}
+        others = [r for r in range(self.size) if r != self.rank]
+        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in others]
+        replies = {
+            self.rank: {
+                "count": record.count_of(group),
+                **report.standing(self.progress, self._exiting.is_set()),
+            }
+        }
+        where = {writer.dump(reason)}
+        start = time.monotonic()
+        asked_c = False
+        while len(replies) < self.size and time.monotonic() < start + report.REPLY_S:
+            if not asked_c and time.monotonic() >= start + PYTHON_REPLY_S:
+                asked_c = True
+                text = reason.encode()
+                for r in others:
+                    if r not in replies:
+                        requests.append(
+                            self.comm.Isend([text, MPI.CHAR], dest=r, tag=_TAG_ASK_C)
+                        )
+            status = MPI.Status()
+            message = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                time.sleep(1e-3)
+                continue
+            if status.Get_tag() == _TAG_REPLY_C:
+                data = bytearray(status.Get_count(MPI.CHAR))
+                message.Recv([data, MPI.CHAR])
+                held = report.held_reply(data.decode(errors="replace"))
+                replies.setdefault(status.Get_source(), held)
+                where.add(held["where"])
+                continue
+            reply = message.recv()
+            if reply.get("kind") == "reply":
+                replies[reply["rank"]] = reply
+                where.add(reply["where"])
+        del requests  # eager sends; MPI_Abort ends them
+        return replies, where
+
+    def _report(self, alarm: dict) -> None:
+        """Rank 0: ask every rank for its stacks and count, say who is missing, and
+        end the job (never returns)."""
+        self._reporting = True
+        reason = (
+            f"rank {alarm['rank']}'s {alarm['who']} waited {alarm['waited_s']:.3g} s "
+            f"({_config.COLLECTIVE_TIMEOUT})"
+        )
+        replies, where = self._ask_every_rank(reason, alarm["group"])
+        self._end_job(report.report_line(alarm, replies, self.size, where), self.comm)
+
+    def _report_hang(self, stuck_s: float) -> None:
+        """Rank 0: every rank's stacks, the ranks grouped by where they stand (the
+        odd ones out first), and the end of the job (never returns)."""
+        self._reporting = True
+        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
+        replies, where = self._ask_every_rank(reason, None)
+        self._end_job(report.hang_report(replies, self.size, stuck_s, where), self.comm)
+
+
+class ServiceWatchdog(_Loop):
+    """The hang timeout where the watchdog may not call MPI (below
+    ``MPI_THREAD_MULTIPLE``): the verdict through counters in JAX's coordination
+    service (:class:`~mpi4jax_dist.faults.progress.ServiceVerdict`), the request
+    for stacks and the replies through its keys, and ``MPI_Abort`` at the end.
+    Only a rank that is stuck looks for rank 0's request (once a period); rank 0
+    reads the verdict only while it is stuck itself."""
+
+    def __init__(self, rank: int, size: int, hang_timeout_s: float):
+        super().__init__(hang_timeout_s)
+        self.rank, self.size = rank, size
+        self.verdict = progress.ServiceVerdict(rank, size, self.period_s)
+        self.prefix = progress.ServiceVerdict.PREFIX
+        self._short_since: float | None = None  # rank 0: a rank has not counted
+        self._answered = False
+        self._counting = False  # counted once: the client is connected
+
+    def stop(self) -> None:
+        """Say that this rank stops (so that rank 0 takes a rank that no longer
+        counts for one that has ended, not for one that cannot answer)."""
+        self._stopping.set()
+        if self._counting:
+            try:
+                _compat.coordination_client().key_value_increment(
+                    f"{self.prefix}/stopping", 1
+                )
+            except Exception:  # the client is shut down: the job ends anyway
+                pass
+
+    def _poll(self, now: float) -> bool:
+        self.progress.look(now)
+        stuck_s = self.progress.stuck_for(now)
+        stuck = stuck_s >= self.hang_timeout_s
+        place = self._place(stuck)
+        wall = time.time()
+        if not self.verdict.post(wall, stuck, place):
+            return False  # once a period
+        if not self._counting:
+            self._counting = True
+            # Registered after jax.distributed's shutdown, so run before it.
+            atexit.register(self.stop)
+        if not stuck:
+            self._short_since = None
+            return False
+        if self.rank != 0:
+            if not self._answered:
+                self._answer()
+            return False
+        result = self.verdict.read(wall, place)
+        if not result["all_alive"]:
+            if self.verdict.count(f"{self.prefix}/stopping"):
+                return False  # ranks are ending: not a hang
+            self._short_since = self._short_since or now
+            if now - self._short_since >= self.hang_timeout_s + self.period_s:
+                self._report(stuck_s)  # a rank's watchdog cannot run
+            return False
+        self._short_since = None
+        if result["all_stuck"] and not result["one_place"]:
+            self._report(stuck_s)
+        elif result["all_stuck"]:
+            report.say_one_long_step(self.hang_timeout_s)
+        return False
+
+    def _answer(self) -> None:
+        """A stuck rank other than 0: rank 0's request for the stacks, if it has
+        made one, answered with them, where they went and this rank's place."""
+        client = _compat.coordination_client()
+        try:
+            reason = client.key_value_try_get(f"{self.prefix}/dump")
+        except Exception:  # no request
+            return
+        self._answered = True
+        reply = {
+            "rank": self.rank,
+            "where": writer.dump(reason),
+            **report.standing(self.progress),
+        }
+        client.key_value_set(f"{self.prefix}/reply/{self.rank}", json.dumps(reply))
+        client.key_value_increment(f"{self.prefix}/replied", 1)
+
+    def _report(self, stuck_s: float) -> None:
+        """Rank 0: ask for every rank's stacks and place, print the report and
+        end the job (never returns)."""
+        from mpi4py import MPI
+
+        client = _compat.coordination_client()
+        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
+        client.key_value_set(f"{self.prefix}/dump", reason)
+        replies = {0: report.standing(self.progress)}
+        where = {writer.dump(reason)}
+        deadline = time.monotonic() + report.REPLY_S + self.period_s
+        while time.monotonic() < deadline:
+            if self.verdict.count(f"{self.prefix}/replied") >= self.size - 1:
+                break
+            time.sleep(0.1)
+        for _, text in client.key_value_dir_get(f"{self.prefix}/reply/"):
+            reply = json.loads(text)
+            replies[reply["rank"]] = reply
+            where.add(reply["where"])
+        silent = "a thread holding its GIL, or stopped"
+        text = report.hang_report(
+            replies, self.size, stuck_s, where, silent, self.period_s
+        )
+        self._end_job(text, MPI.COMM_WORLD)
