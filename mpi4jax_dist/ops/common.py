@@ -259,6 +259,13 @@ class Comm:
             self._ids[module.__name__] = module.register_comm(self.handle)
         return self._ids[module.__name__]
 
+    def registered_id(self, module) -> int | None:
+        """The communicator's id in ``module`` (the CPU or CUDA extension), or
+        None where it was never registered there. Unlike :meth:`id_in` it
+        registers nothing: what a report reads to know which communicator an id
+        of ``module``'s records names (:mod:`mpi4jax_dist.faults.hangs`)."""
+        return self._ids.get(module.__name__)
+
     def __hash__(self):
         return hash(("mpi4jax_dist.Comm", self.key))
 
