@@ -26,28 +26,18 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     when, and what is caught.
 
     Args:
-        x: array or scalar: float32/64, complex64/128, (u)int8/16/32/64, or bool
-            for the logical ops, as :func:`mpi4jax_dist.allreduce`.
-        op: an ``mpi4py.MPI.Op``: ``MPI.SUM`` (the default, also for None),
-            ``PROD``, ``MIN``, ``MAX``, ``LAND``, ``LOR``, ``LXOR``, ``BAND``,
-            ``BOR`` or ``BXOR``, where MPI defines it for the dtype.
-        comm: an mpi4py intracommunicator; default: ``MPI.COMM_WORLD``. The
-            calls run on a private duplicate of it, so that they never meet
-            the program's own MPI calls on it.
+        x, op, comm: as for :func:`mpi4jax_dist.allreduce`.
 
     Returns:
         A :class:`Request`.
 
     Raises:
-        TypeError: a dtype, op or communicator MPI cannot reduce with, before any
-            MPI call.
-        ValueError: more than ``INT_MAX`` elements on an MPI without
-            ``MPI_Iallreduce_c`` (MPI-4), or ``comm`` is ``MPI.COMM_NULL``.
-        RuntimeError: MPI is not initialized, or provides less than
-            ``MPI_THREAD_SERIALIZED`` (as :func:`mpi4jax_dist.allreduce`); (at
+        TypeError: as :func:`mpi4jax_dist.allreduce`.
+        ValueError: as :func:`mpi4jax_dist.allreduce`; or more than ``INT_MAX``
+            elements on an MPI without ``MPI_Iallreduce_c`` (MPI-4).
+        RuntimeError: as :func:`mpi4jax_dist.allreduce` on the CPU; or (at
             lowering) the request was dropped without its wait.
-        ImportError: mpi4jax is not installed (naming the ``mpi4jax`` extra), or the
-            extension was built against another MPI than mpi4py's.
+        ImportError: as :func:`mpi4jax_dist.allreduce` on the CPU.
         NotImplementedError: (at lowering) on a GPU.
     """
     import jax.numpy as jnp

@@ -28,6 +28,8 @@ class Request:
     result (MPI reduces a copy the extension owns), and the handle of the
     request; neither is to be read before the wait. It is no pytree: start,
     overlap, test and wait it in one function (one ``jit``, one loop body).
+    Each method raises ``RuntimeError`` on a request used already, or used in
+    another function than the one that started it.
 
     Attributes:
         shape, dtype: those of the array being reduced.
@@ -105,8 +107,7 @@ class Request:
         Raises:
             TypeError: ``fn`` is not callable, or ``args`` or ``fn``'s result
                 hold no JAX array (nothing to order by).
-            RuntimeError: this request was used already, or is used in another
-                function than the one that started it.
+            RuntimeError: this request is used up, or out of its function.
         """
         import jax
 
@@ -160,8 +161,7 @@ class Request:
             :meth:`overlap` or :meth:`test` again).
 
         Raises:
-            RuntimeError: this request was used already, or is used in another
-                function than the one that started it.
+            RuntimeError: this request is used up, or out of its function.
         """
         from .iallreduce_primitives import test_p
 
@@ -183,8 +183,7 @@ class Request:
             The reduced array, of the shape and dtype of the started one.
 
         Raises:
-            RuntimeError: this request was used already, or is used in another
-                function than the one that started it.
+            RuntimeError: this request is used up, or out of its function.
         """
         from .iallreduce_primitives import wait_p
 
