@@ -90,7 +90,7 @@ def allreduce(x, op=None, *, comm=None):
     """
     import jax.numpy as jnp
 
-    # Its ordered effect and default communicator are mpi4jax's.
+    # Its ordered effect is mpi4jax's.
     _compat.require_mpi4jax("mpi4jax_dist.allreduce")
     x = jnp.asarray(x)
     check_supported(x.dtype)  # before op_name, which may import mpi4py.MPI
