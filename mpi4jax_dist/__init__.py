@@ -22,7 +22,8 @@ from .launch.bootstrap import Topology  # noqa: E402
 from .launch.cluster import Mpi4jaxDistCluster  # noqa: E402
 from .ops.allreduce import allreduce  # noqa: E402
 from .ops.counts import op_counts  # noqa: E402
-from .ops.iallreduce import Request, iallreduce  # noqa: E402
+from .ops.iallreduce import iallreduce  # noqa: E402
+from .ops.request import Request  # noqa: E402
 
 __all__ = [
     "Request",

@@ -29,6 +29,10 @@ def global_mesh(axis_name: str = DEFAULT_AXIS, axis_type: str = "auto"):
         axis_type: ``"auto"`` (default; ``jax.scipy.sparse.linalg.cg`` and most
             existing code need it) or ``"explicit"``, or JAX's own
             ``jax.sharding.AxisType.Auto``/``.Explicit``.
+
+    Raises:
+        TypeError: ``axis_name`` is not a non-empty string.
+        ValueError: ``axis_type`` is none of those.
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(

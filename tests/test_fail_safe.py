@@ -13,7 +13,7 @@ import pytest
 import util
 
 from mpi4jax_dist import _config
-from mpi4jax_dist.ops import iallreduce as iallreduce_ops
+from mpi4jax_dist.ops import lifecycle
 
 pytestmark = [pytest.mark.mpi_skip, pytest.mark.usefixtures("mpi4jax_installed")]
 
@@ -61,7 +61,7 @@ def test_overlapped_work_that_raises_leaves_no_crash_at_exit():
         ), output(proc)
         assert "done" in lines[rank], output(proc)
     assert not CRASH.search(proc.stdout + proc.stderr), output(proc)
-    assert proc.returncode == iallreduce_ops.EXIT_STATUS, output(proc)
+    assert proc.returncode == lifecycle.EXIT_STATUS, output(proc)
     report = r"at exit, the request started at .*fail_safe.py:\d+ in f "
     assert re.search(report, proc.stderr), output(proc)
     assert LEFT in proc.stderr, output(proc)
@@ -75,7 +75,7 @@ def test_request_kept_out_of_its_function_ends_the_job_without_a_crash():
     for rank in (0, 1):
         assert "value 2.0" in lines[rank], output(proc)
     assert not CRASH.search(proc.stdout + proc.stderr), output(proc)
-    assert proc.returncode == iallreduce_ops.EXIT_STATUS, output(proc)
+    assert proc.returncode == lifecycle.EXIT_STATUS, output(proc)
     assert re.search(r"the request started at .*fail_safe.py:\d+ in leaks", proc.stderr)
 
 
@@ -85,12 +85,12 @@ def test_unmatched_eager_request_exits_promptly_and_non_zero():
     within seconds (it took over 70 s, and ended 0)."""
     proc, took, lines = scenario("rank0-only")
     assert "started" in lines[0] and "done" in lines[1], output(proc)
-    assert proc.returncode == iallreduce_ops.EXIT_STATUS, output(proc)
+    assert proc.returncode == lifecycle.EXIT_STATUS, output(proc)
     assert "dropped without req.wait()" in proc.stderr, output(proc)
     assert LEFT in proc.stderr, output(proc)
     # Two Python starts with JAX on a loaded 2-core machine take up to ~20 s; the
     # drop and exit add DROP_TIMEOUT_S + EXIT_TIMEOUT_S.
-    budget = 30 + iallreduce_ops.DROP_TIMEOUT_S + iallreduce_ops.EXIT_TIMEOUT_S
+    budget = 30 + lifecycle.DROP_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S
     assert took < budget, (took, output(proc))
 
 

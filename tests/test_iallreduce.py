@@ -21,7 +21,7 @@ from util import all_ranks
 
 import mpi4jax_dist
 from mpi4jax_dist import _compat, _ffi
-from mpi4jax_dist.ops import common
+from mpi4jax_dist.ops import common, lifecycle
 from mpi4jax_dist.ops import iallreduce as iallreduce_ops
 
 mpi = pytest.mark.mpi(min_size=2)
@@ -821,7 +821,7 @@ def test_request_kept_out_of_its_function_fails_the_next_run_and_exit_reports_it
     report = r"at exit, the request started at <string>:\d+ in leaks \(handle"
     assert re.search(report, proc.stderr), proc.stderr
     assert "1 request(s) left pending at exit (1 completed since" in proc.stderr
-    assert proc.returncode == iallreduce_ops.EXIT_STATUS, proc.stderr
+    assert proc.returncode == lifecycle.EXIT_STATUS, proc.stderr
 
 
 @pytest.mark.mpi_skip

@@ -260,8 +260,10 @@ class Comm:
         return self._ids[module.__name__]
 
     def registered_id(self, module) -> int | None:
-        """The communicator's id in ``module`` if it has one yet, else None (what
-        a timeout's report reads: it registers nothing)."""
+        """The communicator's id in ``module`` (the CPU or CUDA extension), or
+        None where it was never registered there. Unlike :meth:`id_in` it
+        registers nothing: what a report reads to know which communicator an id
+        of ``module``'s records names (:mod:`mpi4jax_dist.faults.record`)."""
         return self._ids.get(module.__name__)
 
     def __hash__(self):
