@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.mpi_skip, pytest.mark.usefixtures("mpi4jax_installed")
 
 # A segfault as MPICH's and Open MPI's launchers report it, or as the shell does.
 CRASH = re.compile(r"signal 11|Segmentation fault|EXIT CODE: 139|SIGSEGV", re.I)
-# What the exit report says when it ends the job (_iallreduce).
+# What the exit report says when it ends the job (mpi4jax_dist/ops/lifecycle.py).
 LEFT = "left pending at exit"
 
 

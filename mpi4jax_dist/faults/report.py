@@ -64,7 +64,6 @@ def held_reply(text: str) -> dict:
     }
 
 
-
 def hang_report(
     replies: dict,
     size: int,

@@ -270,51 +270,11 @@ class Watchdog(_Loop):
             self.comm.send(reply, dest=source, tag=_TAG)
 
     def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
-        """Rank 0 (or the deputy): ask every other rank for its stacks, count and
-        place; the ranks whose Python has not answered in ``PYTHON_REPLY_S``, the
-        C way (their stacks and place only). Return the replies by rank (this
-        one's included) and where the stacks went, after at most ``REPLY_S``."""
-        from mpi4py import MPI
-
-        ask = {"kind": "dump", "reason": reason, "group": group}
-        others = [r for r in range(self.size) if r != self.rank]
-        requests = [self.comm.isend(ask, dest=r, tag=_TAG) for r in others]
-        replies = {
-            self.rank: {
-                "count": record.count_of(group),
-                **report.standing(self.progress, self._exiting.is_set()),
-            }
+        own = {
+            "count": record.count_of(group),
+            **report.standing(self.progress, self._exiting.is_set()),
         }
-        where = {writer.dump(reason)}
-        start = time.monotonic()
-        asked_c = False
-        while len(replies) < self.size and time.monotonic() < start + report.REPLY_S:
-            if not asked_c and time.monotonic() >= start + PYTHON_REPLY_S:
-                asked_c = True
-                text = reason.encode()
-                for r in others:
-                    if r not in replies:
-                        requests.append(
-                            self.comm.Isend([text, MPI.CHAR], dest=r, tag=_TAG_ASK_C)
-                        )
-            status = MPI.Status()
-            message = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            if message is None:
-                time.sleep(1e-3)
-                continue
-            if status.Get_tag() == _TAG_REPLY_C:
-                data = bytearray(status.Get_count(MPI.CHAR))
-                message.Recv([data, MPI.CHAR])
-                held = report.held_reply(data.decode(errors="replace"))
-                replies.setdefault(status.Get_source(), held)
-                where.add(held["where"])
-                continue
-            reply = message.recv()
-            if reply.get("kind") == "reply":
-                replies[reply["rank"]] = reply
-                where.add(reply["where"])
-        del requests  # eager sends; MPI_Abort ends them
-        return replies, where
+        return _ask_every_rank(self.comm, reason, group, own)
 
     def _report(self, alarm: dict) -> None:
         """Rank 0: ask every rank for its stacks and count, say who is missing, and
@@ -334,6 +294,51 @@ class Watchdog(_Loop):
         reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
         replies, where = self._ask_every_rank(reason, None)
         self._end_job(report.hang_report(replies, self.size, stuck_s, where), self.comm)
+
+
+def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:
+    """Rank 0 (or the deputy): ask every other rank of ``comm`` for its stacks,
+    count and place; the ranks whose Python has not answered in
+    ``PYTHON_REPLY_S``, the C way (their stacks and place only). Return the
+    replies by rank (this one's, ``own``, included) and where the stacks went,
+    after at most ``REPLY_S``."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ask = {"kind": "dump", "reason": reason, "group": group}
+    others = [r for r in range(size) if r != rank]
+    requests = [comm.isend(ask, dest=r, tag=_TAG) for r in others]
+    replies = {rank: own}
+    where = {writer.dump(reason)}
+    start = time.monotonic()
+    asked_c = False
+    while len(replies) < size and time.monotonic() < start + report.REPLY_S:
+        if not asked_c and time.monotonic() >= start + PYTHON_REPLY_S:
+            asked_c = True
+            text = reason.encode()
+            for r in others:
+                if r not in replies:
+                    requests.append(
+                        comm.Isend([text, MPI.CHAR], dest=r, tag=_TAG_ASK_C)
+                    )
+        status = MPI.Status()
+        message = comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        if message is None:
+            time.sleep(1e-3)
+            continue
+        if status.Get_tag() == _TAG_REPLY_C:
+            data = bytearray(status.Get_count(MPI.CHAR))
+            message.Recv([data, MPI.CHAR])
+            held = report.held_reply(data.decode(errors="replace"))
+            replies.setdefault(status.Get_source(), held)
+            where.add(held["where"])
+            continue
+        reply = message.recv()
+        if reply.get("kind") == "reply":
+            replies[reply["rank"]] = reply
+            where.add(reply["where"])
+    del requests  # eager sends; MPI_Abort ends them
+    return replies, where
 
 
 class ServiceWatchdog(_Loop):
