@@ -112,8 +112,10 @@ static const char *op_name(MPI_Op op) {
   if (op == MPI_MAX) return "MAX";
   if (op == MPI_LAND) return "LAND";
   if (op == MPI_LOR) return "LOR";
+  if (op == MPI_LXOR) return "LXOR";
   if (op == MPI_BAND) return "BAND";
   if (op == MPI_BOR) return "BOR";
+  if (op == MPI_BXOR) return "BXOR";
   return "?";
 }
 
