@@ -8,7 +8,7 @@ One build per install, as mpi4jax builds its bridge, into ``mpi4jax_dist/_ffi``:
   (:mod:`cudaconfig`): a module of its own, so that ``_cpu`` never needs CUDA;
 - ``_stacks``: a small C module (``stacks.c`` and its ``stacks_*.h``, no
   nanobind, no XLA) whose thread writes a rank's stacks without Python's GIL and
-  answers rank 0's requests for them (:mod:`mpi4jax_dist.faults.hangs`);
+  answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
 - ``_mpiabi``: not a Python module but a plain C library, the MPIABI wrapper that
   jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI collectives
   on CPU (``mpiabi.c`` and its ``mpiabi_*.h``). It links against MPI alone

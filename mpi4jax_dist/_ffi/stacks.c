@@ -1,10 +1,10 @@
 /* The Python module _stacks: a rank's stacks written without Python's GIL.
 
 faulthandler writes every thread's Python stack from a signal handler without
-the GIL (mpi4jax_dist.faults.hangs registers it on SIGUSR1, writing into a
-pipe). A Python thread draining that pipe would need the GIL, which a rank
-stuck in a long C call holds: this module's thread, plain C, drains it instead,
-and writes each dump to MPI4JAX_DIST_HANG_DIR/rank-N.txt (or to stderr as
+the GIL (mpi4jax_dist.faults registers it on SIGUSR1, writing into a pipe).
+A Python thread draining that pipe would need the GIL, which a rank stuck in a
+long C call holds: this module's thread, plain C, drains it instead, and
+writes each dump to MPI4JAX_DIST_HANG_DIR/rank-N.txt (or to stderr as
 [rank N] lines) with a header and, once per place, the source line each frame
 stands at as its file reads at that moment, for --hangs (stacks_dump.h,
 stacks_sources.h).
