@@ -6,14 +6,14 @@ One build per install, as mpi4jax builds its bridge, into ``mpi4jax_dist/_ffi``:
   (``cpu.cc``, bound with nanobind);
 - ``_cuda``: the CUDA handler (``cuda.cc``), where a CUDA runtime is found
   (:mod:`cudaconfig`): a module of its own, so that ``_cpu`` never needs CUDA;
-- ``_stacks``: a small C module (``stacks.c``, no nanobind, no XLA) whose thread
-  writes a rank's stacks without Python's GIL and answers rank 0's requests for
-  them (:mod:`mpi4jax_dist.faults.hangs`);
+- ``_stacks``: a small C module (``stacks.c`` and its ``stacks_*.h``, no
+  nanobind, no XLA) whose thread writes a rank's stacks without Python's GIL and
+  answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
 - ``_mpiabi``: not a Python module but a plain C library, the MPIABI wrapper that
   jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI collectives
-  on CPU. It links against MPI alone (``-Wl,--no-undefined`` checks that) and
-  exports only the ABI's names; :mod:`mpiabi_gen` writes its constants and stubs
-  into the build directory.
+  on CPU (``mpiabi.c`` and its ``mpiabi_*.h``). It links against MPI alone
+  (``-Wl,--no-undefined`` checks that) and exports only the ABI's names;
+  :mod:`mpiabi_gen` writes its constants and stubs into the build directory.
 
 All are compiled against the MPI whose wrapper :mod:`mpiconfig` finds, with its
 flags, and the modules against XLA's FFI headers from the jaxlib installed
@@ -65,20 +65,36 @@ FAMILY_NAMED = re.compile(r"_(cpu|cuda|mpiabi)_\w+\..*")
 def extensions() -> list[Extension]:
     """The compiled part, as declared; :class:`BuildExt` adds the flags."""
     headers = sorted(str(FFI / p.name) for p in (ROOT / FFI).glob("*.h"))
+    # The C modules' headers are named for them (stacks_dump.h, mpiabi_types.h);
+    # the others are the C++ modules'.
+    own = {
+        kind: [h for h in headers if Path(h).name.startswith(f"{kind}_")]
+        for kind in ("stacks", "mpiabi")
+    }
+    cc_headers = [h for h in headers if h not in own["stacks"] + own["mpiabi"]]
     return [
         Extension(
             f"{PACKAGE}._{kind}",
             [str(FFI / f"{kind}.cc")],
-            depends=headers,
+            depends=cc_headers,
             language="c++",
         )
         for kind in KINDS[:2]
     ] + [
-        Extension(f"{PACKAGE}._stacks", [str(FFI / "stacks.c")], language="c"),
+        Extension(
+            f"{PACKAGE}._stacks",
+            [str(FFI / "stacks.c")],
+            depends=own["stacks"],
+            language="c",
+        ),
         Extension(
             f"{PACKAGE}._mpiabi",
             [str(FFI / "mpiabi.c")],
-            depends=[str(FFI / "mpiabi_names.txt"), "conf/mpiabi_gen.py"],
+            depends=[
+                *own["mpiabi"],
+                str(FFI / "mpiabi_names.txt"),
+                "conf/mpiabi_gen.py",
+            ],
             language="c",
         ),
     ]

@@ -24,6 +24,7 @@ Stdlib only. Run as a script to see the output: ``python conf/mpiabi_gen.py [OUT
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from dataclasses import dataclass
@@ -254,13 +255,25 @@ def write(directory: str | Path, names: Path = NAMES, source: Path = SOURCE) -> 
     return path
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        print(write(argv[1]))
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python conf/mpiabi_gen.py",
+        description=f"Write the MPIABI wrapper's constants and stubs ({HEADER}) "
+        f"from {NAMES.name} and the functions {SOURCE.name} defines.",
+    )
+    parser.add_argument(
+        "out",
+        nargs="?",
+        help=f"the directory to write {HEADER} into (made if need be); "
+        f"without it the header goes to stdout",
+    )
+    args = parser.parse_args(argv)
+    if args.out is not None:
+        print(write(args.out))
     else:
         sys.stdout.write(generate(NAMES.read_text(), SOURCE.read_text()))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

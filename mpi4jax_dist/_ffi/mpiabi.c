@@ -7,13 +7,11 @@
  * with dlsym. This is that library, built by conf/builder.py into _mpiabi against
  * the MPI mpi4py loads.
  *
- * The ABI, from MPItrampoline's public mpiabi.h: handles are uintptr_t; MPIABI_Status
- * is a union big enough for any native MPI_Status, then MPI_SOURCE, MPI_TAG and
- * MPI_ERROR; constants are variables MPIABI_<NAME> that MPItrampoline reads once.
- * Here each constant holds the native value cast to its ABI type, so a handle
- * translates by a cast both ways (MPICH's are ints, Open MPI's pointers), and the
- * sentinels (MPI_STATUS_IGNORE, MPI_IN_PLACE, MPI_BOTTOM, ...) are the native
- * pointers, passed through as they are.
+ * The ABI's types are MPItrampoline's (mpiabi_types.h): constants are variables
+ * MPIABI_<NAME> that MPItrampoline reads once. Here each constant holds the
+ * native value cast to its ABI type, so a handle translates by a cast both ways,
+ * and the sentinels (MPI_STATUS_IGNORE, MPI_IN_PLACE, MPI_BOTTOM, ...) are the
+ * native pointers, passed through as they are.
  *
  * This file holds the functions implemented by hand: everything XLA calls (the
  * functions tagged "xla" in mpiabi_names.txt; the build fails without one) and a few
@@ -21,7 +19,9 @@
  * mpiabi_generated.h: the constants and a stub for every other function, which
  * says it is not implemented and aborts. A function here is exported when its
  * definition starts a line with "MPIABI_API <type> MPIABI_<Name>(": that is how
- * the generator knows it needs no stub.
+ * the generator knows it needs no stub. The calls that can wait on other ranks
+ * are written into the record of XLA's calls (mpiabi_record.h), which the hang
+ * reports quote.
  *
  * Where XLA's use of MPI clashes with a process where mpi4py owns MPI (the reason
  * this is not a plain translation layer):
@@ -36,7 +36,7 @@
  * - MPI_Is_thread_main says yes on every thread when MPI provides
  *   MPI_THREAD_MULTIPLE (see there).
  * - MPI_COMM_WORLD, wherever XLA passes it, is a private duplicate of the world
- *   once mpi4jax_dist has handed one over (see xla_world below).
+ *   once mpi4jax_dist has handed one over (mpiabi_world.h).
  */
 
 #define _GNU_SOURCE /* dladdr */
@@ -44,127 +44,13 @@
 #include <mpi.h>
 
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define MPIABI_API __attribute__((visibility("default")))
-
-/* ---- The ABI's types (MPItrampoline's mpiabi.h, version 2.9) ---- */
-
-typedef intptr_t MPIABI_Aint;
-typedef int64_t MPIABI_Count;
-typedef int MPIABI_Fint;
-typedef int64_t MPIABI_Offset;
-
-typedef uintptr_t MPIABI_Comm;
-typedef uintptr_t MPIABI_Datatype;
-typedef uintptr_t MPIABI_Errhandler;
-typedef uintptr_t MPIABI_File;
-typedef uintptr_t MPIABI_Group;
-typedef uintptr_t MPIABI_Info;
-typedef uintptr_t MPIABI_Message;
-typedef uintptr_t MPIABI_Op;
-typedef uintptr_t MPIABI_Request;
-typedef uintptr_t MPIABI_Win;
-
-/* The native status first (Open MPI's is 4 ints and a size_t, MPICH's and Intel
- * MPI's 5 ints), then the public fields: 10 Fortran integers in all on LP64. */
-typedef struct {
-  union {
-    struct {
-      int f0, f1, f2, f3;
-      size_t f4;
-    } openmpi;
-    struct {
-      int f0, f1, f2, f3, f4;
-    } mpich;
-  } mpi_status;
-  int MPI_SOURCE;
-  int MPI_TAG;
-  int MPI_ERROR;
-} MPIABI_Status;
-
-/* Callbacks: the ABI leaves their arguments unspecified. */
-typedef void MPIABI_Comm_copy_attr_function(void);
-typedef void MPIABI_Comm_delete_attr_function(void);
-typedef void MPIABI_Copy_function(void);
-typedef void MPIABI_Delete_function(void);
-typedef void MPIABI_Type_copy_attr_function(void);
-typedef void MPIABI_Type_delete_attr_function(void);
-typedef void MPIABI_Win_copy_attr_function(void);
-typedef void MPIABI_Win_delete_attr_function(void);
-typedef int MPIABI_Datarep_conversion_function(void *userbuf,
-                                               MPIABI_Datatype datatype,
-                                               int count, void *filebuf,
-                                               MPIABI_Offset position,
-                                               void *extra_state);
-
-_Static_assert(sizeof(MPIABI_Status) == 10 * sizeof(MPIABI_Fint),
-               "MPIABI_Status is 10 Fortran integers on LP64");
-_Static_assert(sizeof(MPI_Status) <= sizeof(((MPIABI_Status *)0)->mpi_status),
-               "the native MPI_Status must fit in MPIABI_Status's union");
-_Static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t) &&
-                   sizeof(MPI_Datatype) <= sizeof(uintptr_t) &&
-                   sizeof(MPI_Op) <= sizeof(uintptr_t) &&
-                   sizeof(MPI_Request) <= sizeof(uintptr_t),
-               "native handles must fit in uintptr_t");
-/* The ABI's buffer sizes, which callers allocate, must hold the native strings. */
-_Static_assert(MPI_MAX_ERROR_STRING <= 1024, "MPIABI_MAX_ERROR_STRING");
-_Static_assert(MPI_MAX_LIBRARY_VERSION_STRING <= 8192,
-               "MPIABI_MAX_LIBRARY_VERSION_STRING");
-_Static_assert(MPI_MAX_PROCESSOR_NAME <= 256, "MPIABI_MAX_PROCESSOR_NAME");
-
-/* ---- The world XLA sees ---- */
-
-/* XLA makes its communicators with MPI_Comm_split(MPI_COMM_WORLD, ...) from its
- * worker threads, lazily, while the program's main thread may be in a collective
- * of its own on MPI_COMM_WORLD (mpi4py's, mpi4jax's): MPI forbids two threads to
- * call collectives on one communicator at once, and asks every rank to call them
- * in one order. mpi4jax_dist's bootstrap, which every rank runs at one point of
- * its program, duplicates the world and hands the duplicate over here
- * (mpi4jax_dist_mpiabi_set_world); from then on XLA's MPI_COMM_WORLD is that
- * duplicate, on which nothing else runs. Before it (a wrapper used without
- * mpi4jax_dist's bootstrap), XLA gets the world itself, as MPItrampoline's own
- * wrapper would give it. */
-static MPI_Comm xla_world = MPI_COMM_NULL;
-/* Calls in which XLA passed MPI_COMM_WORLD and got the duplicate: what
- * --check --json reports (xla_mpi.report()'s xla_world_redirects). */
-static unsigned long long world_redirects = 0;
-
-/* Set XLA's world (a native handle, congruent to MPI_COMM_WORLD); once, before
- * XLA's first collective. Returns MPI_SUCCESS, or MPI_ERR_COMM for a
- * communicator that is not the whole world, or for a second call. */
-MPIABI_API int mpi4jax_dist_mpiabi_set_world(uintptr_t world) {
-  int result = MPI_UNEQUAL;
-  if (xla_world != MPI_COMM_NULL ||
-      MPI_Comm_compare(MPI_COMM_WORLD, (MPI_Comm)world, &result) !=
-          MPI_SUCCESS ||
-      result != MPI_CONGRUENT)
-    return MPI_ERR_COMM;
-  xla_world = (MPI_Comm)world;
-  return MPI_SUCCESS;
-}
-
-/* XLA's world now (a native handle), and how often it was handed out. */
-MPIABI_API uintptr_t mpi4jax_dist_mpiabi_world(void) {
-  return (uintptr_t)(xla_world != MPI_COMM_NULL ? xla_world : MPI_COMM_WORLD);
-}
-
-MPIABI_API unsigned long long mpi4jax_dist_mpiabi_world_redirects(void) {
-  return __atomic_load_n(&world_redirects, __ATOMIC_RELAXED);
-}
-
-/* The native communicator for an ABI handle XLA passes in. */
-static MPI_Comm comm_in(uintptr_t comm) {
-  if ((MPI_Comm)comm == MPI_COMM_WORLD && xla_world != MPI_COMM_NULL) {
-    __atomic_fetch_add(&world_redirects, 1, __ATOMIC_RELAXED);
-    return xla_world;
-  }
-  return (MPI_Comm)comm;
-}
+#include "mpiabi_record.h"
+#include "mpiabi_types.h"
+#include "mpiabi_world.h"
 
 /* Handles: the ABI value is the native one cast to uintptr_t; XLA's world is
  * its duplicate (comm_in). */
@@ -173,192 +59,6 @@ static MPI_Comm comm_in(uintptr_t comm) {
 #define OP(h) ((MPI_Op)(h))
 #define REQUEST(h) ((MPI_Request)(h))
 #define ABI(h) ((uintptr_t)(h))
-
-/* ---- The record of XLA's calls ---- */
-
-/* The hang reports say which collective a rank is in; for XLA's collectives over
- * MPI the Python frame says only "the jitted call", so the wrapper keeps a ring
- * of the last RECORD_ENTRIES calls into MPI that can wait on other ranks (their
- * name, number on their communicator, op, element type and count, and whether
- * they returned), read by mpi4jax_dist_mpiabi_in_flight, from Python (xla_mpi)
- * and from _stacks's C thread for a rank whose Python cannot run. Plain stores
- * into fixed memory: no allocation and no lock per call, but the communicators'
- * numbering, under a mutex (XLA's worker threads may call at once). */
-
-#define RECORD_ENTRIES 64
-#define RECORD_COMMS 64
-
-enum { kEntered = 1, kReturned = 2 };
-
-typedef struct {
-  unsigned long long serial; /* 0 while written; else 1, 2, ... */
-  const char *call;          /* "MPI_Allreduce" */
-  const char *op;            /* "SUM", or NULL */
-  const char *type;          /* "float32", or NULL */
-  long long count;           /* elements; -1: none to say */
-  long long seq;             /* the call's number on its communicator; 0: none */
-  int size;                  /* the communicator's size; 0: none */
-  int peer;                  /* a point-to-point call's other rank; -1: none */
-  int state;
-} RecordEntry;
-
-static RecordEntry record_entries[RECORD_ENTRIES];
-static unsigned long long record_next = 0;
-
-/* Per communicator: how many recorded calls ran on it (the numbers agree between
- * ranks as long as they call the same collectives in one order, as MPI asks). */
-static struct {
-  MPI_Comm comm;
-  long long calls;
-  int size;
-} record_comms[RECORD_COMMS];
-static int record_known = 0;
-static pthread_mutex_t record_mu = PTHREAD_MUTEX_INITIALIZER;
-
-/* Forget a communicator about to be freed: MPI may give its handle to the
- * next one made. */
-static void record_forget(MPI_Comm comm) {
-  pthread_mutex_lock(&record_mu);
-  for (int i = 0; i < record_known; ++i) {
-    if (record_comms[i].comm == comm) {
-      record_comms[i] = record_comms[--record_known];
-      break;
-    }
-  }
-  pthread_mutex_unlock(&record_mu);
-}
-
-/* The next number on `comm` and its size; 0 and 0 past RECORD_COMMS
- * communicators (XLA keeps a few, one per group of ranks it reduces over). */
-static long long record_number(MPI_Comm comm, int *size) {
-  long long seq = 0;
-  *size = 0;
-  pthread_mutex_lock(&record_mu);
-  int i = 0;
-  while (i < record_known && record_comms[i].comm != comm) ++i;
-  if (i == record_known && i < RECORD_COMMS) {
-    record_comms[i].comm = comm;
-    record_comms[i].calls = 0;
-    if (MPI_Comm_size(comm, &record_comms[i].size) != MPI_SUCCESS)
-      record_comms[i].size = 0;
-    record_known = i + 1;
-  }
-  if (i < record_known) {
-    seq = ++record_comms[i].calls;
-    *size = record_comms[i].size;
-  }
-  pthread_mutex_unlock(&record_mu);
-  return seq;
-}
-
-static const char *type_name(MPI_Datatype type) {
-  if (type == MPI_FLOAT) return "float32";
-  if (type == MPI_DOUBLE) return "float64";
-  if (type == MPI_INT8_T) return "int8";
-  if (type == MPI_INT16_T) return "int16";
-  if (type == MPI_INT32_T || type == MPI_INT) return "int32";
-  if (type == MPI_INT64_T || type == MPI_LONG_LONG) return "int64";
-  if (type == MPI_UINT8_T) return "uint8";
-  if (type == MPI_UINT16_T) return "uint16";
-  if (type == MPI_UINT32_T) return "uint32";
-  if (type == MPI_UINT64_T) return "uint64";
-  if (type == MPI_C_BOOL) return "bool";
-  if (type == MPI_C_FLOAT_COMPLEX) return "complex64";
-  if (type == MPI_C_DOUBLE_COMPLEX) return "complex128";
-  if (type == MPI_BYTE || type == MPI_CHAR) return "bytes";
-  return "?";
-}
-
-static const char *op_name(MPI_Op op) {
-  if (op == MPI_SUM) return "SUM";
-  if (op == MPI_PROD) return "PROD";
-  if (op == MPI_MIN) return "MIN";
-  if (op == MPI_MAX) return "MAX";
-  if (op == MPI_LAND) return "LAND";
-  if (op == MPI_LOR) return "LOR";
-  if (op == MPI_BAND) return "BAND";
-  if (op == MPI_BOR) return "BOR";
-  return "?";
-}
-
-/* Write a call entering MPI; return its serial, for record_return. A
- * collective passes its communicator, numbered there; a point-to-point call
- * MPI_COMM_NULL and its peer (its numbers would differ between ranks that do
- * not all send), MPI_Wait neither. */
-static unsigned long long record_enter(const char *call, MPI_Comm comm,
-                                       int peer, const char *op,
-                                       const char *type, long long count) {
-  int size = 0;
-  const long long seq = comm == MPI_COMM_NULL ? 0 : record_number(comm, &size);
-  const unsigned long long serial =
-      __atomic_add_fetch(&record_next, 1, __ATOMIC_RELAXED);
-  RecordEntry *e = &record_entries[(serial - 1) % RECORD_ENTRIES];
-  __atomic_store_n(&e->serial, 0, __ATOMIC_RELAXED); /* torn while written */
-  e->call = call;
-  e->op = op;
-  e->type = type;
-  e->count = count;
-  e->seq = seq;
-  e->size = size;
-  e->peer = peer;
-  __atomic_store_n(&e->state, kEntered, __ATOMIC_RELAXED);
-  __atomic_store_n(&e->serial, serial, __ATOMIC_RELEASE);
-  return serial;
-}
-
-/* Mark call `serial` returned, unless a later call took its entry over. */
-static void record_return(unsigned long long serial) {
-  RecordEntry *e = &record_entries[(serial - 1) % RECORD_ENTRIES];
-  if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) == serial)
-    __atomic_store_n(&e->state, kReturned, __ATOMIC_RELEASE);
-}
-
-/* The calls of XLA's still in MPI, as the hang reports name them: "XLA's
- * MPI_Allreduce #3 SUM float32[4] on 2 ranks", several joined by "; " (""
- * when none). Written into `out` (at most `capacity` bytes, NUL ended);
- * returns the length. Any thread, no lock, no Python, no allocation: the same
- * signature as the extensions' readers (_stacks's set_in_flight takes it). */
-MPIABI_API size_t mpi4jax_dist_mpiabi_in_flight(char *out, size_t capacity) {
-  if (capacity == 0)
-    return 0;
-  size_t used = 0;
-  out[0] = '\0';
-  const unsigned long long last =
-      __atomic_load_n(&record_next, __ATOMIC_ACQUIRE);
-  const unsigned long long first =
-      last > RECORD_ENTRIES ? last - RECORD_ENTRIES + 1 : 1;
-  for (unsigned long long s = first; s <= last && used + 1 < capacity; ++s) {
-    const RecordEntry *e = &record_entries[(s - 1) % RECORD_ENTRIES];
-    if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) != s ||
-        __atomic_load_n(&e->state, __ATOMIC_ACQUIRE) != kEntered)
-      continue;
-    /* Each field read once: a call wrapping round may rewrite the entry now
-     * (a torn line in a report at worst; the strings are all static). */
-    const char *call = e->call, *op = e->op, *type = e->type;
-    const long long calls = e->seq, elements = e->count;
-    const int size = e->size, peer = e->peer;
-    char seq[32] = "", count[32] = "", on[32] = "";
-    if (calls)
-      snprintf(seq, sizeof seq, " #%lld", calls);
-    if (type && elements >= 0)
-      snprintf(count, sizeof count, "[%lld]", elements);
-    if (size)
-      snprintf(on, sizeof on, " on %d ranks", size);
-    else if (peer >= 0)
-      snprintf(on, sizeof on, " with rank %d", peer);
-    const int n = snprintf(out + used, capacity - used,
-                           "%sXLA's %s%s%s%s%s%s%s%s", used ? "; " : "",
-                           call ? call : "MPI", seq, op ? " " : "",
-                           op ? op : "", type ? " " : "", type ? type : "",
-                           count, on);
-    if (n < 0)
-      break;
-    used += (size_t)n;
-    if (used >= capacity)
-      used = capacity - 1;
-  }
-  return used;
-}
 
 /* ---- What MPItrampoline checks first ---- */
 
@@ -376,31 +76,6 @@ MPIABI_API const int mpiwrapper_version_patch = 0;
 MPIABI_API void mpiwrapper_export_fortran_constants_(void) {}
 
 static _Noreturn void mpiabi_not_implemented(const char *name);
-
-/* ---- Statuses ---- */
-
-/* Return the native status to hand MPI for the ABI status `abi`: MPI_STATUS_IGNORE
- * as it is, else `native`, filled from `abi` so that the fields MPI leaves alone
- * (MPI_ERROR, in single-completion calls) keep their values. */
-static MPI_Status *status_in(const MPIABI_Status *abi, MPI_Status *native) {
-  if (abi == (const MPIABI_Status *)MPI_STATUS_IGNORE)
-    return MPI_STATUS_IGNORE;
-  memcpy(native, &abi->mpi_status, sizeof *native);
-  native->MPI_SOURCE = abi->MPI_SOURCE;
-  native->MPI_TAG = abi->MPI_TAG;
-  native->MPI_ERROR = abi->MPI_ERROR;
-  return native;
-}
-
-/* Copy a native status back into the ABI status (nothing for an ignored one). */
-static void status_out(const MPI_Status *native, MPIABI_Status *abi) {
-  if (native == MPI_STATUS_IGNORE)
-    return;
-  memcpy(&abi->mpi_status, native, sizeof *native);
-  abi->MPI_SOURCE = native->MPI_SOURCE;
-  abi->MPI_TAG = native->MPI_TAG;
-  abi->MPI_ERROR = native->MPI_ERROR;
-}
 
 /* ---- Initialization and the environment ---- */
 

@@ -27,7 +27,8 @@ def op_counts(*, reset: bool = False) -> dict[str, int]:
         those with ``MPI_Count`` counts), ``max_call_count`` (the most elements
         one MPI call took), ``locked_sections`` (MPI calls under the lock of
         ``MPI_THREAD_SERIALIZED``; 0 under ``multiple``), and for ``iallreduce``
-        ``iallreduce_starts``, ``..._waits``, ``..._done_before_wait`` (waits
+        ``iallreduce_starts``, ``..._large_count_starts`` (of those, with
+        ``MPI_Count`` counts), ``..._waits``, ``..._done_before_wait`` (waits
         that found the reduction complete), ``..._wait_slack_ns`` (from posts to
         waits: the work overlapped), ``..._wait_blocked_ns`` (what the waits
         still waited), ``..._tests``, ``..._tests_done``, ``..._max_pending``;
