@@ -243,9 +243,28 @@ def report() -> dict:
         "wrapper": library,
         "wrapper_loaded": wrapper_loaded(library) if library else False,
         "wrapper_built": str(_ffi.mpiabi_library() or "") or None,
+        # The world the wrapper hands XLA, read back from it: a private duplicate
+        # of MPI_COMM_WORLD (another handle, congruent); None where no duplicate
+        # was given.
+        "xla_world": _world_held() if _given else None,
         # How often XLA passed MPI_COMM_WORLD and got the private duplicate
         # (None where no duplicate was given).
         "xla_world_redirects": _world_redirects() if _given else None,
+    }
+
+
+def _world_held() -> dict | None:
+    import ctypes
+
+    from mpi4py import MPI
+
+    world = _wrapper_function("mpi4jax_dist_mpiabi_world", ctypes.c_size_t)
+    if world is None:
+        return None
+    held = MPI.Comm.fromhandle(world())
+    return {
+        "private": MPI._handleof(held) != MPI._handleof(MPI.COMM_WORLD),
+        "congruent": MPI.Comm.Compare(MPI.COMM_WORLD, held) == MPI.CONGRUENT,
     }
 
 

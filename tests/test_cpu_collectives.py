@@ -75,6 +75,7 @@ def test_collectives_over_mpi_against_numpy(n):
         assert world["private"] and world["congruent"], world
         assert world["redirects"] > 0, world
         assert r["reported_redirects"] == world["redirects"], r
+        assert r["reported_world"] == {"private": True, "congruent": True}, r
 
 
 @util.same_under_every_mpi

@@ -154,6 +154,8 @@ def _print_text(report: dict, verbose: bool = False) -> None:
     cpu = report["cpu_collectives"]
     if cpu["jax"] == "mpi" and cpu["wrapper_loaded"]:
         in_force = f"MPI, through {cpu['wrapper']}"
+        if cpu.get("xla_world") == {"private": True, "congruent": True}:
+            in_force += ", on a private duplicate of MPI_COMM_WORLD"
     else:
         in_force = (
             f"{cpu['jax'] or 'gloo'} (MPI4JAX_DIST_CPU_COLLECTIVES=mpi: over MPI)"

@@ -257,6 +257,7 @@ report = dict(
     xla_world=xla_world() if mapped else None,
     # What the diagnostics report of it (python -m mpi4jax_dist --check --json).
     reported_redirects=xla_mpi.report()["xla_world_redirects"],
+    reported_world=xla_mpi.report()["xla_world"],
     mpi=MPI.Get_library_version().splitlines()[0].strip(),
     thread_level=MPI.Query_thread(),
     jax=jax.__version__,
