@@ -10,7 +10,7 @@ function                       what of JAX it changes
 =============================  =========================================================
 register_first                 the order of ``ClusterEnv._cluster_types``
 disable_preemption_service     before 0.8.2: ``global_state``'s start of the service
-publish_gloo_address           ``xla_bridge._backend_factories["cpu"]``
+publish_gloo_address           the CPU backend's factory (through ``jax.extend``)
 cache_on_every_process         ``compiler.compile_or_get_cached`` and ``_cache_write``
 reuse_runtime_tokens           ``dispatch.RuntimeTokenSet.get_token_input``
 =============================  =========================================================
@@ -18,7 +18,6 @@ reuse_runtime_tokens           ``dispatch.RuntimeTokenSet.get_token_input``
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import threading
 import warnings
@@ -91,16 +90,17 @@ def publish_gloo_address(address: str) -> bool:
     publishes the one its host name resolves to (127.0.1.1 on Debian-like hosts: no
     other node reaches it). jaxlib's ``make_gloo_tcp_collectives`` takes a
     ``hostname`` and JAX's CPU backend factory takes ready ``collectives``, so the
-    factory is wrapped (its registration otherwise kept): where the collectives are
-    gloo and a distributed client exists when the CPU backend is made, Gloo gets
-    ``address``; otherwise JAX's own factory runs as it would.
-    For: jax 0.6.0 to today. Test: tests/test_jax_compat.py's
+    factory is wrapped and registered again with JAX's public
+    ``jax.extend.backend.register_backend_factory`` (its priority and the rest
+    kept): where the collectives are gloo and a distributed client exists when the
+    CPU backend is made, Gloo gets ``address``; otherwise JAX's own factory runs as
+    it would. For: jax 0.6.0 to today. Test: tests/test_jax_compat.py's
     test_publish_gloo_address (the address reaches Gloo);
     tests/test_slurm_cluster.py's test_jax_alone_gloo_fails_across_debian_style_nodes
     (without it, the first collective across nodes fails). Drop it when JAX gives
     Gloo an address the other nodes reach, or takes one.
     """
-    from jax._src import xla_bridge
+    from jax.extend.backend import register_backend_factory
 
     registration = _cpu_registration()
     if registration is None or backends_initialized():
@@ -121,8 +121,13 @@ def publish_gloo_address(address: str) -> bool:
 
     make_cpu_client.jax_factory = original
     make_cpu_client.gloo_address = address
-    xla_bridge._backend_factories["cpu"] = dataclasses.replace(
-        registration, factory=make_cpu_client
+    register_backend_factory(
+        "cpu",
+        make_cpu_client,
+        priority=registration.priority,
+        fail_quietly=registration.fail_quietly,
+        experimental=registration.experimental,
+        c_api=registration.c_api,
     )
     return True
 
@@ -205,11 +210,10 @@ def _write_cache_entry(
     cached; the minimum compile time; the minimum entry size is checked by the
     write itself)."""
     from jax._src import compilation_cache, compiler
-    from jax._src import config as _jax_config
 
     if host_callbacks:
         return  # before jax 0.11: baked into the executable, never cached
-    if compile_time_secs < _jax_config.persistent_cache_min_compile_time_secs.value:
+    if compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
         return
     try:
         compilation_cache.put_executable_and_time(
@@ -218,7 +222,7 @@ def _write_cache_entry(
     except Exception as err:
         check = getattr(compiler, "_should_raise_persistent_cache_error", None)
         # Older JAX (0.6.0) has no such function: the option alone decides.
-        if check(err) if check else _jax_config.raise_persistent_cache_errors.value:
+        if check(err) if check else jax.config.jax_raise_persistent_cache_errors:
             raise
         warnings.warn(
             f"Error writing persistent compilation cache entry for "
