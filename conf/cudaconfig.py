@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-# The build's switch; read here, not in mpi4jax_dist/_config.py, which holds the
+# The build's switch; read here, not in mpi4jax_dist/_config/, which holds the
 # variables the installed package reads.
 BUILD_CUDA = "MPI4JAX_DIST_BUILD_CUDA"
 

@@ -135,10 +135,12 @@ def _documented() -> set[str]:
 
 
 def test_every_variable_is_in_the_table():
-    """Every variable _config.py (and conf/, the build) names is a row of a table
+    """Every variable _config/ (and conf/, the build) names is a row of a table
     of docs/configuration.rst."""
     documented = _documented()
-    named = _environment_names(util.ROOT / "mpi4jax_dist" / "_config.py")
+    named = set()
+    for path in sorted((util.ROOT / "mpi4jax_dist" / "_config").glob("*.py")):
+        named |= _environment_names(path)
     # Not variables: PROXY_SETTINGS lists what counts as a proxy setting.
     named -= {"all_proxy", "ftp_proxy", "no_proxy", "no_grpc_proxy"}
     for name in ("mpiconfig", "cudaconfig"):  # where the build reads the environment

@@ -330,8 +330,17 @@ class Package:
                 return module.functions.get(f"{owner}.{func.attr}")
             other = self.modules.get(module.modules.get(owner, ""))
             if other is not None:
-                return other.functions.get(func.attr)
+                return self.function(other, func.attr)
         return None
+
+    def function(self, module: Module, name: str) -> Func | None:
+        """The function ``module.name``, also where a package re-exports it
+        (``_config.cuda_aware_source`` is ``_config/ops.py``'s)."""
+        if name in module.functions or name not in module.imported:
+            return module.functions.get(name)
+        base, own = module.imported[name]
+        other = self.modules.get(base)
+        return other.functions.get(own) if other is not None else None
 
     def constant(self, module: Module, name: str, depth: int) -> list[Template] | None:
         if name in module.constants:
