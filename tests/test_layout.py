@@ -1,5 +1,6 @@
 """The package's shape: rooms by concern over a bottom layer, no import circle, no
-upward import, few top-level modules, no long source file (tools/imports.py)."""
+upward import (tools/imports.py), few top-level modules, no long source file, class
+or function."""
 
 import importlib.util
 import re
@@ -88,3 +89,47 @@ def test_paths_named_in_the_sources_exist():
             if not (util.ROOT / named).exists():
                 missing.append(f"{path.relative_to(util.ROOT)} names {named}")
     assert not missing, "\n".join(missing)
+
+
+# No room grows past what one reads at a sitting (issue 49's bounds).
+MAX_FILE_LINES = 600
+MAX_DEF_LINES = 250
+
+
+def _too_long(root: Path) -> list[str]:
+    """The package's sources over MAX_FILE_LINES, and its Python classes and
+    functions over MAX_DEF_LINES, as ``path: N lines`` lines."""
+    import ast
+
+    found = []
+    for path in sorted((root / "mpi4jax_dist").rglob("*")):
+        if path.suffix not in (".py", ".h", ".c", ".cc") or not path.is_file():
+            continue
+        text = path.read_text()
+        name = path.relative_to(root)
+        if (lines := len(text.splitlines())) > MAX_FILE_LINES:
+            found.append(f"{name}: {lines} lines")
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if (lines := node.end_lineno - node.lineno + 1) > MAX_DEF_LINES:
+                    found.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_long_file_class_or_function():
+    assert _too_long(util.ROOT) == []
+
+
+def test_a_long_file_and_a_long_function_are_found(tmp_path):
+    """Fault injection: a module of 601 lines, a function of 251."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(250))
+    root = _fake_package(
+        tmp_path,
+        {"long.py": "\n" * 601, "ops/f.py": "def f():\n" + body},
+    )
+    assert _too_long(root) == [
+        "mpi4jax_dist/long.py: 601 lines",
+        "mpi4jax_dist/ops/f.py:1 f: 251 lines",
+    ]

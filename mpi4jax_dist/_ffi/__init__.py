@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import _mpi
+from .. import _config, _mpi
 
 # The names XLA knows the handlers by, on every platform.
 ALLREDUCE_TARGET = "mpi4jax_dist_allreduce"
@@ -115,7 +115,7 @@ def _mpi4py_library_version() -> str | None:
     try:  # mpi4py's own choice of library (a private helper of mpi4py >= 4)
         from mpi4py import _mpiabi
 
-        lib = _mpiabi._dlopen_libmpi(os.environ.get("MPI4PY_LIBMPI"))
+        lib = _mpiabi._dlopen_libmpi(_config.environ().get("MPI4PY_LIBMPI"))
     except Exception:  # no mpi4py, another version of it, or no library
         pass
     if lib is None:  # mpi4py's order, in short: this environment, then the system
@@ -227,8 +227,6 @@ def load_cuda():
         ValueError: ``MPI4JAX_DIST_STAGING_BYTES`` is not a size.
     """
     import atexit
-
-    from .. import _config
 
     builds = built("cuda")
     if not builds:

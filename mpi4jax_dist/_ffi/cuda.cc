@@ -5,7 +5,7 @@
 // never depends on CUDA. The reduction itself (ReduceDeviceBuffer) is in
 // cuda_staging.h: by a CUDA-aware MPI in place, or staged through pinned host
 // memory, chosen per compiled call by the `cuda_aware` attribute
-// (MPI4JAX_DIST_CUDA_AWARE_MPI, see _config.py).
+// (MPI4JAX_DIST_CUDA_AWARE_MPI, mpi4jax_dist/_config/ops.py).
 
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>

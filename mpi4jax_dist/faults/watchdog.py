@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 
-from .. import _compat, _config
+from .. import _compat, _config, _mpi
 from . import progress, record, report, writer
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -44,8 +44,8 @@ _EXITED_PLACE = progress.place_key([], "its exit")
 
 
 class _Loop(threading.Thread):
-    """What both watchdogs share: a daemon thread that polls until stopped, the
-    main thread it looks at, and the end of the job with a report."""
+    """What both watchdogs share: a daemon thread that polls until stopped, and
+    the main thread it looks at."""
 
     def __init__(self, hang_timeout_s: float | None):
         super().__init__(name="mpi4jax_dist-watchdog", daemon=True)
@@ -76,13 +76,6 @@ class _Loop(threading.Thread):
         if not stuck:
             return 0
         return progress.place_key(self.progress.place(), record.calls_in_flight())
-
-    @staticmethod
-    def _end_job(text: str, comm) -> None:
-        from .. import _mpi
-
-        logger.critical("%s", text)
-        _mpi.abort(comm, 1)
 
 
 class Watchdog(_Loop):
@@ -285,7 +278,8 @@ class Watchdog(_Loop):
             f"({_config.COLLECTIVE_TIMEOUT})"
         )
         replies, where = self._ask_every_rank(reason, alarm["group"])
-        self._end_job(report.report_line(alarm, replies, self.size, where), self.comm)
+        logger.critical("%s", report.report_line(alarm, replies, self.size, where))
+        _mpi.abort(self.comm, 1)
 
     def _report_hang(self, stuck_s: float) -> None:
         """Rank 0: every rank's stacks, the ranks grouped by where they stand (the
@@ -293,7 +287,8 @@ class Watchdog(_Loop):
         self._reporting = True
         reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
         replies, where = self._ask_every_rank(reason, None)
-        self._end_job(report.hang_report(replies, self.size, stuck_s, where), self.comm)
+        logger.critical("%s", report.hang_report(replies, self.size, stuck_s, where))
+        _mpi.abort(self.comm, 1)
 
 
 def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:
@@ -441,7 +436,10 @@ class ServiceWatchdog(_Loop):
             replies[reply["rank"]] = reply
             where.add(reply["where"])
         silent = "a thread holding its GIL, or stopped"
-        text = report.hang_report(
-            replies, self.size, stuck_s, where, silent, self.period_s
+        logger.critical(
+            "%s",
+            report.hang_report(
+                replies, self.size, stuck_s, where, silent, self.period_s
+            ),
         )
-        self._end_job(text, MPI.COMM_WORLD)
+        _mpi.abort(MPI.COMM_WORLD, 1)
