@@ -2,17 +2,18 @@
 
 A :class:`Bootstrap` runs once per process: arrival (a non-blocking ``Idup``,
 waited on against a deadline), the topology on that private communicator (node
-split, node numbers by scan and allreduce, rank 0's coordinator address by
-broadcast), and the release that holds the other ranks until rank 0's coordination
-service listens. Every call goes through one recording communicator, so
-:attr:`Bootstrap.calls` is what ran; every wait has a deadline, past which the job
-is aborted with one line. docs/design.rst, *The bootstrap's MPI calls*.
+split, node numbers by scan and allreduce, rank 0's answer by broadcast:
+mpi4jax_dist/launch/wire.py), and the release that holds the other ranks until rank
+0's coordination service listens (mpi4jax_dist/launch/coordinator.py watches its
+port). Every call goes through one recording communicator, whose log is what
+``python -m mpi4jax_dist --check --verbose`` prints; every wait has a deadline,
+past which the job is aborted with one line. docs/design.rst, *The bootstrap's MPI
+calls*.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import typing
@@ -22,29 +23,13 @@ import numpy as np
 
 from .. import _config, _mpi
 from ..faults import failfast
-from . import detect, limits, network
+from ..faults import settings as fault_settings
+from . import coordinator, detect, limits, network, wire
 
-# Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
-# UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
-# no rank needs a size first (one collective, O(1) bytes).
-_MESSAGE_BYTES = 1024
-_OK, _ERROR, _BAD_SETTING = 1, 2, 3
-# How the other ranks learn that rank 0's service listens; rank 0 decides (from its
-# MPI thread level) and the mode travels with the address, so every rank agrees.
-RELEASE_MODES = ("thread", "probe")
 # JAX's own default for initialization_timeout.
 DEFAULT_TIMEOUT_S = 300
-# Probing rank 0's port: the first pause, and the most probes per second that all
-# probers together may send to rank 0 (each prober's pause grows to its share).
-_PROBE_FIRST_PAUSE_S = 1e-4
-_PROBE_MIN_CAP_S = 2e-3
-# Rank 0 polling its own port: one prober, on its own host.
-_RANK0_PAUSE_CAP_S = 5e-3
-_PROBES_PER_S = 50_000
-# How long a node waits for any answer from the coordinator's port, once rank 0's
-# service listens, before it ends the job: TCP's retries of a lost connection
-# request (1, 2, 4 and 8 s apart) all fit in it.
-REACH_TIMEOUT_S = 20
+# Rank 0's choice of the coordinator: (status, text), in wire.py's statuses.
+_OK, _ERROR = wire.OK, wire.ERROR
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -90,11 +75,12 @@ class Bootstrap:
         released: whether :meth:`release` has run.
         file_limit_raised: on rank 0, ``(old, new)`` soft open-file limit when the
             bootstrap raised it for the coordination service, else None.
-        collective_timeout_s: ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` (None: off), this
-            process's until rank 0's arrives with the coordinator address, rank
-            0's after: no wait here lasts longer.
-        hang_timeout_s: ``MPI4JAX_DIST_HANG_TIMEOUT`` (None: off), rank 0's
-            once it arrived, as above.
+        fault_settings: the collective and hang timeouts
+            (:class:`~mpi4jax_dist.faults.settings.JobSettings`), this process's
+            until rank 0's arrive with the coordinator address, rank 0's after: no
+            wait here lasts longer than the collective timeout.
+        setting_error: where one of this process's fault settings is bad, the
+            error (rank 0's is every rank's; another rank's value is never used).
         log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
         timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
             rank 0's ``service_listening``; the others' ``released``).
@@ -108,11 +94,8 @@ class Bootstrap:
     release_mode: str | None = None
     released: bool = False
     file_limit_raised: tuple | None = None
-    collective_timeout_s: float | None = None
-    hang_timeout_s: float | None = None
-    # This process's settings that rank 0 rules for the job, where one is bad:
-    # the error (rank 0's is every rank's; another rank's value is never used).
-    setting_error: str | None = None
+    fault_settings: fault_settings.JobSettings = field(init=False)
+    setting_error: str | None = field(init=False)
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
     # Kept from run() for release(): the private communicator (thread mode), the
@@ -124,21 +107,7 @@ class Bootstrap:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
-        for name, read in (
-            ("collective_timeout_s", _config.collective_timeout),
-            ("hang_timeout_s", _config.hang_timeout),
-        ):
-            try:
-                setattr(self, name, read())
-            except ValueError as err:
-                self.setting_error = self.setting_error or str(err)
-
-    @property
-    def calls(self) -> list[_mpi.Call]:
-        """Every MPI call made so far, in order."""
-        return list(self.log.calls)
-
-    # --- settings -----------------------------------------------------------------
+        self.fault_settings, self.setting_error = fault_settings.this_process()
 
     def check_settings(self, comm=None, port=None, timeout_s=None) -> None:
         """Raise when a later call asks for other settings than this bootstrap's.
@@ -192,15 +161,12 @@ class Bootstrap:
         failfast.quiet_on_other_ranks(rank)
         env = _config.environ()
         info = detect.detect(env)
-        launcher = info.launcher if info else "mpi"
-        explicit_address = _config.coordinator_address(env)
         _check_launch_size(self.comm, info)
 
         deadline = time.monotonic() + self.timeout_s
-        base = _mpi.RecordingComm(self.comm, self.log)
         self.log.phase = "arrival"
         # Non-blocking, so that a rank that never comes is noticed, not waited for.
-        comm, request = base.Idup()
+        comm, request = _mpi.RecordingComm(self.comm, self.log).Idup()
         self._wait(
             request,
             deadline,
@@ -213,40 +179,8 @@ class Bootstrap:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             local_rank, local_size = node.Get_rank(), node.Get_size()
             node_index, num_nodes = self._node_numbers(comm, node, local_rank, deadline)
-
-            message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-            if rank == 0:
-                threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-                mode = "thread" if threads else "probe"
-                if self.setting_error:
-                    status, text = _BAD_SETTING, self.setting_error
-                else:
-                    status, text = self._choose_coordinator(
-                        explicit_address, num_nodes, size
-                    )
-                _encode(
-                    message,
-                    status,
-                    RELEASE_MODES.index(mode),
-                    text,
-                    (self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0),
-                )
-            self._wait(
-                comm.Ibcast(message, root=0),
-                deadline,
-                "rank 0 to send the coordinator address",
-            )
-            status, mode_index, text, (timeout, hang) = _decode(message)
-            if status == _BAD_SETTING:
-                raise failfast.JobValueError(text)
-            if status != _OK:
-                raise failfast.JobError(text)
-            # Another rank's own bad value is not used: rank 0's rules, as any.
-            # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
-            self.collective_timeout_s = timeout or None
-            self.hang_timeout_s = hang or None
-            if size > 1:
-                self.release_mode = RELEASE_MODES[mode_index]
+            explicit = _config.coordinator_address(env)
+            address = self._answer(comm, rank, size, explicit, num_nodes, deadline)
             # Kept for the release: the private communicator in thread mode; in
             # probe mode the node's, where a leader other than rank 0 releases it.
             if self.release_mode == "thread":
@@ -264,8 +198,8 @@ class Bootstrap:
             local_size=local_size,
             node_index=node_index,
             num_nodes=num_nodes,
-            coordinator_address=text,
-            launcher=launcher,
+            coordinator_address=address,
+            launcher=info.launcher if info else "mpi",
         )
         self.timestamps["bootstrap_done"] = time.perf_counter()
         return self.topology
@@ -298,6 +232,43 @@ class Bootstrap:
             "this node's first rank to send the node index",
         )
         return int(numbers[0]), int(numbers[1])
+
+    def _answer(self, comm, rank, size, explicit, num_nodes, deadline) -> str:
+        """Broadcast rank 0's answer (wire.py): every rank takes its release mode
+        and fault settings, and returns its coordinator address.
+
+        Raises:
+            failfast.JobValueError: rank 0's fault setting is bad.
+            failfast.JobError: rank 0 could not choose the coordinator address.
+        """
+        from mpi4py import MPI
+
+        message = wire.buffer()
+        if rank == 0:
+            threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+            if self.setting_error:
+                status, text = wire.BAD_SETTING, self.setting_error
+            else:
+                status, text = self._choose_coordinator(explicit, num_nodes, size)
+            mode = "thread" if threads else "probe"
+            carried = self.fault_settings.pack()
+            wire.encode(message, wire.Message(status, mode, text, carried))
+        self._wait(
+            comm.Ibcast(message, root=0),
+            deadline,
+            "rank 0 to send the coordinator address",
+        )
+        status, mode, text, carried = wire.decode(message)
+        if status == wire.BAD_SETTING:
+            raise failfast.JobValueError(text)
+        if status != wire.OK:
+            raise failfast.JobError(text)
+        # Another rank's own bad value is not used: rank 0's rules, as any.
+        # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
+        self.fault_settings = fault_settings.JobSettings.unpack(carried)
+        if size > 1:
+            self.release_mode = mode
+        return text
 
     def _choose_coordinator(self, explicit, num_nodes, size):
         """Return ``(status, text)``: the address, or the error every rank raises.
@@ -338,10 +309,9 @@ class Bootstrap:
             if self.released:
                 return
             self.released = True
-        topo = self.topology
         deadline = time.monotonic() + self.timeout_s
         self.log.phase = "release"
-        if topo.rank == 0:
+        if self.topology.rank == 0:
             threading.Thread(
                 target=self._when_listening,
                 name="mpi4jax_dist-release",
@@ -351,33 +321,21 @@ class Bootstrap:
             return
         waiting_for = (
             f"rank 0's JAX coordination service to listen on "
-            f"{topo.coordinator_address}"
+            f"{self.topology.coordinator_address}"
         )
         if self.release_mode == "thread":
-            self._wait(self._private.Ibarrier(), deadline, waiting_for)
-            self._private.Free()
-            self._private = None
-            if topo.node_index > 0 and topo.local_rank == 0:
-                threading.Thread(
-                    target=self._check_reachable,
-                    name="mpi4jax_dist-reach",
-                    daemon=True,
-                ).start()
+            self._release_by_barrier(deadline, waiting_for)
         elif self.release_mode == "probe":
-            if self._node is None or topo.local_rank == 0:
-                self._probe(deadline, waiting_for)
-            if self._node is not None:
-                self._wait(self._node.Ibarrier(), deadline, waiting_for)
-                self._node.Free()
-                self._node = None
+            self._release_by_probing(deadline, waiting_for)
         self.timestamps["released"] = time.perf_counter()
 
     def _when_listening(self, deadline: float, on_listening) -> None:
         """Rank 0's thread: wait for the service, then release the others."""
-        if self._port_accepts(deadline, _RANK0_PAUSE_CAP_S) is not None:
+        address = self.topology.coordinator_address
+        if coordinator.listening(address, deadline) is not None:
             message = (
                 f"JAX's coordination service did not listen on "
-                f"{self.topology.coordinator_address} within {self.timeout_s:g} s."
+                f"{address} within {self.timeout_s:g} s."
             )
             if self.release_mode == "thread":
                 self._abort(message)
@@ -398,90 +356,58 @@ class Bootstrap:
             self._private.Free()
             self._private = None
 
-    def _probe(self, deadline: float, waiting_for: str) -> None:
-        """Poll rank 0's port until it accepts, with a bounded back-off; abort the
-        job past ``deadline``, or once :data:`REACH_TIMEOUT_S` of attempts went
-        unanswered (refusals are answers: the service is not up yet), saying
-        which.
+    def _release_by_barrier(self, deadline: float, waiting_for: str) -> None:
+        """Thread mode: wait in the barrier rank 0's thread joins once its service
+        listens; then a node leader other than rank 0's checks, in a thread of its
+        own, that its node reaches the service (:meth:`_check_reachable`)."""
+        self._wait(self._private.Ibarrier(), deadline, waiting_for)
+        self._private.Free()
+        self._private = None
+        if self.topology.node_index > 0 and self.topology.local_rank == 0:
+            threading.Thread(
+                target=self._check_reachable,
+                name="mpi4jax_dist-reach",
+                daemon=True,
+            ).start()
 
-        Each prober's pause doubles up to its share of :data:`_PROBES_PER_S` (at
-        least 2 ms), so that rank 0 sees a bounded rate of refused connections
-        however many nodes probe.
-        """
-        probers = self.topology.num_nodes + self.topology.local_size
-        why = self._port_accepts(
-            deadline,
-            max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S),
-            silence_s=REACH_TIMEOUT_S,
-        )
+    def _release_by_probing(self, deadline: float, waiting_for: str) -> None:
+        """Probe mode: the node's leader (every rank on rank 0's node) probes rank
+        0's port, then releases the node's other ranks with a barrier."""
+        if self._node is None or self.topology.local_rank == 0:
+            self._probe(deadline, waiting_for)
+        if self._node is not None:
+            self._wait(self._node.Ibarrier(), deadline, waiting_for)
+            self._node.Free()
+            self._node = None
+
+    def _probe(self, deadline: float, waiting_for: str) -> None:
+        """Poll rank 0's port until it accepts (:func:`coordinator.probe`); abort
+        the job past ``deadline``, or once attempts went unanswered, saying which."""
+        topo = self.topology
+        address = topo.coordinator_address
+        why = coordinator.probe(address, deadline, topo.num_nodes + topo.local_size)
         if why is None:
             return
         if why.startswith(network.REFUSED):  # reached, but nothing listened
             self._give_up(waiting_for)
-        self._abort(self._unreachable(why, "where rank 0's service is to listen"))
+        where = "where rank 0's service is to listen"
+        self._abort(coordinator.unreachable(address, why, where))
 
     def _check_reachable(self) -> None:
         """A node leader's thread, once rank 0's service listens: connect to it
-        once, and end the job saying so when this node cannot reach it.
-
-        Without it, JAX's own connection retries in silence until its
-        initialization timeout (300 s by default) and then fails with a
-        ``DEADLINE_EXCEEDED`` that names no node. One connection per node beside
-        the P that JAX makes.
-        """
-        host, port = _config.split_host_port(
-            self.topology.coordinator_address, "coordinator address"
-        )
-        why = network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
-        if why is not None:
-            self._abort(self._unreachable(why, "where rank 0's service listens"))
-
-    def _unreachable(self, why: str, where: str) -> str:
-        """Say that this node cannot reach the coordinator (``where``: what is
-        known of its service), why, and what to do."""
+        once (:func:`coordinator.reach`), and end the job saying so when this node
+        cannot reach it."""
         address = self.topology.coordinator_address
-        host, _ = _config.split_host_port(address, "coordinator address")
-        try:
-            source = f" ({network.source_address(host)})"
-        except OSError:
-            source = ""
-        return (
-            f"{socket.gethostname()}{source} cannot reach JAX's coordinator at "
-            f"{address}, {where}: {why}. Something between "
-            f"the nodes drops or refuses that port (a firewall?): open it between "
-            f"the nodes ({_config.COORDINATOR_PORT} chooses it), or name the "
-            f"interface of a network they share in {_config.INTERFACE}."
-        )
-
-    def _port_accepts(
-        self, deadline: float, cap: float, silence_s: float | None = None
-    ) -> str | None:
-        """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
-        return None once it accepts, else why not (see
-        :func:`network.wait_accepting`)."""
-        host, port = _config.split_host_port(
-            self.topology.coordinator_address, "coordinator address"
-        )
-        return network.wait_accepting(
-            host, port, deadline, _PROBE_FIRST_PAUSE_S, cap, silence_s
-        )
+        why = coordinator.reach(address, self.timeout_s)
+        if why is not None:
+            where = "where rank 0's service listens"
+            self._abort(coordinator.unreachable(address, why, where))
 
     def duplicate(self, phase: str, comm=None):
         """Return a ``Dup`` of ``comm`` (default: the job's communicator), recorded
-        in :attr:`calls` under ``phase``. Collective on ``comm``."""
+        in :attr:`log` under ``phase``. Collective on ``comm``."""
         self.log.phase = phase
         return _mpi.RecordingComm(comm or self.comm, self.log).Dup().comm
-
-    def close(self) -> None:
-        """Free what a bootstrap that will not release still holds (tests)."""
-        for name in ("_private", "_node"):
-            comm = getattr(self, name)
-            if comm is not None:
-                comm.Free()
-                setattr(self, name, None)
-        if self._reservation is not None:
-            self._reservation.close()
-            self._reservation = None
 
     # --- waiting and failing --------------------------------------------------------
 
@@ -489,7 +415,7 @@ class Bootstrap:
         """Wait for ``request`` until ``deadline`` (monotonic), or for the
         collective timeout where it comes first; abort past it."""
         pause = 1e-5
-        limit = self.collective_timeout_s
+        limit = self.fault_settings.collective_timeout_s
         collective = None if limit is None else time.monotonic() + limit
         while not request.Test():
             now = time.monotonic()
@@ -510,7 +436,7 @@ class Bootstrap:
     def _timed_out(self, what: str) -> typing.NoReturn:
         """Abort the job: this rank waited the collective timeout for ``what``."""
         self._abort(
-            f"gave up after {self.collective_timeout_s:g} s "
+            f"gave up after {self.fault_settings.collective_timeout_s:g} s "
             f"({_config.COLLECTIVE_TIMEOUT}) waiting for {what} in the bootstrap. "
             f"Raise {_config.COLLECTIVE_TIMEOUT} if the job is just slow."
         )
@@ -545,36 +471,6 @@ def _check_launch_size(base, info) -> None:
             f"launcher's (pip install --no-binary mpi4py mpi4py, with its mpicc on "
             f"PATH)."
         )
-
-
-# Rank 0's message: status, release mode, the collective and hang timeouts (float64
-# seconds each, 0: off), then the text.
-_TIMEOUTS_AT, _TEXT_AT = 2, 18
-
-
-def _encode(
-    buffer: np.ndarray,
-    status: int,
-    mode: int,
-    text: str,
-    timeouts: tuple[float, float] = (0.0, 0.0),
-) -> None:
-    data = text.encode()[: buffer.size - _TEXT_AT]
-    buffer[0], buffer[1] = status, mode
-    packed = np.array(timeouts, dtype=np.float64).tobytes()
-    buffer[_TIMEOUTS_AT:_TEXT_AT] = np.frombuffer(packed, np.uint8)
-    buffer[_TEXT_AT : _TEXT_AT + len(data)] = np.frombuffer(data, dtype=np.uint8)
-
-
-def _decode(buffer: np.ndarray) -> tuple[int, int, str, tuple[float, float]]:
-    text = bytes(buffer[_TEXT_AT:]).rstrip(b"\0").decode(errors="replace")
-    timeouts = np.frombuffer(bytes(buffer[_TIMEOUTS_AT:_TEXT_AT]), np.float64)
-    return (
-        int(buffer[0]),
-        int(buffer[1]),
-        text,
-        (float(timeouts[0]), float(timeouts[1])),
-    )
 
 
 # --- the process's one bootstrap ------------------------------------------------------
