@@ -10,7 +10,7 @@ import util
 from util import all_ranks
 
 import mpi4jax_dist
-from mpi4jax_dist.launch import bootstrap
+from mpi4jax_dist.launch import bootstrap, waits
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -104,7 +104,7 @@ class ExtraBroadcast(bootstrap.Bootstrap):
 
     def _node_numbers(self, comm, node, local_rank, deadline):
         spare = np.zeros(1)
-        self._wait(comm.Ibcast(spare, root=0), deadline, "a broadcast nobody needs")
+        waits.wait(comm.Ibcast(spare, root=0), deadline, "a broadcast nobody needs")
         return super()._node_numbers(comm, node, local_rank, deadline)
 
 
@@ -118,11 +118,12 @@ class ExtraBarrier(bootstrap.Bootstrap):
 
 def close(made: bootstrap.Bootstrap) -> None:
     """Free what a bootstrap that will not release still holds."""
-    for comm in (made._private, made._node):
+    held = made._release
+    for comm in (held.private, held.node):
         if comm is not None:
             comm.Free()
-    if made._reservation is not None:
-        made._reservation.close()
+    if held.reservation is not None:
+        held.reservation.close()
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,9 @@ class JobSettings:
 
     def pack(self) -> bytes:
         """Return the settings as bytes for :meth:`unpack` on another rank."""
-        return _PACKED.pack(self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0)
+        return _PACKED.pack(
+            self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> JobSettings:
