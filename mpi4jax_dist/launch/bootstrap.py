@@ -479,7 +479,7 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
 
 
 def release(on_listening=None) -> None:
-    """Run this process's release (see :meth:`Bootstrap.release`); once."""
+    """Run this process's release (see :meth:`Release.run`); once."""
     with _lock:
         bootstrap = _current
     if bootstrap is None:
