@@ -2,8 +2,10 @@
 
 The MPI library's name, and :class:`RecordingComm`: a communicator whose every call
 is written to a :class:`CallLog` as it runs, so that what the bootstrap reports
-about its own MPI traffic is counted, not declared. ``mpi4py.MPI`` is imported
-only inside functions: importing this module starts nothing.
+about its own MPI traffic is counted, not declared: ``python -m mpi4jax_dist --check
+--verbose`` prints the log's collectives, with their payload per rank and what the
+MPI adds (docs/cli.rst). ``mpi4py.MPI`` is imported only inside functions:
+importing this module starts nothing.
 """
 
 from __future__ import annotations

@@ -1,50 +1,33 @@
-"""The bootstrap: every MPI call mpi4jax_dist makes to set up JAX lives here.
+"""The bootstrap: every MPI collective mpi4jax_dist makes to set up JAX lives here.
 
-A :class:`Bootstrap` runs once per process: arrival (a non-blocking ``Idup``,
-waited on against a deadline), the topology on that private communicator (node
-split, node numbers by scan and allreduce, rank 0's coordinator address by
-broadcast), and the release that holds the other ranks until rank 0's coordination
-service listens. Every call goes through one recording communicator, so
-:attr:`Bootstrap.calls` is what ran; every wait has a deadline, past which the job
-is aborted with one line. docs/design.rst, *The bootstrap's MPI calls*.
+A :class:`Bootstrap` runs once per process: arrival (a non-blocking ``Idup``), the
+topology on that private communicator (node split, node numbers by scan and
+allreduce, rank 0's answer by broadcast: mpi4jax_dist/launch/wire.py), and the
+:class:`Release` that holds the other ranks until rank 0's coordination service
+listens (mpi4jax_dist/launch/coordinator.py watches its port). Every call goes
+through one recording communicator, whose log ``python -m mpi4jax_dist --check
+--verbose`` prints; every wait has a deadline, past which the job is aborted with
+one line (mpi4jax_dist/launch/waits.py). docs/design.rst, *The bootstrap's MPI
+calls*.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-import typing
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import _config, _mpi
 from ..faults import failfast
-from . import detect, limits, network
+from ..faults import settings as fault_settings
+from . import coordinator, detect, limits, network, settings, waits, wire
+from .settings import DEFAULT_TIMEOUT_S
 
-# Fixed-size byte buffer for rank 0's answer: a status byte, the release mode, then
-# UTF-8 text. Big enough for "[IPv6]:port" and for an error message; fixed so that
-# no rank needs a size first (one collective, O(1) bytes).
-_MESSAGE_BYTES = 1024
-_OK, _ERROR, _BAD_SETTING = 1, 2, 3
-# How the other ranks learn that rank 0's service listens; rank 0 decides (from its
-# MPI thread level) and the mode travels with the address, so every rank agrees.
-RELEASE_MODES = ("thread", "probe")
-# JAX's own default for initialization_timeout.
-DEFAULT_TIMEOUT_S = 300
-# Probing rank 0's port: the first pause, and the most probes per second that all
-# probers together may send to rank 0 (each prober's pause grows to its share).
-_PROBE_FIRST_PAUSE_S = 1e-4
-_PROBE_MIN_CAP_S = 2e-3
-# Rank 0 polling its own port: one prober, on its own host.
-_RANK0_PAUSE_CAP_S = 5e-3
-_PROBES_PER_S = 50_000
-# How long a node waits for any answer from the coordinator's port, once rank 0's
-# service listens, before it ends the job: TCP's retries of a lost connection
-# request (1, 2, 4 and 8 s apart) all fit in it.
-REACH_TIMEOUT_S = 20
+# Rank 0's choice of the coordinator: (status, text), in wire.py's statuses.
+_OK, _ERROR = wire.OK, wire.ERROR
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -75,7 +58,7 @@ class Topology:
 
 @dataclass
 class Bootstrap:
-    """One process's bootstrap and release; everything it holds is an attribute.
+    """One process's bootstrap; everything it holds is an attribute.
 
     Attributes:
         comm: the communicator JAX's world is made of (``MPI.COMM_WORLD`` unless
@@ -87,14 +70,13 @@ class Bootstrap:
         topology: the result, None until :meth:`run` has run.
         release_mode: ``"thread"`` or ``"probe"`` (docs/design.rst); None
             for a job of one rank, which needs no release.
-        released: whether :meth:`release` has run.
         file_limit_raised: on rank 0, ``(old, new)`` soft open-file limit when the
             bootstrap raised it for the coordination service, else None.
-        collective_timeout_s: ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` (None: off), this
-            process's until rank 0's arrives with the coordinator address, rank
-            0's after: no wait here lasts longer.
-        hang_timeout_s: ``MPI4JAX_DIST_HANG_TIMEOUT`` (None: off), rank 0's
-            once it arrived, as above.
+        fault_settings: the collective and hang timeouts
+            (:class:`~mpi4jax_dist.faults.settings.JobSettings`), this process's
+            until rank 0's arrive with the coordinator address, rank 0's after.
+        setting_error: this process's bad fault setting, if any (rank 0's is
+            every rank's error; another rank's value is never used).
         log: every MPI call made, as it ran (:class:`~mpi4jax_dist._mpi.CallLog`).
         timestamps: ``time.perf_counter()`` where phases ended (``bootstrap_done``;
             rank 0's ``service_listening``; the others' ``released``).
@@ -106,39 +88,17 @@ class Bootstrap:
     timeout_explicit: bool = False
     topology: Topology | None = None
     release_mode: str | None = None
-    released: bool = False
     file_limit_raised: tuple | None = None
-    collective_timeout_s: float | None = None
-    hang_timeout_s: float | None = None
-    # This process's settings that rank 0 rules for the job, where one is bad:
-    # the error (rank 0's is every rank's; another rank's value is never used).
-    setting_error: str | None = None
+    fault_settings: fault_settings.JobSettings = field(init=False)
+    setting_error: str | None = field(init=False)
     log: _mpi.CallLog = field(default_factory=_mpi.CallLog)
     timestamps: dict = field(default_factory=dict)
-    # Kept from run() for release(): the private communicator (thread mode), the
-    # node's communicator (probe mode, nodes other than rank 0's), and rank 0's
-    # socket holding the chosen port until JAX's service binds it.
-    _private: object = None
-    _node: object = None
-    _reservation: object = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # What run() keeps for release(), and the release itself.
+    _release: Release = field(init=False, repr=False)
 
     def __post_init__(self):
-        for name, read in (
-            ("collective_timeout_s", _config.collective_timeout),
-            ("hang_timeout_s", _config.hang_timeout),
-        ):
-            try:
-                setattr(self, name, read())
-            except ValueError as err:
-                self.setting_error = self.setting_error or str(err)
-
-    @property
-    def calls(self) -> list[_mpi.Call]:
-        """Every MPI call made so far, in order."""
-        return list(self.log.calls)
-
-    # --- settings -----------------------------------------------------------------
+        self.fault_settings, self.setting_error = fault_settings.this_process()
+        self._release = Release(self)
 
     def check_settings(self, comm=None, port=None, timeout_s=None) -> None:
         """Raise when a later call asks for other settings than this bootstrap's.
@@ -151,38 +111,21 @@ class Bootstrap:
         Raises:
             RuntimeError: naming what was asked and what this process already uses.
         """
-        from mpi4py import MPI
-
-        if comm is not None and MPI.Comm.Compare(comm, self.comm) not in (
-            MPI.IDENT,
-            MPI.CONGRUENT,
-        ):
-            raise RuntimeError(
-                "mpi4jax_dist already bootstrapped on another communicator: one JAX "
-                "world per process. Pass the same comm= to every call."
-            )
-        if port is not None and self.topology is not None:
-            _, chosen = _config.split_host_port(
-                self.topology.coordinator_address, "coordinator address"
-            )
-            if port != chosen:
-                raise RuntimeError(
-                    f"coordinator port {port} asked for, but this process already "
-                    f"bootstrapped with the coordinator at "
-                    f"{self.topology.coordinator_address}. Set "
-                    f"{_config.COORDINATOR_PORT} (or pass the port) before the first "
-                    f"call, the same on every call."
-                )
-        if timeout_s is not None and timeout_s != self.timeout_s:
-            if self.timeout_explicit:
-                raise RuntimeError(
-                    f"initialization_timeout={timeout_s:g} asked for, but this "
-                    f"process already bootstraps with {self.timeout_s:g} s. Pass the "
-                    f"same timeout to every call."
-                )
+        settings.check_comm(comm, self.comm)
+        if self.topology is not None:
+            settings.check_port(port, self.topology.coordinator_address)
+        if settings.takes_timeout(timeout_s, self.timeout_s, self.timeout_explicit):
             self.timeout_s, self.timeout_explicit = float(timeout_s), True
 
-    # --- bootstrap ------------------------------------------------------------------
+    def deadline(self) -> waits.Deadline:
+        """Return the deadline of waits starting now: ``timeout_s`` from now."""
+        return waits.Deadline(
+            at=time.monotonic() + self.timeout_s,
+            timeout_s=self.timeout_s,
+            collective_timeout_s=self.fault_settings.collective_timeout_s,
+            comm=self.comm,
+            log=self.log,
+        )
 
     def run(self) -> Topology:
         """Compute the topology and the coordinator (collective over ``comm``)."""
@@ -192,16 +135,13 @@ class Bootstrap:
         failfast.quiet_on_other_ranks(rank)
         env = _config.environ()
         info = detect.detect(env)
-        launcher = info.launcher if info else "mpi"
-        explicit_address = _config.coordinator_address(env)
-        _check_launch_size(self.comm, info)
+        settings.check_launch_size(self.comm, info)
 
-        deadline = time.monotonic() + self.timeout_s
-        base = _mpi.RecordingComm(self.comm, self.log)
+        deadline = self.deadline()
         self.log.phase = "arrival"
         # Non-blocking, so that a rank that never comes is noticed, not waited for.
-        comm, request = base.Idup()
-        self._wait(
+        comm, request = _mpi.RecordingComm(self.comm, self.log).Idup()
+        waits.wait(
             request,
             deadline,
             f"all {size} ranks to reach the bootstrap (some rank "
@@ -213,46 +153,14 @@ class Bootstrap:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             local_rank, local_size = node.Get_rank(), node.Get_size()
             node_index, num_nodes = self._node_numbers(comm, node, local_rank, deadline)
-
-            message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-            if rank == 0:
-                threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-                mode = "thread" if threads else "probe"
-                if self.setting_error:
-                    status, text = _BAD_SETTING, self.setting_error
-                else:
-                    status, text = self._choose_coordinator(
-                        explicit_address, num_nodes, size
-                    )
-                _encode(
-                    message,
-                    status,
-                    RELEASE_MODES.index(mode),
-                    text,
-                    (self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0),
-                )
-            self._wait(
-                comm.Ibcast(message, root=0),
-                deadline,
-                "rank 0 to send the coordinator address",
-            )
-            status, mode_index, text, (timeout, hang) = _decode(message)
-            if status == _BAD_SETTING:
-                raise failfast.JobValueError(text)
-            if status != _OK:
-                raise failfast.JobError(text)
-            # Another rank's own bad value is not used: rank 0's rules, as any.
-            # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
-            self.collective_timeout_s = timeout or None
-            self.hang_timeout_s = hang or None
-            if size > 1:
-                self.release_mode = RELEASE_MODES[mode_index]
+            explicit = _config.coordinator_address(env)
+            address = self._answer(comm, rank, size, explicit, num_nodes, deadline)
             # Kept for the release: the private communicator in thread mode; in
             # probe mode the node's, where a leader other than rank 0 releases it.
             if self.release_mode == "thread":
-                self._private, comm = comm, None
+                self._release.private, comm = comm, None
             if self.release_mode == "probe" and node_index > 0 and local_size > 1:
-                self._node, node = node, None
+                self._release.node, node = node, None
         finally:
             for unused in (node, comm):
                 if unused is not None:
@@ -264,8 +172,8 @@ class Bootstrap:
             local_size=local_size,
             node_index=node_index,
             num_nodes=num_nodes,
-            coordinator_address=text,
-            launcher=launcher,
+            coordinator_address=address,
+            launcher=info.launcher if info else "mpi",
         )
         self.timestamps["bootstrap_done"] = time.perf_counter()
         return self.topology
@@ -288,16 +196,53 @@ class Bootstrap:
         scan = comm.Iexscan(leader, below, op=MPI.SUM)
         total = comm.Iallreduce(leader, count, op=MPI.SUM)
         what = "every rank to count the nodes"
-        self._wait(scan, deadline, what)
-        self._wait(total, deadline, what)
+        waits.wait(scan, deadline, what)
+        waits.wait(total, deadline, what)
         # MPI leaves rank 0's exclusive scan undefined: nothing is below it.
         numbers = np.array([0 if comm.Get_rank() == 0 else below[0], count[0]])
-        self._wait(
+        waits.wait(
             node.Ibcast(numbers, root=0),
             deadline,
             "this node's first rank to send the node index",
         )
         return int(numbers[0]), int(numbers[1])
+
+    def _answer(self, comm, rank, size, explicit, num_nodes, deadline) -> str:
+        """Broadcast rank 0's answer (wire.py): every rank takes its release mode
+        and its fault settings, and returns its coordinator address.
+
+        Raises:
+            failfast.JobValueError: rank 0's fault setting is bad.
+            failfast.JobError: rank 0 could not choose the coordinator address.
+        """
+        from mpi4py import MPI
+
+        message = wire.buffer()
+        if rank == 0:
+            threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+            if self.setting_error:
+                status, text = wire.BAD_SETTING, self.setting_error
+            else:
+                status, text = self._choose_coordinator(explicit, num_nodes, size)
+            mode = "thread" if threads else "probe"
+            carried = self.fault_settings.pack()
+            wire.encode(message, wire.Message(status, mode, text, carried))
+        waits.wait(
+            comm.Ibcast(message, root=0),
+            deadline,
+            "rank 0 to send the coordinator address",
+        )
+        status, mode, text, carried = wire.decode(message)
+        if status == wire.BAD_SETTING:
+            raise failfast.JobValueError(text)
+        if status != wire.OK:
+            raise failfast.JobError(text)
+        # Another rank's own bad value is not used: rank 0's rules, as any.
+        # Rank 0's: every rank then makes (or skips) the watchdog's Dup alike.
+        self.fault_settings = fault_settings.JobSettings.unpack(carried)
+        if size > 1:
+            self.release_mode = mode
+        return text
 
     def _choose_coordinator(self, explicit, num_nodes, size):
         """Return ``(status, text)``: the address, or the error every rank raises.
@@ -315,33 +260,65 @@ class Bootstrap:
             host = network.coordinator_host(num_nodes, _config.interface())
             port = self.port
             if port is None:
-                self._reservation = network.reserve_port(host)
-                port = self._reservation.getsockname()[1]
+                self._release.reservation = network.reserve_port(host)
+                port = self._release.reservation.getsockname()[1]
             else:
                 network.check_port_free(host, port)
             return _OK, network.format_address(host, port)
         except Exception as err:  # raised on every rank after the broadcast
             return _ERROR, f"rank 0 could not choose the coordinator address: {err}"
 
-    # --- release --------------------------------------------------------------------
-
     def release(self, on_listening=None) -> None:
+        """Hold the other ranks until rank 0's coordination service listens
+        (:meth:`Release.run`); once per process."""
+        self._release.run(on_listening)
+
+    def duplicate(self, phase: str, comm=None):
+        """Return a ``Dup`` of ``comm`` (default: the job's communicator), recorded
+        in :attr:`log` under ``phase``. Collective on ``comm``."""
+        self.log.phase = phase
+        return _mpi.RecordingComm(comm or self.comm, self.log).Dup().comm
+
+
+@dataclass
+class Release:
+    """What holds the other ranks until rank 0's coordination service listens.
+
+    Attributes:
+        bootstrap: whose topology, release mode and timeout it runs with.
+        private: the private communicator, kept by :meth:`Bootstrap.run` in thread
+            mode for the barrier that releases the other ranks.
+        node: the node's communicator, kept in probe mode on nodes other than rank
+            0's, where the node's leader probes and releases the others.
+        reservation: rank 0's socket holding the chosen port until JAX's service
+            binds it.
+        done: whether :meth:`run` has run.
+    """
+
+    bootstrap: Bootstrap
+    private: object = None
+    node: object = None
+    reservation: object = None
+    done: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def run(self, on_listening=None) -> None:
         """Hold the other ranks until rank 0's coordination service listens.
 
         Called where JAX asks for the coordinator address, before any rank
         connects. Rank 0 returns at once and starts a thread that waits for its own
         port to accept, closes the port's reservation, calls ``on_listening`` (JAX
         has read its settings by then) and, in thread mode, joins the ``Ibarrier``
-        the other ranks wait in. Runs once per process.
+        the other ranks wait in. Runs once.
         """
         with self._lock:
-            if self.released:
+            if self.done:
                 return
-            self.released = True
-        topo = self.topology
-        deadline = time.monotonic() + self.timeout_s
-        self.log.phase = "release"
-        if topo.rank == 0:
+            self.done = True
+        boot = self.bootstrap
+        deadline = boot.deadline()
+        boot.log.phase = "release"
+        if boot.topology.rank == 0:
             threading.Thread(
                 target=self._when_listening,
                 name="mpi4jax_dist-release",
@@ -351,230 +328,94 @@ class Bootstrap:
             return
         waiting_for = (
             f"rank 0's JAX coordination service to listen on "
-            f"{topo.coordinator_address}"
+            f"{boot.topology.coordinator_address}"
         )
-        if self.release_mode == "thread":
-            self._wait(self._private.Ibarrier(), deadline, waiting_for)
-            self._private.Free()
-            self._private = None
-            if topo.node_index > 0 and topo.local_rank == 0:
-                threading.Thread(
-                    target=self._check_reachable,
-                    name="mpi4jax_dist-reach",
-                    daemon=True,
-                ).start()
-        elif self.release_mode == "probe":
-            if self._node is None or topo.local_rank == 0:
-                self._probe(deadline, waiting_for)
-            if self._node is not None:
-                self._wait(self._node.Ibarrier(), deadline, waiting_for)
-                self._node.Free()
-                self._node = None
-        self.timestamps["released"] = time.perf_counter()
+        if boot.release_mode == "thread":
+            self._by_barrier(deadline, waiting_for)
+        elif boot.release_mode == "probe":
+            self._by_probing(deadline, waiting_for)
+        boot.timestamps["released"] = time.perf_counter()
 
-    def _when_listening(self, deadline: float, on_listening) -> None:
+    def _when_listening(self, deadline: waits.Deadline, on_listening) -> None:
         """Rank 0's thread: wait for the service, then release the others."""
-        if self._port_accepts(deadline, _RANK0_PAUSE_CAP_S) is not None:
+        boot = self.bootstrap
+        address = boot.topology.coordinator_address
+        if coordinator.listening(address, deadline.at) is not None:
             message = (
                 f"JAX's coordination service did not listen on "
-                f"{self.topology.coordinator_address} within {self.timeout_s:g} s."
+                f"{address} within {deadline.timeout_s:g} s."
             )
-            if self.release_mode == "thread":
-                self._abort(message)
+            if boot.release_mode == "thread":
+                waits.abort(boot.comm, boot.log, message)
             logger.warning("mpi4jax_dist: %s", message)
-        self.timestamps["service_listening"] = time.perf_counter()
-        if self._reservation is not None:
-            self._reservation.close()
-            self._reservation = None
+        boot.timestamps["service_listening"] = time.perf_counter()
+        if self.reservation is not None:
+            self.reservation.close()
+            self.reservation = None
         if on_listening is not None:
             on_listening()
-        if self.release_mode == "thread":
-            self._wait(
-                self._private.Ibarrier(),
+        if boot.release_mode == "thread":
+            waits.wait(
+                self.private.Ibarrier(),
                 deadline,
                 "the other ranks to join the barrier that tells them the "
                 "coordinator listens",
             )
-            self._private.Free()
-            self._private = None
+            self.private.Free()
+            self.private = None
 
-    def _probe(self, deadline: float, waiting_for: str) -> None:
-        """Poll rank 0's port until it accepts, with a bounded back-off; abort the
-        job past ``deadline``, or once :data:`REACH_TIMEOUT_S` of attempts went
-        unanswered (refusals are answers: the service is not up yet), saying
-        which.
+    def _by_barrier(self, deadline: waits.Deadline, waiting_for: str) -> None:
+        """Thread mode: wait in the barrier rank 0's thread joins once its service
+        listens; then a node leader other than rank 0's checks, in a thread of its
+        own, that its node reaches the service (:meth:`check_reachable`)."""
+        waits.wait(self.private.Ibarrier(), deadline, waiting_for)
+        self.private.Free()
+        self.private = None
+        topo = self.bootstrap.topology
+        if topo.node_index > 0 and topo.local_rank == 0:
+            threading.Thread(
+                target=self.check_reachable,
+                name="mpi4jax_dist-reach",
+                daemon=True,
+            ).start()
 
-        Each prober's pause doubles up to its share of :data:`_PROBES_PER_S` (at
-        least 2 ms), so that rank 0 sees a bounded rate of refused connections
-        however many nodes probe.
-        """
-        probers = self.topology.num_nodes + self.topology.local_size
-        why = self._port_accepts(
-            deadline,
-            max(_PROBE_MIN_CAP_S, probers / _PROBES_PER_S),
-            silence_s=REACH_TIMEOUT_S,
-        )
+    def _by_probing(self, deadline: waits.Deadline, waiting_for: str) -> None:
+        """Probe mode: the node's leader (every rank on rank 0's node) probes rank
+        0's port, then releases the node's other ranks with a barrier."""
+        if self.node is None or self.bootstrap.topology.local_rank == 0:
+            self._probe(deadline, waiting_for)
+        if self.node is not None:
+            waits.wait(self.node.Ibarrier(), deadline, waiting_for)
+            self.node.Free()
+            self.node = None
+
+    def _probe(self, deadline: waits.Deadline, waiting_for: str) -> None:
+        """Poll rank 0's port until it accepts (:func:`coordinator.probe`); abort
+        the job past the deadline, or once attempts went unanswered, saying
+        which."""
+        boot = self.bootstrap
+        topo = boot.topology
+        address = topo.coordinator_address
+        why = coordinator.probe(address, deadline.at, topo.num_nodes + topo.local_size)
         if why is None:
             return
         if why.startswith(network.REFUSED):  # reached, but nothing listened
-            self._give_up(waiting_for)
-        self._abort(self._unreachable(why, "where rank 0's service is to listen"))
+            waits.give_up(deadline, waiting_for)
+        where = "where rank 0's service is to listen"
+        waits.abort(boot.comm, boot.log, coordinator.unreachable(address, why, where))
 
-    def _check_reachable(self) -> None:
+    def check_reachable(self) -> None:
         """A node leader's thread, once rank 0's service listens: connect to it
-        once, and end the job saying so when this node cannot reach it.
-
-        Without it, JAX's own connection retries in silence until its
-        initialization timeout (300 s by default) and then fails with a
-        ``DEADLINE_EXCEEDED`` that names no node. One connection per node beside
-        the P that JAX makes.
-        """
-        host, port = _config.split_host_port(
-            self.topology.coordinator_address, "coordinator address"
-        )
-        why = network.not_reached(host, port, min(REACH_TIMEOUT_S, self.timeout_s))
+        once (:func:`coordinator.reach`), and end the job saying so when this node
+        cannot reach it."""
+        boot = self.bootstrap
+        address = boot.topology.coordinator_address
+        why = coordinator.reach(address, boot.timeout_s)
         if why is not None:
-            self._abort(self._unreachable(why, "where rank 0's service listens"))
-
-    def _unreachable(self, why: str, where: str) -> str:
-        """Say that this node cannot reach the coordinator (``where``: what is
-        known of its service), why, and what to do."""
-        address = self.topology.coordinator_address
-        host, _ = _config.split_host_port(address, "coordinator address")
-        try:
-            source = f" ({network.source_address(host)})"
-        except OSError:
-            source = ""
-        return (
-            f"{socket.gethostname()}{source} cannot reach JAX's coordinator at "
-            f"{address}, {where}: {why}. Something between "
-            f"the nodes drops or refuses that port (a firewall?): open it between "
-            f"the nodes ({_config.COORDINATOR_PORT} chooses it), or name the "
-            f"interface of a network they share in {_config.INTERFACE}."
-        )
-
-    def _port_accepts(
-        self, deadline: float, cap: float, silence_s: float | None = None
-    ) -> str | None:
-        """Poll the coordinator's port, pausing 0.1 ms doubling up to ``cap``;
-        return None once it accepts, else why not (see
-        :func:`network.wait_accepting`)."""
-        host, port = _config.split_host_port(
-            self.topology.coordinator_address, "coordinator address"
-        )
-        return network.wait_accepting(
-            host, port, deadline, _PROBE_FIRST_PAUSE_S, cap, silence_s
-        )
-
-    def duplicate(self, phase: str, comm=None):
-        """Return a ``Dup`` of ``comm`` (default: the job's communicator), recorded
-        in :attr:`calls` under ``phase``. Collective on ``comm``."""
-        self.log.phase = phase
-        return _mpi.RecordingComm(comm or self.comm, self.log).Dup().comm
-
-    def close(self) -> None:
-        """Free what a bootstrap that will not release still holds (tests)."""
-        for name in ("_private", "_node"):
-            comm = getattr(self, name)
-            if comm is not None:
-                comm.Free()
-                setattr(self, name, None)
-        if self._reservation is not None:
-            self._reservation.close()
-            self._reservation = None
-
-    # --- waiting and failing --------------------------------------------------------
-
-    def _wait(self, request, deadline: float, what: str) -> None:
-        """Wait for ``request`` until ``deadline`` (monotonic), or for the
-        collective timeout where it comes first; abort past it."""
-        pause = 1e-5
-        limit = self.collective_timeout_s
-        collective = None if limit is None else time.monotonic() + limit
-        while not request.Test():
-            now = time.monotonic()
-            if collective is not None and now > collective and collective < deadline:
-                self._timed_out(what)
-            if now > deadline:
-                self._give_up(what)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def _give_up(self, what: str) -> typing.NoReturn:
-        """Abort the job: this rank waited ``timeout_s`` for ``what``."""
-        self._abort(
-            f"gave up after {self.timeout_s:g} s waiting for {what}. "
-            f"Raise initialization_timeout if the job is just slow."
-        )
-
-    def _timed_out(self, what: str) -> typing.NoReturn:
-        """Abort the job: this rank waited the collective timeout for ``what``."""
-        self._abort(
-            f"gave up after {self.collective_timeout_s:g} s "
-            f"({_config.COLLECTIVE_TIMEOUT}) waiting for {what} in the bootstrap. "
-            f"Raise {_config.COLLECTIVE_TIMEOUT} if the job is just slow."
-        )
-
-    def _abort(self, message: str) -> typing.NoReturn:
-        """Print ``message`` for this rank and end the whole MPI job; never
-        returns."""
-        # Through logging (with no handler configured, Python prints it to stderr).
-        logger.critical(
-            "mpi4jax_dist: rank %d of %d: %s",
-            self.comm.Get_rank(),
-            self.comm.Get_size(),
-            message,
-        )
-        _mpi.abort(_mpi.RecordingComm(self.comm, self.log), 1)
-
-
-def _check_launch_size(base, info) -> None:
-    """Stop when the launcher started N ranks but MPI says otherwise."""
-    from mpi4py import MPI
-
-    if info is None or info.size is None:
-        return
-    if MPI.Comm.Compare(base, MPI.COMM_WORLD) != MPI.IDENT:
-        return
-    if base.Get_size() != info.size:
-        raise RuntimeError(
-            f"The launcher ({info.launcher}) started {info.size} ranks but MPI says "
-            f"this job has {base.Get_size()}: mpi4py talks to another MPI than the "
-            f"mpiexec that started it (mpi4py uses: {_mpi.mpi_library()}). Start the "
-            f"job with the mpiexec of that MPI, or rebuild mpi4py against the "
-            f"launcher's (pip install --no-binary mpi4py mpi4py, with its mpicc on "
-            f"PATH)."
-        )
-
-
-# Rank 0's message: status, release mode, the collective and hang timeouts (float64
-# seconds each, 0: off), then the text.
-_TIMEOUTS_AT, _TEXT_AT = 2, 18
-
-
-def _encode(
-    buffer: np.ndarray,
-    status: int,
-    mode: int,
-    text: str,
-    timeouts: tuple[float, float] = (0.0, 0.0),
-) -> None:
-    data = text.encode()[: buffer.size - _TEXT_AT]
-    buffer[0], buffer[1] = status, mode
-    packed = np.array(timeouts, dtype=np.float64).tobytes()
-    buffer[_TIMEOUTS_AT:_TEXT_AT] = np.frombuffer(packed, np.uint8)
-    buffer[_TEXT_AT : _TEXT_AT + len(data)] = np.frombuffer(data, dtype=np.uint8)
-
-
-def _decode(buffer: np.ndarray) -> tuple[int, int, str, tuple[float, float]]:
-    text = bytes(buffer[_TEXT_AT:]).rstrip(b"\0").decode(errors="replace")
-    timeouts = np.frombuffer(bytes(buffer[_TIMEOUTS_AT:_TEXT_AT]), np.float64)
-    return (
-        int(buffer[0]),
-        int(buffer[1]),
-        text,
-        (float(timeouts[0]), float(timeouts[1])),
-    )
+            where = "where rank 0's service listens"
+            waits.abort(
+                boot.comm, boot.log, coordinator.unreachable(address, why, where)
+            )
 
 
 # --- the process's one bootstrap ------------------------------------------------------
@@ -638,7 +479,7 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
 
 
 def release(on_listening=None) -> None:
-    """Run this process's release (see :meth:`Bootstrap.release`); once."""
+    """Run this process's release (see :meth:`Release.run`); once."""
     with _lock:
         bootstrap = _current
     if bootstrap is None:

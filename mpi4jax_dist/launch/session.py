@@ -66,12 +66,13 @@ def start(topo: bootstrap.Topology) -> None:
     xla_mpi.use_private_world(_world_for_xla)
     failfast.install(topo.rank, topo.size)
     current = bootstrap.current()
+    agreed = current.fault_settings
     hangs.install(
         topo.rank,
         topo.size,
-        current.collective_timeout_s,
+        agreed.collective_timeout_s,
         _watchdog_comm(current),
-        hang_timeout=current.hang_timeout_s,
+        hang_timeout=agreed.hang_timeout_s,
     )
     if (xla_record := xla_mpi.record()) is not None:
         hangs.quote_record(*xla_record)
@@ -123,7 +124,8 @@ def _watchdog_comm(current: bootstrap.Bootstrap):
     there is to be none: neither the collective nor the hang timeout (rank 0's
     settings), one rank, or MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release
     mode says so alike on every rank)."""
-    if current.collective_timeout_s is None and current.hang_timeout_s is None:
+    agreed = current.fault_settings
+    if agreed.collective_timeout_s is None and agreed.hang_timeout_s is None:
         return None
     if current.release_mode != "thread":
         return None

@@ -38,7 +38,7 @@ made = bootstrap.Bootstrap(comm=comm, timeout_s=2, topology=topo, release_mode=m
 if comm.rank == 0:
     time.sleep(120)
 elif mode == "thread":
-    made._check_reachable()
+    made._release.check_reachable()
     print("REACHED a coordinator that does not answer", flush=True)
 else:
     made.release()
