@@ -625,3 +625,115 @@ def mpi4jax_ordering():
     from mpi4jax._src.utils import ordered_effect
 
     return ordered_effect, abstract_token
+
+
+# --- Prototype (issue 48, item 2): mpi4jax's tokens made inside the program ----------
+# Self-contained: this block, config's MPI4JAX_DIST_TOKENS_IN_PROGRAM and the two
+# calls beside reuse_runtime_tokens's are the whole change.
+
+_in_program = {"main": threading.local(), "lowered": False, "drain": None}
+
+
+def tokens_in_program(enabled: bool = True) -> bool:
+    """Lower a one-device CPU program's main function so that the tokens of
+    mpi4jax's ordered effect (the package's ops carry it) are made inside it
+    (``create_token`` at entry, dropped at return), and build its executable with
+    that effect in neither its ordered nor its unordered effects; return whether
+    that is in force.
+
+    Why: JAX refuses its C++ dispatch for any program with effects
+    (``pjit._get_fastpath_data``), and for ordered ones adds runtime tokens to its
+    inputs and outputs; a 4-byte jitted allreduce then costs ~15x ``jit(v + 1)``.
+    Inside the program nothing changes: JAX still threads the effect's token
+    through every effectful equation, loops, conds and nested calls included.
+    Across programs, order rests on PJRT CPU: a program launched on a device waits
+    for the last one launched there (``stream_event_map``'s last enqueue event) as
+    it waited for its token before. ``jax.effects_barrier()`` (and JAX's exit
+    clean-up, which calls it) no longer sees these programs through tokens: once
+    one was lowered, it also runs an empty program on each local CPU device and
+    waits for it (PJRT's launch order again: per dispatching thread, as JAX's
+    runtime tokens are).
+    For: CPU programs over one device (``num_partitions == 1``) whose ordered
+    effects include mpi4jax's; any other ordered effect in the program keeps its
+    runtime token. Idempotent; ``enabled=False`` restores JAX's functions (read
+    before the first lowering: executables already built keep their convention).
+    """
+    from jax._src import dispatch
+    from jax._src.interpreters import mlir
+
+    state = _in_program
+    current = (
+        mlir.lower_jaxpr_to_module,
+        mlir.jaxpr_subcomp,
+        dispatch.RuntimeTokenSet.block_until_ready,
+    )
+    originals = tuple(getattr(f, "jax_original", f) for f in current)
+    lower_module, subcomp, block = originals
+    if not enabled:
+        mlir.lower_jaxpr_to_module, mlir.jaxpr_subcomp = lower_module, subcomp
+        dispatch.RuntimeTokenSet.block_until_ready = block
+        return False
+    if current != originals:
+        return True
+    if not has_mpi4jax():
+        return False
+    effect, _ = mpi4jax_ordering()
+
+    def lower_jaxpr_to_module(*args, ordered_effects, **kwargs):
+        platforms = tuple(kwargs.get("platforms") or ())
+        mine = (
+            effect in ordered_effects
+            and platforms == ("cpu",)
+            and kwargs.get("num_partitions", 1) == 1
+        )
+        if not mine:
+            return lower_module(*args, ordered_effects=ordered_effects, **kwargs)
+        # The caller (pxla's lowering) returns this very list as the
+        # executable's ordered effects: removed here, it is removed there.
+        ordered_effects.remove(effect)
+        state["main"].pending = True
+        try:
+            result = lower_module(*args, ordered_effects=ordered_effects, **kwargs)
+        finally:
+            state["main"].pending = False
+        state["lowered"] = True
+        return result
+
+    def jaxpr_subcomp(ctx, jaxpr, name_stack, tokens, *args, **kwargs):
+        # The first subcomputation of a module lowered above is its main
+        # function's body: its token for the effect starts there.
+        main = state["main"]
+        if getattr(main, "pending", False):
+            main.pending = False
+            if effect in jaxpr.effects and effect not in tokens.effects():
+                tokens = mlir.TokenSet(
+                    {**dict(tokens.items()), effect: mlir.hlo.create_token()}
+                )
+        return subcomp(ctx, jaxpr, name_stack, tokens, *args, **kwargs)
+
+    def block_until_ready(self):
+        try:
+            block(self)
+        finally:
+            if state["lowered"]:
+                _drain_cpu_devices()
+
+    wrappers = (lower_jaxpr_to_module, jaxpr_subcomp, block_until_ready)
+    for new, old in zip(wrappers, originals, strict=True):
+        new.jax_original = old
+    mlir.lower_jaxpr_to_module = lower_jaxpr_to_module
+    mlir.jaxpr_subcomp = jaxpr_subcomp
+    dispatch.RuntimeTokenSet.block_until_ready = block_until_ready
+    return True
+
+
+def _drain_cpu_devices() -> None:
+    """Run an empty program on each local CPU device and wait for it: PJRT CPU
+    starts it after the last program launched there ends."""
+    import jax.numpy as jnp
+
+    if _in_program["drain"] is None:
+        _in_program["drain"] = jax.jit(lambda: jnp.zeros((), jnp.bool_))
+    for device in jax.local_devices(backend="cpu"):
+        with jax.default_device(device):
+            _in_program["drain"]().block_until_ready()

@@ -546,6 +546,16 @@ def token_reuse(env: Mapping[str, str] | None = None) -> bool:
     return get_bool(TOKEN_REUSE, True, env)
 
 
+TOKENS_IN_PROGRAM = "MPI4JAX_DIST_TOKENS_IN_PROGRAM"
+
+
+def tokens_in_program(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether a one-device CPU program makes mpi4jax's tokens inside
+    itself instead of taking JAX's runtime tokens, and so gets JAX's C++ dispatch
+    (default off, a prototype: :func:`mpi4jax_dist._compat.tokens_in_program`)."""
+    return get_bool(TOKENS_IN_PROGRAM, False, env)
+
+
 # --- hangs: stacks on demand and the collective timeout (faults/hangs.py) ----------
 
 STACKS = "MPI4JAX_DIST_STACKS"

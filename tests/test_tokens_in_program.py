@@ -1,0 +1,61 @@
+"""mpi4jax's tokens made inside the program (MPI4JAX_DIST_TOKENS_IN_PROGRAM=1,
+:func:`mpi4jax_dist._compat.tokens_in_program`, a prototype, off by default).
+
+Each case runs tests/scripts/tokens_in_program.py in a 2-rank job of its own (the
+setting is read when the first op is lowered, and changes JAX's lowering for the
+whole process). Serially: python -m pytest tests/test_tokens_in_program.py.
+"""
+
+import re
+
+import pytest
+import util
+
+pytestmark = [pytest.mark.mpi_skip, pytest.mark.usefixtures("mpi4jax_installed")]
+
+
+@pytest.fixture
+def mpi4jax_installed():
+    pytest.importorskip("mpi4jax")
+
+
+def run(setting: str) -> dict[int, dict[str, str]]:
+    proc = util.run_mpi(
+        "tokens_in_program.py",
+        2,
+        timeout=300,
+        env=util.clean_env(MPI4JAX_DIST_TOKENS_IN_PROGRAM=setting),
+    )
+    found = {0: {}, 1: {}}
+    for rank, key, value in re.findall(r"^rank (\d): (\S+) (.*)$", proc.stdout, re.M):
+        found[int(rank)][key] = value
+    return found
+
+
+def test_tokens_in_program_give_the_cpp_dispatch_and_keep_the_order():
+    """On: the program takes and returns no runtime token, its executable has no
+    ordered effect, its calls after the first take JAX's C++ path; programs
+    dispatched back to back keep their order across ranks (PJRT CPU launches a
+    device's programs one after the other), and ``jax.effects_barrier()`` still
+    waits for a program that is running."""
+    for rank, found in run("1").items():
+        assert found == {
+            "token-params": "0",
+            "ordered-effects": "0",
+            "python-dispatches": "0",
+            "crossed": "0",
+            "barrier-waited": "True",
+        }, (rank, found)
+
+
+def test_runtime_tokens_by_default():
+    """Off (the default): JAX's convention, a runtime token in and out and every
+    call through JAX's Python dispatch; the same order and barrier."""
+    for rank, found in run("0").items():
+        assert found == {
+            "token-params": "1",
+            "ordered-effects": "1",
+            "python-dispatches": "10",
+            "crossed": "0",
+            "barrier-waited": "True",
+        }, (rank, found)
