@@ -653,8 +653,8 @@ def tokens_in_program(enabled: bool = True) -> bool:
     one was lowered, it also runs an empty program on each local CPU device and
     waits for it (PJRT's launch order again: per dispatching thread, as JAX's
     runtime tokens are).
-    For: CPU programs over one device (``num_partitions == 1``) whose ordered
-    effects include mpi4jax's; any other ordered effect in the program keeps its
+    For: CPU programs over one device (``num_partitions == 1``), in processes
+    with one CPU device, whose ordered effects include mpi4jax's; any other ordered effect in the program keeps its
     runtime token. Idempotent; ``enabled=False`` restores JAX's functions (read
     before the first lowering: executables already built keep their convention).
     """
@@ -681,10 +681,13 @@ def tokens_in_program(enabled: bool = True) -> bool:
 
     def lower_jaxpr_to_module(*args, ordered_effects, **kwargs):
         platforms = tuple(kwargs.get("platforms") or ())
+        # One CPU device in the process: PJRT orders launches per device, where
+        # JAX's token also ordered one device's programs after another's.
         mine = (
             effect in ordered_effects
             and platforms == ("cpu",)
             and kwargs.get("num_partitions", 1) == 1
+            and len(jax.local_devices(backend="cpu")) == 1
         )
         if not mine:
             return lower_module(*args, ordered_effects=ordered_effects, **kwargs)
