@@ -19,12 +19,12 @@ def mpi4jax_installed():
     pytest.importorskip("mpi4jax")
 
 
-def run(setting: str) -> dict[int, dict[str, str]]:
+def run(setting: str, **env) -> dict[int, dict[str, str]]:
     proc = util.run_mpi(
         "tokens_in_program.py",
         2,
         timeout=300,
-        env=util.clean_env(MPI4JAX_DIST_TOKENS_IN_PROGRAM=setting),
+        env=util.clean_env(MPI4JAX_DIST_TOKENS_IN_PROGRAM=setting, **env),
     )
     found = {0: {}, 1: {}}
     for rank, key, value in re.findall(r"^rank (\d): (\S+) (.*)$", proc.stdout, re.M):
@@ -48,14 +48,25 @@ def test_tokens_in_program_give_the_cpp_dispatch_and_keep_the_order():
         }, (rank, found)
 
 
+RUNTIME_TOKENS = {
+    "token-params": "1",
+    "ordered-effects": "1",
+    "python-dispatches": "10",
+    "crossed": "0",
+    "barrier-waited": "True",
+}
+
+
 def test_runtime_tokens_by_default():
     """Off (the default): JAX's convention, a runtime token in and out and every
     call through JAX's Python dispatch; the same order and barrier."""
     for rank, found in run("0").items():
-        assert found == {
-            "token-params": "1",
-            "ordered-effects": "1",
-            "python-dispatches": "10",
-            "crossed": "0",
-            "barrier-waited": "True",
-        }, (rank, found)
+        assert found == RUNTIME_TOKENS, (rank, found)
+
+
+def test_runtime_tokens_with_several_cpu_devices():
+    """On, with two CPU devices in each process: JAX's convention still. PJRT
+    orders launches per device, and programs on two devices crossed their
+    allreduces where JAX's token, moved between devices, ordered them."""
+    for rank, found in run("1", JAX_NUM_CPU_DEVICES=2).items():
+        assert found == RUNTIME_TOKENS, (rank, found)
