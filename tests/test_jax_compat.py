@@ -353,8 +353,12 @@ def test_the_runtime_token_is_handed_on_as_it_is(setting):
     """With MPI4JAX_DIST_TOKEN_REUSE=1 (the default) on a JAX it ran on, each call
     of an ordered-effect program gets the token the last call returned, the very
     object, and the same results; with 0, JAX's own method (a new token each
-    call, made after waiting for the last program)."""
-    env = util.clean_env(MPI4JAX_DIST_TOKEN_REUSE=setting)
+    call, made after waiting for the last program). With the token made inside
+    the program (MPI4JAX_DIST_TOKENS_IN_PROGRAM, on by default) no runtime token
+    is left to hand on: these programs keep one with it off."""
+    env = util.clean_env(
+        MPI4JAX_DIST_TOKEN_REUSE=setting, MPI4JAX_DIST_TOKENS_IN_PROGRAM="0"
+    )
     proc = util.run_command([sys.executable, "-c", _TOKENS], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[-1])

@@ -83,12 +83,14 @@ from .jax_api import (  # noqa: F401
 )
 from .patches import (  # noqa: F401
     TOKEN_REUSE_RAN,
+    TOKENS_IN_PROGRAM_RAN,
     cache_on_every_process,
     disable_preemption_service,
     publish_gloo_address,
     published_gloo_address,
     register_first,
     reuse_runtime_tokens,
+    tokens_in_program,
 )
 from .versions import (  # noqa: F401
     CACHE_WRITE_PARAMS,

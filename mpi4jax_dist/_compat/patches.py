@@ -13,6 +13,8 @@ disable_preemption_service     before 0.8.2: ``global_state``'s start of the ser
 publish_gloo_address           the CPU backend's factory (through ``jax.extend``)
 cache_on_every_process         ``compiler.compile_or_get_cached`` and ``_cache_write``
 reuse_runtime_tokens           ``dispatch.RuntimeTokenSet.get_token_input``
+tokens_in_program              ``mlir.lower_jaxpr_to_module``, ``mlir.jaxpr_subcomp``
+                               and ``dispatch.RuntimeTokenSet.block_until_ready``
 =============================  =========================================================
 """
 
@@ -25,6 +27,7 @@ import warnings
 import jax
 from jax._src import distributed as _distributed
 
+from .extra import has_mpi4jax, mpi4jax_ordering
 from .jax_api import (
     ClusterEnv,
     backends_initialized,
@@ -281,3 +284,130 @@ def reuse_runtime_tokens(enabled: bool = True) -> bool:
     get_token_input.jax_original = original
     tokens.get_token_input = get_token_input
     return True
+
+
+# --- mpi4jax's ordering token made inside a one-device CPU program --------------
+
+_in_program = {"main": threading.local(), "lowered": False, "drain": None}
+
+
+# The JAX minors whose whole suite ran with tokens_in_program on (CI: the oldest
+# and the newest; the rows between are tools/jax_sweep.sh's).
+TOKENS_IN_PROGRAM_RAN = ((0, 6), (0, 12))
+
+
+def tokens_in_program(enabled: bool = True) -> bool:
+    """Lower a one-device CPU program's main function so that the tokens of
+    mpi4jax's ordered effect (the package's ops carry it) are made inside it
+    (``create_token`` at entry, dropped at return), and build its executable with
+    that effect in neither its ordered nor its unordered effects; return whether
+    that is in force.
+
+    Why: JAX refuses its C++ dispatch for any program with effects
+    (``pjit._get_fastpath_data``), and for ordered ones adds runtime tokens to its
+    inputs and outputs; a 4-byte jitted allreduce then costs ~15x ``jit(v + 1)``.
+    Inside the program nothing changes: JAX still threads the effect's token
+    through every effectful equation, loops, conds and nested calls included.
+    Across programs, order rests on PJRT CPU: a program launched on a device waits
+    for the last one launched there (``stream_event_map``'s last enqueue event) as
+    it waited for its token before. ``jax.effects_barrier()`` (and JAX's exit
+    clean-up, which calls it) no longer sees these programs through tokens: once
+    one was lowered, it also runs an empty program on each local CPU device and
+    waits for it (PJRT's launch order again: per dispatching thread, as JAX's
+    runtime tokens are).
+    For: the JAX minors in :data:`TOKENS_IN_PROGRAM_RAN`; CPU programs over one
+    device (``num_partitions == 1``), in processes with one CPU device (PJRT
+    orders launches per device: with two, programs on two devices crossed their
+    allreduces), whose ordered effects include mpi4jax's; any other ordered
+    effect in the program keeps its runtime token. Tests:
+    tests/test_tokens_in_program.py (no runtime token, no ordered effect, JAX's
+    C++ dispatch; programs dispatched back to back never cross across ranks; the
+    barrier waits; two CPU devices and ``enabled=False`` keep JAX's convention)
+    and every ordering test of the suite, run with it on. Drop it when JAX gives
+    programs whose ordered effects need no runtime token (an effect ordered
+    within a program only) its C++ dispatch. Idempotent; ``enabled=False``
+    (``MPI4JAX_DIST_TOKENS_IN_PROGRAM=0``) restores JAX's functions (read before
+    the first lowering: executables already built keep their convention).
+    """
+    from jax._src import dispatch
+    from jax._src.interpreters import mlir
+
+    state = _in_program
+    current = (
+        mlir.lower_jaxpr_to_module,
+        mlir.jaxpr_subcomp,
+        dispatch.RuntimeTokenSet.block_until_ready,
+    )
+    originals = tuple(getattr(f, "jax_original", f) for f in current)
+    lower_module, subcomp, block = originals
+    if not enabled:
+        mlir.lower_jaxpr_to_module, mlir.jaxpr_subcomp = lower_module, subcomp
+        dispatch.RuntimeTokenSet.block_until_ready = block
+        return False
+    if current != originals:
+        return True
+    if JAX_VERSION[:2] not in TOKENS_IN_PROGRAM_RAN or not has_mpi4jax():
+        return False
+    effect, _ = mpi4jax_ordering()
+
+    def lower_jaxpr_to_module(*args, ordered_effects, **kwargs):
+        platforms = tuple(kwargs.get("platforms") or ())
+        # One CPU device in the process: PJRT orders launches per device, where
+        # JAX's token also ordered one device's programs after another's.
+        mine = (
+            effect in ordered_effects
+            and platforms == ("cpu",)
+            and kwargs.get("num_partitions", 1) == 1
+            and len(jax.local_devices(backend="cpu")) == 1
+        )
+        if not mine:
+            return lower_module(*args, ordered_effects=ordered_effects, **kwargs)
+        # The caller (pxla's lowering) returns this very list as the
+        # executable's ordered effects: removed here, it is removed there.
+        ordered_effects.remove(effect)
+        state["main"].pending = True
+        try:
+            result = lower_module(*args, ordered_effects=ordered_effects, **kwargs)
+        finally:
+            state["main"].pending = False
+        state["lowered"] = True
+        return result
+
+    def jaxpr_subcomp(ctx, jaxpr, name_stack, tokens, *args, **kwargs):
+        # The first subcomputation of a module lowered above is its main
+        # function's body: its token for the effect starts there.
+        main = state["main"]
+        if getattr(main, "pending", False):
+            main.pending = False
+            if effect in jaxpr.effects and effect not in tokens.effects():
+                tokens = mlir.TokenSet(
+                    {**dict(tokens.items()), effect: mlir.hlo.create_token()}
+                )
+        return subcomp(ctx, jaxpr, name_stack, tokens, *args, **kwargs)
+
+    def block_until_ready(self):
+        try:
+            block(self)
+        finally:
+            if state["lowered"]:
+                _drain_cpu_devices()
+
+    wrappers = (lower_jaxpr_to_module, jaxpr_subcomp, block_until_ready)
+    for new, old in zip(wrappers, originals, strict=True):
+        new.jax_original = old
+    mlir.lower_jaxpr_to_module = lower_jaxpr_to_module
+    mlir.jaxpr_subcomp = jaxpr_subcomp
+    dispatch.RuntimeTokenSet.block_until_ready = block_until_ready
+    return True
+
+
+def _drain_cpu_devices() -> None:
+    """Run an empty program on each local CPU device and wait for it: PJRT CPU
+    starts it after the last program launched there ends."""
+    import jax.numpy as jnp
+
+    if _in_program["drain"] is None:
+        _in_program["drain"] = jax.jit(lambda: jnp.zeros((), jnp.bool_))
+    for device in jax.local_devices(backend="cpu"):
+        with jax.default_device(device):
+            _in_program["drain"]().block_until_ready()

@@ -80,12 +80,14 @@ from .ops import (  # noqa: F401
     MPI4JAX_CUDA_AWARE_MPI,
     STAGING_BYTES,
     TOKEN_REUSE,
+    TOKENS_IN_PROGRAM,
     allreduce_chunk_bytes,
     checks,
     cuda_aware_mpi,
     cuda_aware_source,
     staging_bytes,
     token_reuse,
+    tokens_in_program,
 )
 from .proxies import (  # noqa: F401
     NO_GRPC_PROXY,

@@ -174,3 +174,15 @@ def token_reuse(env: Mapping[str, str] | None = None) -> bool:
     jitted call's dispatch. ``MPI4JAX_DIST_TOKEN_REUSE=0`` keeps JAX's own path,
     which waits for the last program before it dispatches the next."""
     return get_bool(TOKEN_REUSE, True, env)
+
+
+TOKENS_IN_PROGRAM = "MPI4JAX_DIST_TOKENS_IN_PROGRAM"
+
+
+def tokens_in_program(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether a one-device CPU program makes mpi4jax's ordering token
+    inside itself instead of taking JAX's runtime token, and so gets JAX's C++
+    dispatch (default on, on the JAX versions it ran on:
+    :func:`mpi4jax_dist._compat.tokens_in_program`).
+    ``MPI4JAX_DIST_TOKENS_IN_PROGRAM=0`` keeps JAX's runtime tokens."""
+    return get_bool(TOKENS_IN_PROGRAM, True, env)

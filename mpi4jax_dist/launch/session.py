@@ -82,6 +82,7 @@ def start(topo: bootstrap.Topology) -> None:
     _choose_gloo_address(topo)
     # mpi4jax's programs too, where no op of ours runs (_compat.reuse_runtime_tokens).
     _compat.reuse_runtime_tokens(_config.token_reuse())
+    _compat.tokens_in_program(_config.tokens_in_program())
     if _config.cache_every_process():
         # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
         # were before jax.distributed made all but rank 0 stop writing.

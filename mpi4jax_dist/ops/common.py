@@ -149,6 +149,7 @@ def ordering():
     from .. import _compat
 
     _compat.reuse_runtime_tokens(_config.token_reuse())
+    _compat.tokens_in_program(_config.tokens_in_program())
     return _compat.mpi4jax_ordering()
 
 
