@@ -9,6 +9,7 @@ and cg's backend="mpi4jax" reduces with it.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 MPI4JAX_EXTRA = "mpi4jax_dist[mpi4jax]"
 
@@ -52,3 +53,11 @@ def mpi4jax_ordering():
     from mpi4jax._src.utils import ordered_effect
 
     return ordered_effect, abstract_token
+
+
+def mpi4jax_effect_if_imported():
+    """Return mpi4jax's ordered effect where mpi4jax is imported, else None (no
+    program can carry it then); import nothing: importing mpi4jax prints its
+    version warning, which the package explains where a user first sees it."""
+    utils = sys.modules.get("mpi4jax._src.utils")
+    return None if utils is None else utils.ordered_effect

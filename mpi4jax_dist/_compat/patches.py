@@ -27,7 +27,7 @@ import warnings
 import jax
 from jax._src import distributed as _distributed
 
-from .extra import has_mpi4jax, mpi4jax_ordering
+from .extra import has_mpi4jax, mpi4jax_effect_if_imported
 from .jax_api import (
     ClusterEnv,
     backends_initialized,
@@ -348,14 +348,17 @@ def tokens_in_program(enabled: bool = True) -> bool:
         return True
     if JAX_VERSION[:2] not in TOKENS_IN_PROGRAM_RAN or not has_mpi4jax():
         return False
-    effect, _ = mpi4jax_ordering()
 
     def lower_jaxpr_to_module(*args, ordered_effects, **kwargs):
+        # Looked up here, not when patching: the bootstrap patches before any
+        # program imports mpi4jax, and this imports nothing.
+        effect = mpi4jax_effect_if_imported()
         platforms = tuple(kwargs.get("platforms") or ())
         # One CPU device in the process: PJRT orders launches per device, where
         # JAX's token also ordered one device's programs after another's.
         mine = (
-            effect in ordered_effects
+            effect is not None
+            and effect in ordered_effects
             and platforms == ("cpu",)
             and kwargs.get("num_partitions", 1) == 1
             and len(jax.local_devices(backend="cpu")) == 1
@@ -365,11 +368,11 @@ def tokens_in_program(enabled: bool = True) -> bool:
         # The caller (pxla's lowering) returns this very list as the
         # executable's ordered effects: removed here, it is removed there.
         ordered_effects.remove(effect)
-        state["main"].pending = True
+        state["main"].pending = effect
         try:
             result = lower_module(*args, ordered_effects=ordered_effects, **kwargs)
         finally:
-            state["main"].pending = False
+            state["main"].pending = None
         state["lowered"] = True
         return result
 
@@ -377,8 +380,9 @@ def tokens_in_program(enabled: bool = True) -> bool:
         # The first subcomputation of a module lowered above is its main
         # function's body: its token for the effect starts there.
         main = state["main"]
-        if getattr(main, "pending", False):
-            main.pending = False
+        effect = getattr(main, "pending", None)
+        if effect is not None:
+            main.pending = None
             if effect in jaxpr.effects and effect not in tokens.effects():
                 tokens = mlir.TokenSet(
                     {**dict(tokens.items()), effect: mlir.hlo.create_token()}
