@@ -68,7 +68,7 @@ def test_tokens_in_program_give_the_cpp_dispatch_and_keep_the_order():
 def test_a_lost_order_between_programs_is_seen():
     """Fault injection: one rank dispatches two programs the other way round, as
     a lost order would; the count of crossed results sees it."""
-    for rank, found in run(None, SWAP="1").items():
+    for rank, found in run(None, SWAP="1", ROUNDS="20").items():
         assert int(found["crossed"]) > 0, (rank, found)
 
 
@@ -76,7 +76,7 @@ def test_runtime_tokens_when_turned_off():
     """``MPI4JAX_DIST_TOKENS_IN_PROGRAM=0``: JAX's convention, a runtime token in
     and out and every call through JAX's Python dispatch; the same order and
     barrier."""
-    for rank, found in run("0").items():
+    for rank, found in run("0", ROUNDS="20").items():
         assert found == RUNTIME_TOKENS, (rank, found)
 
 
@@ -84,5 +84,5 @@ def test_runtime_tokens_with_several_cpu_devices():
     """On, with two CPU devices in each process: JAX's convention still. PJRT
     orders launches per device, and programs on two devices crossed their
     allreduces where JAX's token, moved between devices, ordered them."""
-    for rank, found in run("1", JAX_NUM_CPU_DEVICES=2).items():
+    for rank, found in run("1", JAX_NUM_CPU_DEVICES=2, ROUNDS="20").items():
         assert found == RUNTIME_TOKENS, (rank, found)

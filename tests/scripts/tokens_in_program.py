@@ -11,7 +11,7 @@ Prints ``rank R: key value`` lines:
 - ``ordered-effects N``: the ordered effects its executable was built with;
 - ``python-dispatches N``: how many of 10 calls after the first went through
   JAX's Python dispatch (``pxla.ExecuteReplicated.__call__``), not its C++ path;
-- ``crossed N``: results of 4 x 150 programs dispatched back to back (a slow
+- ``crossed N``: results of 4 x ROUNDS (150) programs dispatched back to back (a slow
   one, whose allreduce waits for a loop that one rank runs long, then quick
   ones on independent data, the same communicator) that are not their own
   reduction: one program's allreduce met another's on the other rank;
@@ -40,6 +40,7 @@ RANK, SIZE = comm.rank, comm.size
 # each round the other way round, as a lost order between programs would: the
 # count of crossed results must see it.
 SWAP = os.environ.get("SWAP") == "1" and RANK == SIZE - 1
+ROUNDS = int(os.environ.get("ROUNDS", "150"))
 
 
 def say(key, value):
@@ -101,7 +102,7 @@ quick_ours(b).block_until_ready()
 quick_theirs(b).block_until_ready()
 TRIPS = (0, 1000, 20_000, 200_000, 2_000_000)
 crossed = 0
-for i in range(150):
+for i in range(ROUNDS):
     trips = (
         (0, 1000, 20_000, 200_000, 2_000_000)[i // SIZE % 5] if i % SIZE == RANK else 0
     )
