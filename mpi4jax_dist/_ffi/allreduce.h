@@ -278,8 +278,10 @@ inline ffi::Error BeginCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
   h.chunk_bytes = chunk_bytes;
   h.seq = seq;
   call->site = site;
-  call->record = Record::Get().Enter(comm_id, seq, kind, op_code, h.type,
-                                     h.count, site, SteadyNs());
+  // A non-blocking start is posted, not waited in, until its wait.
+  call->record = Record::Get().Enter(
+      comm_id, seq, kind, op_code, h.type, h.count, site, SteadyNs(),
+      call->entry->name.c_str(), kind == kNonBlocking ? kPosted : kEntered);
   if (ffi::Error error =
           PrivateComm(*call->entry, block, &call->comm, ready, who);
       error.failure()) {

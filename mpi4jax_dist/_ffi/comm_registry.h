@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,11 +26,62 @@
 
 namespace mpi4jax_dist {
 
+// A communicator's group as every member of it names it alike: FNV-1a of its
+// ranks in MPI_COMM_WORLD and their number, never 0. O(P), once per
+// communicator. Called with the MPI lock held.
+inline uint64_t GroupHash(MPI_Comm comm) {
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  int size = 0;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a's offset basis
+  auto mix = [&hash](uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= (value >> (8 * byte)) & 0xff;
+      hash *= 1099511628211ull;  // FNV-1a's prime
+    }
+  };
+  if (MPI_Comm_group(comm, &group) == MPI_SUCCESS &&
+      MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS &&
+      MPI_Group_size(group, &size) == MPI_SUCCESS && size > 0) {
+    std::vector<int> ranks(size), in_world(size);
+    for (int i = 0; i < size; ++i) ranks[i] = i;
+    MPI_Group_translate_ranks(group, size, ranks.data(), world,
+                              in_world.data());
+    for (int r : in_world) mix(static_cast<uint64_t>(static_cast<int64_t>(r)));
+  }
+  if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+  if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
+  mix(static_cast<uint64_t>(size));
+  return hash | 1;
+}
+
+// A communicator as every member of it names it alike once its duplicates are
+// made, for the watchdog's comparisons of where the ranks wait
+// (mpi4jax_dist/faults/standstill.py): its group's hash mixed with its place
+// among the communicators of that group whose duplicates this process has
+// made, in the order made (making them is a collective every member makes, in
+// one order), never 0.
+inline uint64_t MadeKey(uint64_t group_hash) {
+  static std::mutex* mu = new std::mutex();
+  static auto* made = new std::map<uint64_t, uint64_t>();
+  uint64_t place = 0;
+  {
+    std::lock_guard<std::mutex> lock(*mu);
+    place = (*made)[group_hash]++;
+  }
+  uint64_t hash = group_hash;
+  for (int byte = 0; byte < 8; ++byte) {
+    hash ^= (place >> (8 * byte)) & 0xff;
+    hash *= 1099511628211ull;
+  }
+  return hash | 1;
+}
+
 class CommRegistry {
  public:
   struct Entry {
     MPI_Comm comm = MPI_COMM_NULL;  // the user's
     std::string name;               // "communicator 'NAME' (P ranks)"
+    int size = 0;                   // P
     std::atomic<bool> freed{false};
     // The calls entered on it in this process (allreduce, iallreduce's
     // start): each call's number, and the collective timeout's report.
@@ -45,6 +97,11 @@ class CommRegistry {
     // The call whose ranks disagreed (0: none): MPI may still hold a request
     // of it on `dup`, so no later call may use it.
     std::atomic<int64_t> broken_at{0};
+    // The communicator as every member names it alike: its group (GroupHash),
+    // and once its duplicates are made, which of that group's (MadeKey; 0
+    // before).
+    uint64_t group_hash = 0;
+    std::atomic<uint64_t> global_key{0};
   };
 
   // Never destroyed: MPI may call the delete callback at MPI_Finalize, from
@@ -92,6 +149,8 @@ class CommRegistry {
     entry.name = (length ? "communicator '" + std::string(name, length) + "'"
                          : std::string("a communicator")) +
                  " (" + std::to_string(size) + " ranks)";
+    entry.size = size;
+    entry.group_hash = GroupHash(comm);
     const int64_t new_id = static_cast<int64_t>(entries_.size());
     rc = MPI_Comm_set_attr(
         comm, keyval_, reinterpret_cast<void*>(static_cast<intptr_t>(new_id)));
@@ -130,6 +189,24 @@ class CommRegistry {
   int64_t CountCall(int64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     return entries_[id - 1]->calls.fetch_add(1) + 1;
+  }
+
+  // The communicator `id` as every member names it (Entry::global_key; until
+  // its first call has made its duplicates, its group's hash with the low bit
+  // cleared: alike on every member then too, and never a made key), as the
+  // reports do, and its size; 0, "" and 0 for an id never registered.
+  struct Description {
+    uint64_t key = 0;
+    std::string name;
+    int size = 0;
+  };
+  Description Describe(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id < 1 || id > static_cast<int64_t>(entries_.size())) return {};
+    const Entry& entry = *entries_[id - 1];
+    const uint64_t made = entry.global_key.load();
+    return {made ? made : entry.group_hash & ~uint64_t{1}, entry.name,
+            entry.size};
   }
 
   // Every registered communicator's count of calls, by id (index id - 1).
@@ -222,6 +299,7 @@ inline ffi::Error PrivateComm(CommRegistry::Entry& entry, bool block,
         MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
         MPI_Comm_set_name(comm, const_cast<char*>("mpi4jax_dist's own"));
       }
+      entry.global_key.store(MadeKey(entry.group_hash));
     }
     entry.dup_state.store(2, std::memory_order_release);
   }

@@ -162,8 +162,10 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
     return error;
   }
   // The deadline of a wait starts when it is entered (the start returned at
-  // once); the call it names is the start's.
+  // once); the call it names is the start's, which the record now says this
+  // rank waits in.
   EnterCall(who, slot->comm_id, slot->seq);
+  Record::Waiting(slot->call.record);
   RequestStats& stats = GetRequestStats();
   stats.waits.fetch_add(1, std::memory_order_relaxed);
   const int64_t entered_ns = SteadyNs();

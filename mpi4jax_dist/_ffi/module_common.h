@@ -136,6 +136,36 @@ inline void DefineCommon(nb::module_& m) {
       "Return a capsule of the C function size_t(char* out, size_t capacity) "
       "that writes in_flight()'s text without Python, for _stacks's thread.");
   m.def(
+      "record_events",
+      [] {
+        const Record& record = Record::Get();
+        const int64_t last = record.LastEventNs();
+        return nb::make_tuple(
+            record.Events(), last ? (SteadyNs() - last) * 1e-9 : -1.0);
+      },
+      "Return (the calls entered, waited for and ended so far, seconds since "
+      "the last of them; -1 before any): the record's progress.");
+  m.def(
+      "calls",
+      [] {
+        nb::list calls;
+        for (const Record::Copy& e : Record::Get().Entries()) {
+          if (e.state != kEntered && e.state != kPosted) continue;
+          const CommRegistry::Description comm =
+              CommRegistry::Get().Describe(e.comm_id);
+          calls.append(nb::make_tuple(
+              comm.key, comm.name, comm.size, e.seq, KindName(e.kind),
+              OpName(e.op), TypeName(e.type), e.count,
+              Record::Get().Site(e.site), e.state == kEntered));
+        }
+        return calls;
+      },
+      "Return the calls this process is in, oldest first, as (communicator "
+      "key, communicator's name, its size, number there, kind, op, dtype, "
+      "count, site, waiting): the key is alike on every member (0 before the "
+      "communicator's first call has made its duplicates); waiting is False "
+      "for a non-blocking start whose wait is not yet entered.");
+  m.def(
       "disagreement",
       []() -> nb::object {
         Disagreement& last = LastDisagreement();

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "mpi_base.h"
+#include "timeout.h"
 
 namespace mpi4jax_dist {
 
@@ -32,9 +33,10 @@ enum CallKind : int32_t {
 
 // A call's state in the record.
 enum CallState : int32_t {
-  kEntered = 1,  // in MPI (or about to be): what a hung rank stands in
+  kEntered = 1,  // waiting in MPI (or about to): what a hung rank stands in
   kDone = 2,
   kFailed = 3,  // returned an error (a disagreement among them)
+  kPosted = 4,  // a non-blocking start, posted; its wait not yet entered
 };
 
 inline const char* KindName(int32_t kind) {
@@ -110,6 +112,10 @@ class Record {
     int32_t op = 0;
     int32_t type = 0;
     std::atomic<int32_t> state{0};
+    // The communicator as the reports name it ("communicator 'NAME' (P
+    // ranks)": comm_registry.h's Entry::name, which lives as long as the
+    // process).
+    const char* comm_name = "";
   };
 
   // Never destroyed: reports may read it while the process exits.
@@ -125,9 +131,11 @@ class Record {
     int64_t serial = 0;
   };
 
-  // Write a call entering; return its handle, for Finish.
+  // Write a call entering (`state`: kEntered, or kPosted for a non-blocking
+  // start); return its handle, for Finish.
   Handle Enter(int64_t comm_id, int64_t seq, int32_t kind, int32_t op,
-               int32_t type, int64_t count, int64_t site, int64_t now_ns) {
+               int32_t type, int64_t count, int64_t site, int64_t now_ns,
+               const char* comm_name = "", CallState state = kEntered) {
     const int64_t serial = next_.fetch_add(1, std::memory_order_relaxed) + 1;
     Entry& e = entries_[(serial - 1) % kEntries];
     e.serial.store(0, std::memory_order_relaxed);  // torn while written
@@ -139,16 +147,26 @@ class Record {
     e.kind = kind;
     e.op = op;
     e.type = type;
-    e.state.store(kEntered, std::memory_order_relaxed);
+    e.comm_name = comm_name;
+    e.state.store(state, std::memory_order_relaxed);
     e.serial.store(serial, std::memory_order_release);
+    Touch(now_ns);
     return {&e, serial};
   }
 
+  // A call's state changes: done or failed (Finish), or a posted start's wait
+  // entered (Waiting). Each is an event of the record (Events).
   static void Finish(const Handle& handle, CallState state) {
-    if (handle.entry != nullptr &&
-        handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
-      handle.entry->state.store(state, std::memory_order_release);
-    }
+    SetState(handle, state);
+  }
+  static void Waiting(const Handle& handle) { SetState(handle, kEntered); }
+
+  // What the watchdog reads as this process's collectives making progress
+  // (mpi4jax_dist/faults/progress.py): the number of calls entered, waited
+  // for and ended so far, and when the last of them was (steady clock, ns).
+  int64_t Events() const { return events_.load(std::memory_order_relaxed); }
+  int64_t LastEventNs() const {
+    return last_event_ns_.load(std::memory_order_relaxed);
   }
 
   // A place in the user's code ("step.py:12 in body"), registered when a call
@@ -177,6 +195,7 @@ class Record {
   struct Copy {
     int64_t serial, comm_id, seq, count, site, entered_ns;
     int32_t kind, op, type, state;
+    const char* comm_name;
   };
   std::vector<Copy> Entries() const {
     std::vector<Copy> out;
@@ -186,27 +205,30 @@ class Record {
       if (e.serial.load(std::memory_order_acquire) != s) continue;  // torn
       out.push_back({s, e.comm_id, e.seq, e.count, e.site, e.entered_ns,
                      e.kind, e.op, e.type,
-                     e.state.load(std::memory_order_acquire)});
+                     e.state.load(std::memory_order_acquire), e.comm_name});
     }
     return out;
   }
 
   // The calls still entered, as the hang reports group ranks by them:
-  // "allreduce #5 SUM float32[4] at step.py:12 in body", several joined by
-  // "; " ("" when none). Written into `out` (at most `capacity` bytes, NUL
-  // ended); any thread, no lock, no Python: the _stacks thread reads it for a
-  // rank whose Python cannot answer.
+  // "allreduce #5 SUM float32[4] on communicator 'MPI_COMM_WORLD' (2 ranks)
+  // at step.py:12 in body", a posted start whose wait is not yet entered
+  // followed by " (started, not waited for)", several joined by "; " (""
+  // when none). Written into `out` (at most `capacity` bytes, NUL ended); any
+  // thread, no lock, no Python: the _stacks thread reads it for a rank whose
+  // Python cannot answer.
   size_t InFlightText(char* out, size_t capacity) const {
     if (capacity == 0) return 0;
     size_t used = 0;
     out[0] = '\0';
     for (const Copy& e : Entries()) {
-      if (e.state != kEntered) continue;
+      if (e.state != kEntered && e.state != kPosted) continue;
       const char* site = Site(e.site);
       const int n = std::snprintf(
-          out + used, capacity - used, "%s%s%s%s", used ? "; " : "",
+          out + used, capacity - used, "%s%s%s%s%s%s%s", used ? "; " : "",
           CallText(e.kind, e.seq, e.op, e.type, e.count).c_str(),
-          site[0] ? " at " : "", site);
+          e.comm_name[0] ? " on " : "", e.comm_name, site[0] ? " at " : "",
+          site, e.state == kPosted ? " (started, not waited for)" : "");
       if (n < 0) break;
       used = std::min(capacity - 1, used + static_cast<size_t>(n));
     }
@@ -214,8 +236,23 @@ class Record {
   }
 
  private:
+  static void SetState(const Handle& handle, CallState state) {
+    if (handle.entry != nullptr &&
+        handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
+      handle.entry->state.store(state, std::memory_order_release);
+    }
+    Get().Touch(SteadyNs());
+  }
+
+  void Touch(int64_t now_ns) {
+    events_.fetch_add(1, std::memory_order_relaxed);
+    last_event_ns_.store(now_ns, std::memory_order_relaxed);
+  }
+
   Entry entries_[kEntries];
   std::atomic<int64_t> next_{0};
+  std::atomic<int64_t> events_{0};
+  std::atomic<int64_t> last_event_ns_{0};
   static constexpr int64_t kSites = 4096;
   std::mutex mu_;
   std::atomic<const std::string*> sites_[kSites] = {};

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from typing import NamedTuple
 
 _lock = threading.Lock()
 # The extension modules loaded (_ffi's CPU and CUDA ones), as configured.
@@ -53,13 +54,70 @@ def add_record(in_flight) -> None:
 
 def calls_in_flight() -> str:
     """The collectives this process is in (entered, not yet returned), as the
-    records say: the package's (``allreduce #5 SUM float32[4] at step.py:12 in
-    body``) and XLA's over MPI (``XLA's MPI_Allreduce #3 SUM float32[4] on 2
-    ranks``), several joined by ``; ``; "" when none."""
+    records say: the package's (``allreduce #5 SUM float32[4] on communicator
+    'MPI_COMM_WORLD' (2 ranks) at step.py:12 in body``, :meth:`Call.text`) and
+    XLA's over MPI (``XLA's MPI_Allreduce #3 SUM float32[4] on 2 ranks``), several
+    joined by ``; ``; "" when none. Calls on different communicators read apart,
+    unnamed ones included (by their key), so that ranks in them stand apart."""
     with _lock:
-        texts = list(_records)
-    texts += [m.in_flight for m in modules()]
-    return "; ".join(filter(None, (in_flight() for in_flight in texts)))
+        others = list(_records)
+    texts = [c.text() for c in calls()] + [in_flight() for in_flight in others]
+    return "; ".join(filter(None, texts))
+
+
+def place_text() -> str:
+    """What the hang timeout's verdicts compare of the calls this rank is in:
+    :func:`calls_in_flight` and each call's communicator key and number."""
+    keys = ",".join(f"{c.comm_key:x}#{c.seq}" for c in calls())
+    return f"{calls_in_flight()}\n{keys}"
+
+
+class Call(NamedTuple):
+    """A collective this process is in, as every rank can compare it: its
+    communicator's key (alike on every member: odd once the first call there has
+    made its private duplicates, before that even, its group's alone) and size, its
+    number there, what it reduces and where it was made; ``waiting``: in its wait
+    (False for a non-blocking start whose wait is not yet entered). ``comm`` names
+    the communicator for a report."""
+
+    comm_key: int
+    comm: str
+    size: int
+    seq: int
+    kind: str
+    op: str
+    dtype: str
+    count: int
+    site: str
+    waiting: bool
+
+    def same_as(self) -> tuple:
+        """What must be alike on every member for MPI to complete the call."""
+        return (self.comm_key, self.seq, self.kind, self.op, self.dtype, self.count)
+
+    def text(self) -> str:
+        """``allreduce #5 SUM float32[4] on communicator 'X' (2 ranks) at ...``;
+        an unnamed communicator as ``a communicator (2 ranks, key 5e1a03)``,
+        alike on its members."""
+        text = f"{self.kind} #{self.seq} {self.op} {self.dtype}[{self.count}]"
+        comm = self.comm
+        if comm.startswith("a communicator (") and self.comm_key:
+            comm = f"{comm[:-1]}, key {self.comm_key & 0xFFFFFF:06x})"
+        text += f" on {comm}" if comm else ""
+        text += f" at {self.site}" if self.site else ""
+        return text if self.waiting else text + " (started, not waited for)"
+
+
+def calls() -> list[Call]:
+    """The package's collectives this process is in (entered, not yet returned),
+    oldest first, from every loaded extension's record."""
+    return [Call(*entry) for module in modules() for entry in module.calls()]
+
+
+def events() -> int:
+    """The calls entered, waited for and ended so far in this process: what the
+    watchdog counts as the collectives making progress."""
+    return sum(module.record_events()[0] for module in modules())
 
 
 def reported_elsewhere(exc: BaseException) -> bool:
