@@ -223,18 +223,20 @@ def test_no_false_alarm_in_a_long_run_of_matched_calls(env):
 
 @util.same_under_every_mpi
 def test_a_deadlock_at_one_line_is_named_from_the_record():
-    """``allreduce`` on rank 0 against ``iallreduce`` on rank 1, of 4 bytes and
-    without the collective timeout: MPI matches neither with the other, and both
-    ranks wait at one line of Python (one jitted call), which the hang timeout
-    took for one long step. The record tells them apart by the call each is in,
-    and the report names both."""
-    proc, took = desync("kind", MPI4JAX_DIST_HANG_TIMEOUT=5)
+    """``allreduce`` on rank 0 against ``iallreduce`` on rank 1, of 4 bytes, the
+    checks off (with them the watchdog's standstill names it first:
+    tests/test_standstill.py): MPI matches neither with the other, and both ranks
+    wait at one line of Python (one jitted call), which the hang timeout took for
+    one long step. The record tells them apart by the call each is in, on its
+    communicator, and the report names both."""
+    proc, took = desync("kind", MPI4JAX_DIST_HANG_TIMEOUT=5, MPI4JAX_DIST_CHECKS=0)
     assert proc.returncode != 0, output(proc)
     assert took < 60, output(proc)
     assert "the job is hung" in proc.stderr, output(proc)
     for call, rank in (("allreduce", 0), ("iallreduce", 1)):
         assert re.search(
-            rf"  1 rank in {call} #3 SUM float32\[4\] at desync\.py:\d+ in \S+, "
+            rf"  1 rank in {call} #3 SUM float32\[4\] on communicator "
+            rf"'MPI_COMM_WORLD' \(2 ranks\) at desync\.py:\d+ in \S+, "
             rf"at desync\.py:{line_of('out = jax.jit(iallreduce if odd')} .*: "
             rf"rank {rank}\n",
             proc.stderr,

@@ -611,7 +611,8 @@ def test_in_a_two_rank_job_the_rank_in_no_collective_comes_first():
     assert re.search(
         r"the odd ones out first:\n"
         r"  1 rank at stall\.py:\d+ in stalled_compute: .*: rank 1\n"
-        r"  1 rank in allreduce #4 SUM float32\[4\] at stall\.py:\d+ .*: rank 0\n",
+        r"  1 rank in allreduce #4 SUM float32\[4\] on communicator "
+        r"'MPI_COMM_WORLD' \(2 ranks\) at stall\.py:\d+ .*: rank 0\n",
         proc.stderr,
     ), show(proc)
     # Each rank's stacks are the program's: the watchdog that wrote them is one

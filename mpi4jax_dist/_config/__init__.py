@@ -33,6 +33,7 @@ from .env import (  # noqa: F401
 )
 from .faults import (  # noqa: F401
     COLLECTIVE_TIMEOUT,
+    DEFAULT_HANG_TIMEOUT_S,
     FAIL_FAST,
     HANG_DIR,
     HANG_TIMEOUT,

@@ -67,13 +67,21 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
     )
 
 
+# The hang timeout when none is set: ten minutes, PyTorch's NCCL default for its
+# collective timeout. A correct program stays under it as long as no step leaves
+# every rank without progress (no Python run, no collective ended, no storage I/O)
+# for ten minutes while the ranks stand at different places; docs/design.rst.
+DEFAULT_HANG_TIMEOUT_S = 600.0
+
+
 def hang_timeout(env: Mapping[str, str] | None = None) -> float | None:
-    """Return ``MPI4JAX_DIST_HANG_TIMEOUT`` in seconds, or None (off).
+    """Return ``MPI4JAX_DIST_HANG_TIMEOUT`` in seconds (default 600), or None (off).
 
     How long the ranks of a job may all make no progress (no rank's main thread
-    running Python) while they stand at different places, whatever they wait in,
-    before the job is taken for hung: every rank's stacks, one report, the job
-    ends. Unset, empty or ``0``: off.
+    running Python, ending one of the package's collectives or reading or writing
+    storage) while they stand at different places, whatever they wait in, before
+    the job is taken for hung: every rank's stacks, one report, the job ends.
+    Unset or empty: 600 s; ``0``: off.
 
     Raises:
         ValueError: the value is not a non-negative number of seconds.
@@ -83,14 +91,20 @@ def hang_timeout(env: Mapping[str, str] | None = None) -> float | None:
         "how long every rank may go without progress (longer than the longest "
         "step of the program, e.g. 900)",
         env,
+        default=DEFAULT_HANG_TIMEOUT_S,
     )
 
 
-def _seconds(name: str, meaning: str, env: Mapping[str, str] | None) -> float | None:
+def _seconds(
+    name: str,
+    meaning: str,
+    env: Mapping[str, str] | None,
+    default: float | None = None,
+) -> float | None:
     env = environ() if env is None else env
     value = env.get(name, "").strip()
     if not value:
-        return None
+        return default
     try:
         seconds = float(value)
         wrong = (

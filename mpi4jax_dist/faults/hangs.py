@@ -49,25 +49,53 @@ def hang_timeout_s() -> float | None:
     return _state.hang_timeout_s if _state.bootstrapped else None
 
 
+def report() -> dict:
+    """What ends a job that hangs, as in force in this process (or, before the
+    bootstrap, as its settings would make it), for the diagnostics: the hang and
+    collective timeouts in seconds (None: off), whether the watchdog runs
+    (``"running"``, ``"through JAX's service"`` below ``MPI_THREAD_MULTIPLE``,
+    ``"none"``) and whether it ends a standstill (ranks that all wait in calls
+    that cannot match)."""
+    watchdog = _state.watchdog
+    if _state.bootstrapped:
+        hang, collective = _state.hang_timeout_s, _state.timeout_s
+        still = getattr(watchdog, "still", None) is not None
+    else:
+        hang, collective = _config.hang_timeout(), _config.collective_timeout()
+        still = _config.checks()
+    running = {Watchdog: "running", ServiceWatchdog: "through JAX's service"}
+    return {
+        "hang_timeout_s": hang,
+        "hang_timeout_set": _config.environ().get(_config.HANG_TIMEOUT),
+        "collective_timeout_s": collective,
+        "watchdog": running.get(type(watchdog), "none"),
+        "bootstrapped": _state.bootstrapped,
+        "standstill": still,
+    }
+
+
 def install(
     rank: int,
     size: int,
     timeout: float | None,
     comm=None,
     hang_timeout: float | None = None,
+    still_comm=None,
 ) -> None:
     """Install what this module does in a bootstrapped process (once): the stacks
     on ``SIGUSR1``, the job's collective timeout, and with ``comm`` (the watchdog's
     communicator, from the bootstrap) the watchdog thread, which also keeps the
-    hang timeout where one is set."""
+    hang timeout where one is set and, with ``still_comm`` (a second one), finds
+    ranks that all wait in calls that cannot match
+    (:mod:`~mpi4jax_dist.faults.standstill`)."""
     with _state.lock:
         if _state.bootstrapped:
             return
         _state.timeout_s, _state.bootstrapped = timeout, True
         _state.hang_timeout_s = hang_timeout
     writer.start(rank, size)
-    if comm is not None and (timeout is not None or hang_timeout is not None):
-        _state.watchdog = Watchdog(comm, hang_timeout)
+    if comm is not None:
+        _state.watchdog = Watchdog(comm, hang_timeout, still_comm)
         _state.watchdog.start()
         atexit.register(_state.watchdog.stop)
     elif hang_timeout is not None and size > 1:

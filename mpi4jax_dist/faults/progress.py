@@ -1,6 +1,8 @@
-"""The hang timeout (``MPI4JAX_DIST_HANG_TIMEOUT``): whether this rank's main thread
-makes progress, and the job's verdict, one small non-blocking reduction a period on
-the watchdog's communicator. docs/design.rst, *When a rank hangs*."""
+"""The hang timeout (``MPI4JAX_DIST_HANG_TIMEOUT``): whether this rank makes
+progress (its main thread runs Python, one of the package's collectives ends or
+is entered, it reads or writes storage), and the job's verdict, one small
+non-blocking reduction a period on the watchdog's communicator. docs/design.rst,
+*When a rank hangs*."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 
 import numpy as np
 
+from . import record
 from .stacks import Frame
 
 # The verdict's reduction: MIN over [stuck, place, -place, stopping] (int64).
@@ -36,18 +39,39 @@ def period_s(timeout_s: float, poll_s: float) -> float:
 _PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
+def storage_bytes() -> int:
+    """The bytes this process has read from and written to storage
+    (``/proc/self/io``'s ``read_bytes`` and ``write_bytes``; 0 where the system
+    does not say): a checkpoint written in C moves it."""
+    try:
+        with open("/proc/self/io", "rb") as io:
+            text = io.read(4096)
+    except OSError:
+        return 0
+    total = 0
+    for line in text.splitlines():
+        name, _, value = line.partition(b":")
+        if name in (b"read_bytes", b"write_bytes"):
+            total += int(value or 0)
+    return total
+
+
 class Progress:
-    """This rank's main thread, looked at by the watchdog thread: progress is the
-    main thread having run Python since the last look.
+    """This rank, looked at by the watchdog thread: progress is its main thread
+    having run Python since the last look, or one of the package's collectives
+    having been entered, waited for or ended (the record,
+    :func:`mpi4jax_dist.faults.record.events`), or storage read or written.
 
     Each look leaves the interpreter a pending call (``Py_AddPendingCall``), which
     only the main thread runs, and only between two bytecode instructions: the next
     look finds it run if the thread ran Python meanwhile, however short (a loop of
     jitted steps, each a wait in C, runs some between steps), and not run if it
-    waited in C all along (MPI, Gloo, a sleep), whatever woke it there.
+    waited in C all along (MPI, Gloo, a sleep), whatever woke it there. A main
+    thread that waits in C while XLA works through programs dispatched ahead
+    makes progress through the record: each program's collectives end.
     """
 
-    def __init__(self, main: threading.Thread | None = None):
+    def __init__(self, main: threading.Thread | None = None, moved=None):
         self.main_id = (main or threading.main_thread()).ident
         self.last_progress = time.monotonic()
         self._ran = True  # the first look arms the first call
@@ -55,15 +79,22 @@ class Progress:
         self._add = ctypes.pythonapi.Py_AddPendingCall
         self._add.argtypes = [_PENDING_CALL, ctypes.c_void_p]
         self._add.restype = ctypes.c_int
+        # What else counts as progress: a number that grows with it.
+        self._count = moved or (lambda: record.events() + storage_bytes())
+        self._last_count = self._count()
 
     def _mark(self, _arg) -> int:
         self._ran = True
         return 0
 
     def look(self, now: float) -> None:
-        if not self._ran:
-            return  # the main thread has run no Python since the last call's arming
+        count = self._count()
+        moved, self._last_count = count != self._last_count, count
+        if not (self._ran or moved):
+            return  # no Python run since the last call's arming, nothing else moved
         self.last_progress = now
+        if not self._ran:
+            return  # the call armed at an earlier look is still pending
         self._ran = False
         if self._add(self._callback, None) != 0:  # the queue is full: no verdict
             self._ran = True
@@ -83,9 +114,11 @@ class Progress:
 
 
 def place_key(frames: list[Frame], calls: str = "") -> int:
-    """A stack, and the collectives the rank is in (``calls``, from the record),
-    as a non-negative int64: equal places, equal keys. Ranks at one line of
-    Python but in different calls of one jitted program stand apart."""
+    """A stack, and the collectives the rank is in (``calls``, from the record:
+    each with its communicator's key and its number there), as a non-negative
+    int64: equal places, equal keys. Ranks at one line of Python but in
+    different calls of one jitted program, or in calls of one line on different
+    communicators, stand apart."""
     text = "\n".join([calls] + [f"{f.file}:{f.line}:{f.function}" for f in frames])
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

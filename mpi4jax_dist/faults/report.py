@@ -86,10 +86,19 @@ def hang_report(
         for frame, text in zip(frames, reply["source"], strict=True):
             if text:
                 sources.setdefault((frame.file, frame.line), text)
+    # The verdict found them at different places; the stacks come after it.
+    apart = len(groups) > 1 or bool(exited) or len(replies) < size
     lines = [
-        f"mpi4jax_dist: no rank of {size} made progress for {stuck_s:.3g} s "
-        f"({_config.HANG_TIMEOUT}), and they do not all stand at one place: the "
-        f"job is hung. Where the ranks stand, the odd ones out first:"
+        (
+            f"mpi4jax_dist: no rank of {size} made progress for {stuck_s:.3g} s "
+            f"({_config.HANG_TIMEOUT}), and they do not all stand at one place: the "
+            f"job is hung. Where the ranks stand, the odd ones out first:"
+            if apart
+            else f"mpi4jax_dist: no rank of {size} made progress for {stuck_s:.3g} s "
+            f"({_config.HANG_TIMEOUT}) and they stood at different places when that "
+            f"was found; asked for their stacks, they stand at one place: the job is "
+            f"hung there. Where the ranks stand:"
+        )
     ]
     silent = [r for r in range(size) if r not in replies]
     if silent:
@@ -117,6 +126,81 @@ def hang_report(
     if went := stacks_went(where):
         lines.append(f"{whose}: {went}.")
     return "\n".join(lines) + "\nMPI_Abort ends the job."
+
+
+def standstill_report(
+    calls: dict, replies: dict, size: int, still_s: float, where: set
+) -> str:
+    """The report of a standstill (:mod:`~mpi4jax_dist.faults.standstill`): what
+    each rank waits in (``calls``: rank -> {"calls": [record.Call], "exited"}),
+    the odd ones out first, how many members of each call's communicator are in
+    it, where each rank's main thread stands (``replies``, as for
+    :func:`hang_report`) and where the stacks went."""
+    groups: dict = {}
+    waited: dict = {}  # (communicator, number) -> {call: [ranks]}
+    for rank in range(size):
+        reply = calls.get(rank, {})
+        if reply.get("exited"):
+            what = (
+                "reached its exit (the end of the program, or sys.exit): in no "
+                "collective"
+            )
+        else:
+            mine = [c for c in reply.get("calls", ()) if c.waiting]
+            what = "waits in " + "; ".join(c.text() for c in mine)
+            for call in mine:
+                at = waited.setdefault((call.comm_key, call.seq), {})
+                at.setdefault(call, []).append(rank)
+            started = [c.text() for c in reply.get("calls", ()) if not c.waiting]
+            if started:
+                what += " (and holds " + "; ".join(started) + ")"
+        groups.setdefault(what, []).append(rank)
+    lines = [
+        f"mpi4jax_dist: every rank of {size} waits in a collective that cannot "
+        f"complete, or has reached its exit, with no progress for {still_s:g} s "
+        f"or more: the ranks' calls do not match, so MPI never completes them "
+        f"({_config.CHECKS}). What each rank waits in, the odd ones out first:"
+    ]
+    for what, ranks in sorted(groups.items(), key=lambda g: (len(g[1]), min(g[1]))):
+        lines.append(f"  {ranks_text(ranks)} {what}")
+    for at in waited.values():
+        call = next(iter(at))
+        where_ = f"{call.comm or 'a communicator'}, call #{call.seq}"
+        if len(at) > 1:
+            lines.append(
+                f"  {where_}: its ranks wait in {len(at)} different calls "
+                f"(above), which MPI cannot match"
+            )
+        else:
+            n = len(at[call])
+            lines.append(
+                f"  {where_}: {n} of its {call.size} ranks wait"
+                f"{'s' if n == 1 else ''} in it; the others are not in it (above)"
+            )
+    standing = {r: reply for r, reply in replies.items() if not reply.get("exited")}
+    if standing:
+        lines.append("Where their main threads stand:")
+        groups, sources = _stack_groups(standing)
+        lines += [
+            "  " + line for line in stacks.group_lines(groups, sources, odd_first=True)
+        ]
+    if went := stacks_went(where):
+        lines.append(f"Every rank's stacks: {went}.")
+    return "\n".join(lines) + "\nMPI_Abort ends the job."
+
+
+def _stack_groups(replies: dict) -> tuple[dict, dict]:
+    """Ranks by their main thread's stack ({frames: [ranks]}) and the source
+    lines the replies quote ({(file, line): text})."""
+    groups: dict = {}
+    sources: dict = {}
+    for rank, reply in sorted(replies.items()):
+        frames = tuple(stacks.Frame(*f) for f in reply["place"])
+        groups.setdefault(frames, []).append(rank)
+        for frame, text in zip(frames, reply["source"], strict=True):
+            if text:
+                sources.setdefault((frame.file, frame.line), text)
+    return groups, sources
 
 
 def stacks_went(where: set) -> str | None:

@@ -1,7 +1,8 @@
 """The fault settings every rank of a job must agree on: rank 0's rule.
 
-The collective timeout and the hang timeout decide whether a rank makes the
-watchdog's communicator, a collective ``Dup``: every rank must decide alike, so
+The collective timeout, the hang timeout and the checks (whose watchdog finds
+ranks that wait in calls that cannot match) decide whether a rank makes the
+watchdog's communicators, collective ``Dup`` s: every rank must decide alike, so
 every rank takes rank 0's values. They travel packed in the bootstrap's one
 broadcast (mpi4jax_dist/launch/wire.py), which carries them without reading them.
 """
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 
 from .. import _config
 
-# Each timeout as float64 seconds, 0 for off, in this machine's byte order (every
-# rank of a job runs on the same kind of machine).
-_PACKED = struct.Struct("=2d")
+# Each timeout as float64 seconds, 0 for off, and the checks as a byte, in this
+# machine's byte order (every rank of a job runs on the same kind of machine).
+_PACKED = struct.Struct("=2d?")
 
 
 @dataclass(frozen=True)
@@ -25,22 +26,30 @@ class JobSettings:
     Attributes:
         collective_timeout_s: ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` (None: off).
         hang_timeout_s: ``MPI4JAX_DIST_HANG_TIMEOUT`` (None: off).
+        checks: ``MPI4JAX_DIST_CHECKS``: with them, the watchdog also ends a job
+            whose ranks all wait in calls that cannot match (standstill.py).
     """
 
     collective_timeout_s: float | None = None
     hang_timeout_s: float | None = None
+    checks: bool = True
 
     def pack(self) -> bytes:
         """Return the settings as bytes for :meth:`unpack` on another rank."""
         return _PACKED.pack(
-            self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0
+            self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0, self.checks
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> JobSettings:
         """Return the settings :meth:`pack` gave (on rank 0)."""
-        collective, hang = _PACKED.unpack(data[: _PACKED.size])
-        return cls(collective or None, hang or None)
+        collective, hang, checks = _PACKED.unpack(data[: _PACKED.size])
+        return cls(collective or None, hang or None, checks)
+
+    @property
+    def watchdog(self) -> bool:
+        """Whether these settings ask for the watchdog thread."""
+        return bool(self.collective_timeout_s or self.hang_timeout_s or self.checks)
 
 
 def this_process() -> tuple[JobSettings, str | None]:
@@ -53,6 +62,7 @@ def this_process() -> tuple[JobSettings, str | None]:
     for name, read in (
         ("collective_timeout_s", _config.collective_timeout),
         ("hang_timeout_s", _config.hang_timeout),
+        ("checks", _config.checks),
     ):
         try:
             values[name] = read()

@@ -13,7 +13,7 @@ import threading
 import time
 
 from .. import _compat, _config, _mpi
-from . import progress, record, report, writer
+from . import progress, record, report, standstill, writer
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -75,28 +75,35 @@ class _Loop(threading.Thread):
         """This rank's place for a verdict: its stack and calls where stuck."""
         if not stuck:
             return 0
-        return progress.place_key(self.progress.place(), record.calls_in_flight())
+        return progress.place_key(self.progress.place(), record.place_text())
 
 
 class Watchdog(_Loop):
     """The watchdogs over MPI, on a communicator of their own: a timed-out call's
     alarm goes to rank 0 (and the deputy), which asks every rank for its count and
     stacks; with the hang timeout, the verdict is one small reduction a period
-    (:class:`~mpi4jax_dist.faults.progress.Verdict`)."""
+    (:class:`~mpi4jax_dist.faults.progress.Verdict`); with ``still_comm``, ranks
+    that all wait in calls that cannot match end the job within seconds
+    (:class:`~mpi4jax_dist.faults.standstill.Standstill`, its chain on
+    ``still_comm``)."""
 
-    def __init__(self, comm, hang_timeout_s: float | None = None):
+    def __init__(self, comm, hang_timeout_s: float | None = None, still_comm=None):
         super().__init__(hang_timeout_s)
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._alarm_sent = False
         self._reporting = False
         self.verdict = progress.Verdict(comm, self.period_s) if hang_timeout_s else None
+        self.still = standstill.Standstill(still_comm) if still_comm else None
         self._urgent = False
+        self._urgent_until = 0.0  # fast polls until then (rank 0 may ask)
         self._sent: list = []  # this rank's alarm, sent without waiting
-        # At exit, with the hang timeout: this rank stays in the verdicts as one
-        # that has reached its exit until every rank stops (chain_ended).
+        # At exit: this rank stays in the verdicts and the standstill's chain as
+        # one that has reached its exit until every rank stops (chain_ended).
         self._exiting = threading.Event()
         self._chain_ended = threading.Event()
+        self._verdicts_ended = self.verdict is None
+        self._still_ended = self.still is None
         # The deputy: an alarm rank 0 has not acted on yet, and when it came.
         self._deputy_alarm: tuple[dict, float] | None = None
 
@@ -111,15 +118,13 @@ class Watchdog(_Loop):
 
     def stop(self) -> None:
         """Stop polling before MPI is finalized (an atexit handler). With the hang
-        timeout this rank first stays in the verdicts, as stuck at its exit, and
-        answers rank 0, until every rank stops (no reduction is then left pending
-        at ``MPI_Finalize``) or a verdict ends the job naming it: others waiting
-        in a collective for this rank are a hang, and it is named as exited."""
-        if (
-            self.verdict is not None
-            and self.is_alive()
-            and threading.current_thread() is not self
-        ):
+        timeout or the standstill's chain this rank first stays in them, as one
+        at its exit, and answers rank 0, until every rank stops (no reduction is
+        then left pending at ``MPI_Finalize``) or a verdict ends the job naming
+        it: others waiting in a collective for this rank cannot go on, and it is
+        named as exited."""
+        chains = self.verdict is not None or self.still is not None
+        if chains and self.is_alive() and threading.current_thread() is not self:
             self._exiting.set()
             while self.is_alive() and not self._chain_ended.wait(POLL_S):
                 pass
@@ -128,12 +133,13 @@ class Watchdog(_Loop):
             writer.module().stop_answering()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=POLL_S + 2)
-        if (
-            self.verdict is not None
-            and not self.is_alive()
-            and not self._chain_ended.is_set()
-        ):
-            self.verdict.finish(deadline_s=max(10.0, 3 * self.period_s))
+        if self.is_alive() or self._chain_ended.is_set():
+            return
+        deadline_s = max(10.0, 3 * self.period_s)
+        if not self._verdicts_ended:
+            self.verdict.finish(deadline_s=deadline_s)
+        if not self._still_ended:
+            self.still.finish(deadline_s, (record.events(), standstill.AT_EXIT))
 
     def _poll(self, now: float) -> bool:
         from mpi4py import MPI
@@ -152,11 +158,63 @@ class Watchdog(_Loop):
             and time.monotonic() - self._deputy_alarm[1] >= DEPUTY_AFTER_S
         ):
             self._report(self._deputy_alarm[0])  # rank 0 did not
-        if self.verdict is not None and not self._reporting:
-            if self._exiting.is_set():
-                return self._watch_at_exit(time.monotonic())
-            self._watch_progress(time.monotonic())
+        if self._reporting:
+            return False
+        now = time.monotonic()
+        self.progress.look(now)
+        exiting = self._exiting.is_set()
+        if self.still is not None and not self._still_ended:
+            self._watch_standstill(now, exiting)
+        if self.verdict is not None and not self._verdicts_ended:
+            if exiting:
+                self._verdicts_ended = self._watch_at_exit(now)
+            else:
+                self._watch_progress(now)
+        if exiting and self._verdicts_ended and self._still_ended:
+            self._chain_ended.set()
+            return True
         return False
+
+    def _watch_standstill(self, now: float, exiting: bool) -> None:
+        """Post, test and act on the standstill's chain: where its second round
+        says every rank stands still and not all in one call, rank 0 asks every
+        rank what it is in and ends the job if no call can complete."""
+        calls = [] if exiting else record.calls()
+        waiting = any(c.waiting for c in calls)
+        still = exiting or (
+            waiting and self.progress.stuck_for(now) >= standstill.STALL_S
+        )
+        key = standstill.place_hash(calls, exiting)
+        token = (record.events(), key)
+        result = self.still.poll(now, still, token, key)
+        if result is None:
+            return
+        if result["all_at_exit"]:
+            self._still_ended = exiting
+            return
+        if not result["all_still"] or result["one_call"]:
+            return
+        # Rank 0 asks what every rank is in, now: answer at once.
+        self._urgent_until = now + report.REPLY_S + 1.0
+        if self.rank == 0:
+            self._check_standstill(now, token)
+
+    def _check_standstill(self, now: float, token: tuple) -> None:
+        """Rank 0, every rank standing still, not all in one call: ask every rank
+        which calls it is in; where none can complete, report and end the job."""
+        own = {"calls": record.calls(), "exited": self._exiting.is_set()}
+        replies = _ask_calls(self.comm, own)
+        if len(replies) < self.size or standstill.live_calls(replies):
+            self.still.no_standstill(now, token)
+            return
+        self._reporting = True
+        reason = "the ranks wait in calls that cannot match"
+        stacks, where = self._ask_every_rank(reason, None)
+        text = report.standstill_report(
+            replies, stacks, self.size, standstill.STALL_S, where
+        )
+        logger.critical("%s", text)
+        _mpi.abort(self.comm, 1)
 
     def _raise_alarm(self) -> None:
         """This rank's first timed-out call: rank 0 reports it; another rank sends
@@ -178,16 +236,26 @@ class Watchdog(_Loop):
             self._sent.append(self.comm.isend(alarm, dest=DEPUTY, tag=_TAG))
 
     def _wait_s(self) -> float:
-        if self._urgent:
+        now = time.monotonic()
+        if self._urgent or now < self._urgent_until:
+            return URGENT_POLL_S
+        if (
+            self.still is not None
+            and self.still.pending
+            and (
+                self._exiting.is_set()
+                or self.progress.stuck_for(now) >= standstill.STALL_S
+            )
+        ):
+            # This rank stands still: its chain's rounds move only while tested.
             return URGENT_POLL_S
         if self.verdict is None:
             return POLL_S
-        return self.verdict.wait_s(time.monotonic(), time.time(), POLL_S, URGENT_POLL_S)
+        return self.verdict.wait_s(now, time.time(), POLL_S, URGENT_POLL_S)
 
     def _watch_progress(self, now: float) -> None:
-        """The hang timeout: look at the main thread, read the last verdict, post
-        the next one when a period starts."""
-        self.progress.look(now)
+        """The hang timeout: read the last verdict, post the next one when a
+        period starts (the rank was looked at just before)."""
         stuck_s = self.progress.stuck_for(now)
         result = self.verdict.test()
         if result is not None and result["all_stuck"]:
@@ -219,7 +287,6 @@ class Watchdog(_Loop):
         result = self.verdict.test()
         if result is not None:
             if result["all_stopping"]:
-                self._chain_ended.set()
                 return True
             if result["all_stuck"] and not result["one_place"]:
                 self._urgent = True
@@ -246,7 +313,15 @@ class Watchdog(_Loop):
 
     def _handle(self, message: dict, source: int) -> None:
         kind = message.get("kind")
-        if kind == "alarm" and self.rank == 0 and not self._reporting:
+        if kind == "calls":
+            reply = {
+                "kind": "calls-reply",
+                "rank": self.rank,
+                "calls": [] if self._exiting.is_set() else record.calls(),
+                "exited": self._exiting.is_set(),
+            }
+            self.comm.send(reply, dest=source, tag=_TAG)
+        elif kind == "alarm" and self.rank == 0 and not self._reporting:
             self._report(message)
         elif kind == "alarm" and self.rank == DEPUTY and self._deputy_alarm is None:
             self._deputy_alarm = (message, time.monotonic())
@@ -289,6 +364,39 @@ class Watchdog(_Loop):
         replies, where = self._ask_every_rank(reason, None)
         logger.critical("%s", report.hang_report(replies, self.size, stuck_s, where))
         _mpi.abort(self.comm, 1)
+
+
+def _ask_calls(comm, own: dict) -> dict:
+    """Rank 0: ask every other rank of ``comm`` which of the package's calls it is
+    in (and whether it has reached its exit); return the replies by rank, this
+    one's (``own``) included, after at most ``REPLY_S``."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    requests = [
+        comm.isend({"kind": "calls"}, dest=r, tag=_TAG)
+        for r in range(size)
+        if r != rank
+    ]
+    replies = {rank: own}
+    end = time.monotonic() + report.REPLY_S
+    while len(replies) < size and time.monotonic() < end:
+        status = MPI.Status()
+        message = comm.improbe(MPI.ANY_SOURCE, _TAG, status)
+        if message is None:
+            time.sleep(1e-3)
+            continue
+        reply = message.recv()
+        if reply.get("kind") == "calls-reply":
+            replies[reply["rank"]] = reply
+    _unfinished.extend(requests)  # every rank that answered has received its own
+    _unfinished[:] = [r for r in _unfinished if not r.Test()]
+    return replies
+
+
+# Sends whose receiver had not answered when last looked at: tested again at the
+# next round, so that none is left to grow.
+_unfinished: list = []
 
 
 def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:

@@ -48,7 +48,8 @@ def start(topo: bootstrap.Topology) -> None:
     3. fail-fast: a rank that raises, exits non-zero or gets SIGTERM ends the job
        (:func:`mpi4jax_dist.faults.failfast.install`);
     4. stacks on SIGUSR1, the job's collective and hang timeouts and, with
-       either, the watchdog thread on a duplicate of the job's communicator
+       either or the checks, the watchdog thread on a duplicate of the job's
+       communicator (and its standstill's chain on a second one)
        (:func:`mpi4jax_dist.faults.hangs.install`), whose reports quote XLA's
        calls into MPI too (:func:`mpi4jax_dist.xla_mpi.record`), and under
        fail-fast a Ctrl-C that ends the job where Python cannot
@@ -67,12 +68,14 @@ def start(topo: bootstrap.Topology) -> None:
     failfast.install(topo.rank, topo.size)
     current = bootstrap.current()
     agreed = current.fault_settings
+    watchdog_comm = _watchdog_comm(current)
     hangs.install(
         topo.rank,
         topo.size,
         agreed.collective_timeout_s,
-        _watchdog_comm(current),
+        watchdog_comm,
         hang_timeout=agreed.hang_timeout_s,
+        still_comm=_standstill_comm(current) if watchdog_comm else None,
     )
     if (xla_record := xla_mpi.record()) is not None:
         hangs.quote_record(*xla_record)
@@ -121,18 +124,30 @@ def _world_for_xla():
 
 
 def _watchdog_comm(current: bootstrap.Bootstrap):
-    """A duplicate of the job's communicator for the hang watchdog, or None where
-    there is to be none: neither the collective nor the hang timeout (rank 0's
-    settings), one rank, or MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release
-    mode says so alike on every rank)."""
-    agreed = current.fault_settings
-    if agreed.collective_timeout_s is None and agreed.hang_timeout_s is None:
+    """A duplicate of the job's communicator for the watchdog, or None where there
+    is to be none: neither the collective timeout, the hang timeout nor the checks
+    (rank 0's settings; the hang timeout and the checks are on by default), one
+    rank, or MPI below ``MPI_THREAD_MULTIPLE`` on rank 0 (the release mode says so
+    alike on every rank)."""
+    if not current.fault_settings.watchdog or current.comm.Get_size() < 2:
         return None
     if current.release_mode != "thread":
         return None
     if "watchdog" not in _comms:
         _comms["watchdog"] = current.duplicate("watchdog")
     return _comms["watchdog"]
+
+
+def _standstill_comm(current: bootstrap.Bootstrap):
+    """A second duplicate for the watchdog's standstill chain (a chain of
+    reductions posted apart from the hang timeout's, so on a communicator of its
+    own), where the checks are on (rank 0's ``MPI4JAX_DIST_CHECKS``), else
+    None."""
+    if not current.fault_settings.checks:
+        return None
+    if "standstill" not in _comms:
+        _comms["standstill"] = current.duplicate("standstill")
+    return _comms["standstill"]
 
 
 def _choose_gloo_address(topo) -> None:
