@@ -451,6 +451,7 @@ def meta(comm=None, **extra) -> dict:
     """
     from mpi4jax_dist import _mpi
     from mpi4jax_dist.diagnostics import check as diagnostics
+    from mpi4jax_dist.faults import hangs
 
     info = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -477,9 +478,31 @@ def meta(comm=None, **extra) -> dict:
             backend=jax.default_backend(),
             devices=[str(d) for d in jax.devices()],
             cpu_collectives=_compat.cpu_collectives(),
+            on_hang=hangs.report(),
         )
     info.update(extra)
     return info
+
+
+def hang_line(info: dict) -> str:
+    """One header line: what ends this job should it hang, and how to change it."""
+    hang = info["on_hang"]
+    timeout = hang["hang_timeout_s"]
+    parts = [
+        (
+            f"after {timeout:g} s without progress (MPI4JAX_DIST_HANG_TIMEOUT; 0: off)"
+            if timeout
+            else "no hang timeout (MPI4JAX_DIST_HANG_TIMEOUT=0)"
+        )
+    ]
+    if hang["standstill"]:
+        parts.append(
+            "within seconds where the ranks wait in calls that cannot match "
+            "(MPI4JAX_DIST_CHECKS)"
+        )
+    if hang["watchdog"] == "none":
+        return "# on a hang: nothing ends the job (no watchdog in this job)"
+    return "# on a hang: the job ends, named, " + "; ".join(parts)
 
 
 def pages() -> dict:

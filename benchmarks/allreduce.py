@@ -1105,6 +1105,7 @@ def main(argv=None) -> list[dict]:
         f"jax {meta['versions']['jax']} ({meta['backend']}, "
         f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
         _harness.pages_line(meta),
+        _harness.hang_line(meta),
         *filter(None, [mpi4jax_note]),
         "# time per allreduce, slowest rank per sample, checked outside the timing:"
         " loop = x <- allreduce(x) K and 2K times in one dispatch, less 'fixed' "

@@ -15,7 +15,7 @@ import time
 
 from .. import _compat, _config, xla_mpi
 from .._mpi import abort, mpi_library, thread_level_meaning, thread_level_name
-from ..faults import failfast
+from ..faults import failfast, hangs
 from ..launch import bootstrap, detect, devices, limits
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -197,6 +197,7 @@ def diagnose(
         report["check"] = _check(topo, problems, timeout_s or CHECK_TIMEOUT_S)
     # After the check, which initializes JAX and with it the hooks.
     report["on_failure"] = failfast.report()
+    report["on_hang"] = hangs.report()
     report["cpu_collectives"] = xla_mpi.report()
     all_problems = comm.allgather(problems)
     report["problems"] = [

@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from .. import _config
+
 # --help is read in a terminal: plain text, not the reStructuredText of the docstring.
 _DESCRIPTION = """\
 Report what mpi4jax_dist sees in this job: the launcher and its variables,
@@ -53,6 +55,34 @@ def _print_devices(devices: list[dict], ranks_per_node: dict) -> None:
             others[key] = others.get(key, 0) + 1
     for (visible, used), count in sorted(others.items(), key=str):
         print(f"  {count} more rank(s): {visible} visible, {used} used")
+
+
+def _print_on_hang(hang: dict) -> None:
+    """What ends a job that hangs, and the variables that change it."""
+    timeout = hang["hang_timeout_s"]
+    if timeout is None:
+        print(f"on a hang     no hang timeout ({_config.HANG_TIMEOUT}=0)")
+    else:
+        how = "the default" if not hang["hang_timeout_set"] else "set"
+        print(
+            f"on a hang     the job ends, named, after {timeout:g} s without "
+            f"progress ({_config.HANG_TIMEOUT}, {how}; 0 turns it off)"
+        )
+    if hang["standstill"]:
+        print(
+            "  ranks that all wait in calls that cannot match: ended within "
+            f"seconds ({_config.CHECKS})"
+        )
+    collective = hang["collective_timeout_s"]
+    print(
+        f"  collective timeout: {f'{collective:g} s' if collective else 'off'} "
+        f"({_config.COLLECTIVE_TIMEOUT})"
+    )
+    if hang["bootstrapped"] and hang["watchdog"] == "none":
+        print(
+            "  not in force in this job: no watchdog (one rank, or no MPI "
+            "thread level that lets it run)"
+        )
 
 
 def _print_text(report: dict, verbose: bool = False) -> None:
@@ -151,6 +181,7 @@ def _print_text(report: dict, verbose: bool = False) -> None:
     else:
         print("on failure    JAX's own behaviour: the other ranks may wait")
     more(f"  SIGTERM: {failure['sigterm']}")
+    _print_on_hang(report["on_hang"])
     cpu = report["cpu_collectives"]
     if cpu["jax"] == "mpi" and cpu["wrapper_loaded"]:
         in_force = f"MPI, through {cpu['wrapper']}"
