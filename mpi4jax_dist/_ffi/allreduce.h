@@ -227,6 +227,44 @@ struct Call {
   }
 };
 
+// A handler's call on a communicator, from after BeginCall (or a wait's or
+// test's lookup) to its return: one at a time in a process. Programs that one
+// thread dispatches run one after another on its device (PJRT), and the calls
+// of one program in the order of their token, so two at once are calls of
+// programs that nothing orders against each other: dispatched from several
+// threads, or under several execution_stream_ids. Their calls may then meet
+// the other ranks' in another order; the second fails instead (Crossed).
+class Turn {
+ public:
+  explicit Turn(CommRegistry::Entry* entry) : entry_(entry) {
+    crossed_ = entry_->active.fetch_add(1, std::memory_order_acq_rel) != 0;
+  }
+  ~Turn() { entry_->active.fetch_sub(1, std::memory_order_acq_rel); }
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
+  bool crossed() const { return crossed_; }
+
+ private:
+  CommRegistry::Entry* entry_;
+  bool crossed_ = false;
+};
+
+// The error of a call made while another of this process ran on its
+// communicator (Turn).
+inline ffi::Error Crossed(const char* who, const std::string& comm_name,
+                          int64_t seq) {
+  return ffi::Error(
+      ffi::ErrorCode::kFailedPrecondition,
+      std::string(who) + ": call #" + std::to_string(seq) + " on " + comm_name +
+          " ran while another program of this process ran a call there: "
+          "programs dispatched from several threads (or under several "
+          "execution_stream_ids) are not ordered against each other, so the "
+          "ranks may meet their calls in different orders and reduce one "
+          "call's data with another's. Dispatch the programs that hold "
+          "mpi4jax_dist's calls from one thread, or let one thread wait for "
+          "its program (block_until_ready) before another dispatches.");
+}
+
 // What every platform's allreduce checks and does before it touches the data:
 // operand and result of one type and size, a type and an op MPI knows, MPI
 // up, the communicator live; then the call counted, its deadline started, its

@@ -102,6 +102,9 @@ class CommRegistry {
     // before).
     uint64_t group_hash = 0;
     std::atomic<uint64_t> global_key{0};
+    // The handlers running a call on it now (Turn, allreduce.h): more than one
+    // means programs that nothing orders against each other.
+    std::atomic<int> active{0};
   };
 
   // Never destroyed: MPI may call the delete callback at MPI_Finalize, from

@@ -43,6 +43,11 @@ ffi::Error AllreduceCpuImpl(ffi::AnyBuffer x, ffi::Token,
       error.failure()) {
     return error;
   }
+  Turn turn(call.entry);
+  if (turn.crossed()) {
+    call.Finish(kFailed);
+    return Crossed(call.who, call.entry->name, call.header.seq);
+  }
   const size_t count = x.element_count();
   return AllreduceHost(call, x.untyped_data(), y->untyped_data(), count,
                        count ? x.size_bytes() / count : 1, chunk_bytes,

@@ -47,6 +47,11 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
       error.failure()) {
     return error;
   }
+  Turn turn(call.entry);
+  if (turn.crossed()) {
+    call.Finish(kFailed);
+    return Crossed(call.who, call.entry->name, call.header.seq);
+  }
   HeaderCheck header;
   if (ffi::Error error = header.Post(call.header, call.comm, check != 0);
       error.failure()) {

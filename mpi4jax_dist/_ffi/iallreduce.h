@@ -87,6 +87,11 @@ inline ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
       error.failure()) {
     return error;
   }
+  Turn turn(call.entry);
+  if (turn.crossed()) {
+    call.Finish(kFailed);
+    return Crossed(kIallreduceName, call.entry->name, call.header.seq);
+  }
   const size_t count = x.element_count();
   if (!MPI4JAX_DIST_LARGE_COUNT && count > static_cast<size_t>(INT_MAX)) {
     call.Finish(kFailed);
@@ -166,6 +171,14 @@ inline ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   // rank waits in.
   EnterCall(who, slot->comm_id, slot->seq);
   Record::Waiting(slot->call.record);
+  Turn turn(slot->call.entry);
+  if (turn.crossed()) {
+    slot->call.Finish(kFailed);
+    const std::string name = slot->call.entry->name;
+    const int64_t seq = slot->seq;
+    RequestTable::Get().Abandon(slot);  // its request may stay pending in MPI
+    return Crossed(who, name, seq);
+  }
   RequestStats& stats = GetRequestStats();
   stats.waits.fetch_add(1, std::memory_order_relaxed);
   const int64_t entered_ns = SteadyNs();

@@ -1,0 +1,92 @@
+"""Programs of one process dispatched from two threads (tests/test_standstill.py).
+
+Two jitted programs hold one ``mpi4jax_dist.allreduce`` each on ``COMM_WORLD``:
+``f`` (of ``x``, whose sum is 2.0 a position) and ``g`` (of ``100 x``, 200.0).
+Thread A dispatches ``f``; thread B dispatches ``g`` only once A's dispatch has
+returned, so the process dispatched ``f`` first. Nothing orders programs of two
+threads against each other (each thread's are ordered; JAX's runtime tokens and
+PJRT's launch order are per thread). ``CASE``:
+
+- ``same``: ``f`` and ``g`` are one function (one call site), the odd rank
+  dispatches ``DELAY_S`` (default 1) later: the other ranks' two programs wait
+  in their allreduces at once;
+- ``apart``: the odd rank makes ``f`` wait on a slow input (``SLOW_S``, default
+  2): its ``g`` runs first, where the others ran ``f`` first;
+- ``serial``: thread B waits for ``f``'s result before dispatching (the control:
+  ordered by the user).
+
+Each rank prints ``RESULT <rank> <f's first value> <g's first value>`` and
+``DONE``.
+"""
+
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import mpi4jax_dist
+
+jax.distributed.initialize()
+
+from mpi4py import MPI  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+odd = rank == size - 1
+case = os.environ.get("CASE", "serial")
+
+
+def reduce_first(v):
+    return mpi4jax_dist.allreduce(v, comm=comm)
+
+
+def reduce_second(v):
+    return mpi4jax_dist.allreduce(v, comm=comm)
+
+
+f = jax.jit(reduce_first)
+g = f if case == "same" else jax.jit(reduce_second)
+x = jnp.ones(4, jnp.float32)
+f(x).block_until_ready()  # compiled and the communicator set up, on every rank
+g(x).block_until_ready()
+print(f"READY {rank}", flush=True)
+
+
+@jax.jit
+def slow(v):
+    # About SLOW_S seconds of work on the odd rank: f's input is late there.
+    trips = int(float(os.environ.get("SLOW_S", "2")) * 5000) if odd else 0
+    return lax.fori_loop(0, trips, lambda i, w: jnp.sin(w) * 0 + w, v)
+
+
+results = {}
+dispatched = threading.Event()
+
+
+def thread_a():
+    v = slow(x) if case == "apart" else x
+    results["f"] = f(v)
+    dispatched.set()
+
+
+def thread_b():
+    dispatched.wait()
+    if case == "serial":
+        results["f"].block_until_ready()
+    results["g"] = g(100 * x)
+
+
+if case == "same" and odd:
+    time.sleep(float(os.environ.get("DELAY_S", "1")))
+threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+got_f = float(results["f"][0])
+got_g = float(results["g"][0])
+print(f"RESULT {rank} {got_f} {got_g}", flush=True)
+print(f"DONE {rank}", flush=True)
