@@ -648,7 +648,8 @@ def test_the_hang_timeout_places_a_rank_holding_the_gil():
         r"  rank 3 answered from C only \(a thread holds the GIL\): placed below by "
         r"the stacks written then\n"
         r"  1 rank at stall\.py:\d+ in stalled_compute: `ctypes.*: rank 3\n"
-        r"  3 ranks in allreduce #\d+ SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"  3 ranks in allreduce #\d+ SUM float32\[4\] on communicator "
+        r"'MPI_COMM_WORLD' \(4 ranks\) at stall\.py:\d+ in <lambda>, "
         r"at stall\.py:\d+ in <module>.*: ranks 0-2\n"
         r"Every rank's stacks: on stderr",
         proc.stderr,
@@ -697,9 +698,11 @@ def test_the_hang_timeout_s_deputy_reports_for_rank_0_holding_the_gil():
         r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
         r"  rank 0 answered from C only \(a thread holds the GIL\): placed below by "
         r"the stacks written then\n"
-        r"  1 rank in allreduce #1 SUM float32\[2\] at stall\.py:\d+ in "
+        r"  1 rank in allreduce #1 SUM float32\[2\] on a communicator \(4 ranks\) "
+        r"at stall\.py:\d+ in "
         r"stalled_compute, at stall\.py:\d+ in stalled_compute.*: rank 0\n"
-        r"  3 ranks in allreduce #4 SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"  3 ranks in allreduce #4 SUM float32\[4\] on communicator "
+        r"'MPI_COMM_WORLD' \(4 ranks\) at stall\.py:\d+ in <lambda>, "
         r"at stall\.py:\d+ in <module>.*: ranks 1-3\n",
         proc.stderr,
     ), show(proc)
@@ -723,7 +726,8 @@ def test_below_thread_multiple_a_rank_holding_the_gil_is_named():
         r"the job is hung\. Where the ranks stand, the odd ones out first:\n"
         r"  no answer from rank 3 in [\d.]+ s \(a thread holding its GIL, or "
         r"stopped\): where it stands is unknown\n"
-        r"  3 ranks in allreduce #\d+ SUM float32\[4\] at stall\.py:\d+ in <lambda>, "
+        r"  3 ranks in allreduce #\d+ SUM float32\[4\] on communicator "
+        r"'MPI_COMM_WORLD' \(4 ranks\) at stall\.py:\d+ in <lambda>, "
         r"at stall\.py:\d+ in <module>.*: ranks 0-2\n",
         proc.stderr,
     ), show(proc)

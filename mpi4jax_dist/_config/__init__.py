@@ -43,6 +43,7 @@ from .faults import (  # noqa: F401
     fail_fast,
     hang_dir,
     hang_timeout,
+    hang_timeout_set,
     jax_preemption_requested,
     stacks_on_signal,
 )

@@ -95,6 +95,13 @@ def hang_timeout(env: Mapping[str, str] | None = None) -> float | None:
     )
 
 
+def hang_timeout_set(env: Mapping[str, str] | None = None) -> bool:
+    """Return whether ``MPI4JAX_DIST_HANG_TIMEOUT`` is set (not left to its
+    default)."""
+    env = environ() if env is None else env
+    return bool(env.get(HANG_TIMEOUT, "").strip())
+
+
 def _seconds(
     name: str,
     meaning: str,
@@ -115,8 +122,8 @@ def _seconds(
     except ValueError:
         wrong = "is not a number of seconds"
     if wrong:
+        off = "0 or nothing" if default is None else f"0 (unset: {default:g} s)"
         raise ValueError(
-            f"{name}={value!r} {wrong}. Set it to {meaning}, or 0 or nothing to "
-            f"turn it off."
+            f"{name}={value!r} {wrong}. Set it to {meaning}, or {off} to turn it off."
         )
     return seconds or None

@@ -203,7 +203,11 @@ def _os_exit(status):
     naming this rank."""
     if os.getpid() != _state.pid:  # a forked child (multiprocessing's end)
         _state.original_os_exit(status)
-    wait_s = hangs.hang_timeout_s() or _OS_EXIT_WAIT_S
+    # The hang timeout where one is set (steps that long may keep the others from
+    # their exit); its default, ten minutes, is not what a rank that leaves waits.
+    set_s = hangs.hang_timeout_s() if _config.hang_timeout_set() else None
+    wait_s = set_s or _OS_EXIT_WAIT_S
+    hangs.at_exit()
     if _every_rank_at_exit(wait_s) is False:
         _abort(
             f"os._exit({status!r}) while other ranks had not reached their exit "

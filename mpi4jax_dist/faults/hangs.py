@@ -66,7 +66,7 @@ def report() -> dict:
     running = {Watchdog: "running", ServiceWatchdog: "through JAX's service"}
     return {
         "hang_timeout_s": hang,
-        "hang_timeout_set": _config.environ().get(_config.HANG_TIMEOUT),
+        "hang_timeout_set": _config.hang_timeout_set(),
         "collective_timeout_s": collective,
         "watchdog": running.get(type(watchdog), "none"),
         "bootstrapped": _state.bootstrapped,
@@ -112,6 +112,15 @@ def install(
     configure_loaded_modules()
 
 
+def at_exit() -> None:
+    """Have the watchdog take this rank as at its exit from now on, as its atexit
+    handler does (for ``os._exit``, which runs no atexit handler): the other
+    ranks' watchdogs then see it at its exit, and their verdicts and reports say
+    so."""
+    if isinstance(_state.watchdog, Watchdog):
+        _state.watchdog.at_exit()
+
+
 def configure(module) -> None:
     """Give an extension module the collective timeout, once (the compiled ops call
     it when they load one; :func:`install` sets it again for the ones loaded
@@ -121,8 +130,11 @@ def configure(module) -> None:
 
 
 def _apply(module) -> None:
+    # Only the watchdog over MPI takes a timed-out call's alarm (the one through
+    # JAX's service keeps the hang timeout alone): without it the call ends the
+    # job itself.
     module.set_collective_timeout(
-        timeout_s() or 0.0, _state.watchdog is not None, writer.on_signal()
+        timeout_s() or 0.0, isinstance(_state.watchdog, Watchdog), writer.on_signal()
     )
     if writer.module() is not None:  # its replies quote the module's record
         writer.module().set_in_flight(module.in_flight_reader())

@@ -223,6 +223,7 @@ def report_line(alarm: dict, replies: dict, size: int, where: set) -> str:
     call = alarm["call"]
     counts = {r: reply["count"] for r, reply in replies.items()}
     missing = [r for r in members if counts.get(r) is not None and counts[r] < call]
+    exited = [r for r in missing if replies[r].get("exited")]
     held = sorted(r for r, reply in replies.items() if reply.get("held"))
     silent = [r for r in range(size) if r not in replies]
     line = (
@@ -236,6 +237,9 @@ def report_line(alarm: dict, replies: dict, size: int, where: set) -> str:
             f"not entered by {ranks_text(missing)} (their last call there: "
             f"{', '.join(str(c) for c in last[:5])})"
         )
+        if exited:
+            whose = "its" if len(exited) == 1 else "their"
+            line += f", of which {ranks_text(exited)} reached {whose} exit"
     elif held or silent:
         line += "entered by every rank that could say"
     else:

@@ -116,6 +116,11 @@ class Watchdog(_Loop):
                 self.comm.py2f(), writer.signum(), _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
             )
 
+    def at_exit(self) -> None:
+        """Take this rank as at its exit from now on (its verdicts and the
+        standstill's chain say so; it answers rank 0 as exited)."""
+        self._exiting.set()
+
     def stop(self) -> None:
         """Stop polling before MPI is finalized (an atexit handler). With the hang
         timeout or the standstill's chain this rank first stays in them, as one
