@@ -154,13 +154,15 @@ WITH_MPI = [
         "iallreduce(comm=MPI.COMM_NULL)",
         lambda: mpi4jax_dist.iallreduce(np.ones(3), comm=_mpi().COMM_NULL),
         ValueError,
-        "mpi4jax_dist.iallreduce: comm is MPI.COMM_NULL (this rank is in no group",
+        "mpi4jax_dist.iallreduce: comm is MPI.COMM_NULL: a communicator freed "
+        "(comm.Free()), or a Split of which this rank is in no group",
     ),
     (
         "allreduce(comm=MPI.COMM_NULL)",
         lambda: mpi4jax_dist.allreduce(np.ones(3), comm=_mpi().COMM_NULL),
         ValueError,
-        "mpi4jax_dist.allreduce: comm is MPI.COMM_NULL (this rank is in no group",
+        "mpi4jax_dist.allreduce: comm is MPI.COMM_NULL: a communicator freed "
+        "(comm.Free()), or a Split of which this rank is in no group",
     ),
     (
         "allreduce(op=MPI.MAXLOC)",
@@ -197,6 +199,23 @@ def test_bad_input_with_mpi(world, call, exception, words):
         problem = None if words in str(err) else f"message: {err}"
     except Exception as err:  # the wrong kind: shown on every rank
         problem = f"{type(err).__name__}: {err}"
+    all_ranks(problem is None, problem)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_freed_communicator_is_named_as_freed(world):
+    """A communicator given to a call and freed since (mpi4py makes the object
+    MPI.COMM_NULL) is named as freed, not as a Split's null."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    mpi4jax_dist.allreduce(np.ones(3, np.float32), comm=comm).block_until_ready()
+    comm.Free()
+    try:
+        mpi4jax_dist.allreduce(np.ones(3, np.float32), comm=comm)
+        problem = "no error"
+    except ValueError as err:
+        problem = None if "comm has been freed (comm.Free())" in str(err) else str(err)
     all_ranks(problem is None, problem)
 
 

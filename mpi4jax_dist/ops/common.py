@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 
 import numpy as np
 
@@ -172,6 +173,17 @@ def unsupported_lowering(who: str, supported: tuple[str, ...]):
     return rule
 
 
+# The communicator objects calls were given while live (weak references: mpi4py's
+# are not hashable): one given again once it is MPI.COMM_NULL was freed since.
+_seen: list = []
+
+
+def _seen_live(comm) -> bool:
+    """Whether ``comm`` (this very object) was given to a call before."""
+    _seen[:] = [ref for ref in _seen if ref() is not None]
+    return any(ref() is comm for ref in _seen)
+
+
 def communicator(comm, who: str = "mpi4jax_dist.allreduce"):
     """Return ``comm`` (``MPI.COMM_WORLD`` for None), checked; ``who`` is the
     function an error names. The calls never run on it itself: the extension
@@ -181,10 +193,19 @@ def communicator(comm, who: str = "mpi4jax_dist.allreduce"):
     if comm is None:
         return MPI.COMM_WORLD
     if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        if _seen_live(comm):
+            raise ValueError(
+                f"{who}: comm has been freed (comm.Free()) since an earlier call "
+                f"was given it: it is MPI.COMM_NULL now. Call with a live "
+                f"communicator."
+            )
         raise ValueError(
-            f"{who}: comm is MPI.COMM_NULL (this rank is in no group of the "
-            f"Split): call it on the group's members only."
+            f"{who}: comm is MPI.COMM_NULL: a communicator freed (comm.Free()), "
+            f"or a Split of which this rank is in no group. Call with a live "
+            f"communicator (after a Split, on the group's members only)."
         )
+    if isinstance(comm, MPI.Comm) and not _seen_live(comm):
+        _seen.append(weakref.ref(comm))
     if isinstance(comm, MPI.Intercomm) or not isinstance(comm, MPI.Intracomm):
         raise TypeError(
             f"{who}: comm must be an mpi4py intracommunicator "
