@@ -359,11 +359,14 @@ def test_a_folder_the_dump_makes_is_private(tmp_path):
         assert made.stat().st_mode & 0o777 == 0o700, oct(made.stat().st_mode)
 
 
-# A rank whose frame's code names argv[1]: it dumps its stacks from that frame and
-# says where they went, how long that took and how far its peak memory grew (KiB).
+# A rank whose frame's code names argv[1]: it has its stacks written from that
+# frame (argv[2]: by hangs.dump, or by SIGUSR1, which faulthandler dumps into the
+# pipe of _stacks's thread) and says where they went, how long that took and how
+# far its peak memory grew (KiB).
 _NAMED_FRAME_JOB = """\
-import resource, sys, time
+import os, resource, signal, sys, threading, time
 import jax, mpi4jax_dist
+from mpi4jax_dist import _config
 from mpi4jax_dist.faults import hangs
 
 jax.distributed.initialize()
@@ -372,11 +375,21 @@ with open("/proc/self/status") as status:
     vm = next(int(s.split()[1]) for s in status if s.startswith("VmSize:")) << 10
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
 space = {}
-code = compile("def step(dump):\\n    return dump('test')\\n", sys.argv[1], "exec")
-exec(code, space)
+source = "def step(call, *args):\\n    return call(*args)\\n"
+exec(compile(source, sys.argv[1], "exec"), space)
+if sys.argv[2] == "write":
+    call, args = hangs.dump, ("test",)
+else:  # to this thread: faulthandler dumps it in step, before pthread_kill returns
+    call, args = signal.pthread_kill, (threading.get_ident(), signal.SIGUSR1)
+written = f"{_config.hang_dir()}/rank-0.txt"
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.monotonic()
-went = space["step"](hangs.dump)  # quoted: a regular file
+went = space["step"](call, *args)  # quoted: a regular file
+while sys.argv[2] != "write" and time.monotonic() < start + 20:
+    if os.path.exists(written):
+        went = _config.hang_dir()
+        break
+    time.sleep(0.01)
 took = time.monotonic() - start
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 print(f"WENT {went} TOOK {took:.3f} GREW {grew}", flush=True)
@@ -384,6 +397,7 @@ print(f"WENT {went} TOOK {took:.3f} GREW {grew}", flush=True)
 
 
 @util.same_under_every_jax
+@pytest.mark.parametrize("how", ["write", "SIGUSR1"])
 @pytest.mark.parametrize(
     "kind, why",
     [
@@ -393,14 +407,15 @@ print(f"WENT {went} TOOK {took:.3f} GREW {grew}", flush=True)
         ("big.py", "not within its first 16 MiB, read no further"),
     ],
 )
-def test_the_writer_quotes_only_regular_files(tmp_path, kind, why):
+def test_the_writer_quotes_only_regular_files(tmp_path, kind, why, how):
     """A frame whose code names a FIFO (``exec(compile(src, "/tmp/fifo",
     "exec"))``), /dev/zero, /proc/self/pagemap or a regular file of 1 GiB with no
     line end: the writer's fopen() waited on the FIFO for good, and its getline()
-    read the others without end (here up to the 1 GiB the job leaves itself). It
-    reads regular files only, bounded: the dump is written at once, the place
-    gets a line saying why it has no source line, the job's own file is quoted,
-    and --hangs passes the why on."""
+    read the others without end (here up to the 1 GiB the job leaves itself),
+    whether the dump was asked for (``hangs.dump``) or came on SIGUSR1 to the C
+    thread. It reads regular files only, bounded: the dump is written at once,
+    the place gets a line saying why it has no source line, the job's own file
+    is quoted, and --hangs passes the why on."""
     named = Path(kind) if kind.startswith("/") else tmp_path / kind
     if kind == "fifo":
         os.mkfifo(named)
@@ -411,19 +426,18 @@ def test_the_writer_quotes_only_regular_files(tmp_path, kind, why):
     job.write_text(_NAMED_FRAME_JOB)
     dumps = tmp_path / "dumps"
     env = util.clean_env(**QUIET, **{_config.HANG_DIR: str(dumps)})
-    proc = util.run_mpi(job, 1, named, timeout=90, env=env, check=False)
+    proc = util.run_mpi(job, 1, named, how, timeout=90, env=env, check=False)
     assert proc.returncode == 0, show(proc)
     went = re.search(r"WENT (\S+) TOOK ([\d.]+) GREW (\d+)", proc.stdout)
     assert went and went.group(1) == str(dumps), show(proc)
     assert float(went.group(2)) < 5 and int(went.group(3)) < 64 << 10, went.group(0)
     dump = (dumps / "rank-0.txt").read_text()
     assert f"# no line {named}:2: {why}\n" in dump, dump
-    quoted = 'went = space["step"](hangs.dump)  # quoted: a regular file'
+    quoted = 'went = space["step"](call, *args)  # quoted: a regular file'
     number = _NAMED_FRAME_JOB.splitlines().index(quoted) + 1
     assert f"# line {job}:{number}: {quoted}\n" in dump, dump
     lines = diagnostics_hangs.summarize(dumps).splitlines()
-    stands = f"1 rank at {named.name}:2 in step, inside mpi4jax_dist (writer.py:"
-    assert lines[2].startswith(stands), lines
+    assert lines[2].startswith(f"1 rank at {named.name}:2 in step"), lines
     assert lines[3] == f"{named}:2: no source line (the writer's note: {why})", lines
 
 
