@@ -9,20 +9,23 @@ Without the timeout the same job waits out the stall (the fault the timeout
 guards against).
 """
 
+import ast
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 import util
 
 from mpi4jax_dist import _compat, _config
 from mpi4jax_dist.diagnostics import hangs as diagnostics_hangs
-from mpi4jax_dist.faults import hangs
+from mpi4jax_dist.faults import hangs, stacks
 
 pytestmark = util.skip_in_mpi_job
 
@@ -356,6 +359,88 @@ def test_a_folder_the_dump_makes_is_private(tmp_path):
         assert made.stat().st_mode & 0o777 == 0o700, oct(made.stat().st_mode)
 
 
+# A rank whose frame's code names argv[1]: it has its stacks written from that
+# frame (argv[2]: by hangs.dump, or by SIGUSR1, which faulthandler dumps into the
+# pipe of _stacks's thread) and says where they went, how long that took and how
+# far its peak memory grew (KiB).
+_NAMED_FRAME_JOB = """\
+import os, resource, signal, sys, threading, time
+import jax, mpi4jax_dist
+from mpi4jax_dist import _config
+from mpi4jax_dist.faults import hangs
+
+jax.distributed.initialize()
+# Room for 1 GiB more: a reader without bound fails here, not the machine.
+with open("/proc/self/status") as status:
+    vm = next(int(s.split()[1]) for s in status if s.startswith("VmSize:")) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+space = {}
+source = "def step(call, *args):\\n    return call(*args)\\n"
+exec(compile(source, sys.argv[1], "exec"), space)
+if sys.argv[2] == "write":
+    call, args = hangs.dump, ("test",)
+else:  # to this thread: faulthandler dumps it in step, before pthread_kill returns
+    call, args = signal.pthread_kill, (threading.get_ident(), signal.SIGUSR1)
+written = f"{_config.hang_dir()}/rank-0.txt"
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.monotonic()
+went = space["step"](call, *args)  # quoted: a regular file
+while sys.argv[2] != "write" and time.monotonic() < start + 20:
+    if os.path.exists(written):
+        went = _config.hang_dir()
+        break
+    time.sleep(0.01)
+took = time.monotonic() - start
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(f"WENT {went} TOOK {took:.3f} GREW {grew}", flush=True)
+"""
+
+
+@util.same_under_every_jax
+@pytest.mark.parametrize("how", ["write", "SIGUSR1"])
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("fifo", "a FIFO, not read"),
+        ("/dev/zero", "a device, not read"),
+        ("/proc/self/pagemap", "of size 0 (as /proc's files say), not read"),
+        ("big.py", "not within its first 16 MiB, read no further"),
+    ],
+)
+def test_the_writer_quotes_only_regular_files(tmp_path, kind, why, how):
+    """A frame whose code names a FIFO (``exec(compile(src, "/tmp/fifo",
+    "exec"))``), /dev/zero, /proc/self/pagemap or a regular file of 1 GiB with no
+    line end: the writer's fopen() waited on the FIFO for good, and its getline()
+    read the others without end (here up to the 1 GiB the job leaves itself),
+    whether the dump was asked for (``hangs.dump``) or came on SIGUSR1 to the C
+    thread. It reads regular files only, bounded: the dump is written at once,
+    the place gets a line saying why it has no source line, the job's own file
+    is quoted, and --hangs passes the why on."""
+    named = Path(kind) if kind.startswith("/") else tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(named)
+    elif kind == "big.py":
+        with open(named, "wb") as big:
+            big.truncate(1 << 30)  # sparse: no disk
+    job = tmp_path / "job.py"
+    job.write_text(_NAMED_FRAME_JOB)
+    dumps = tmp_path / "dumps"
+    env = util.clean_env(**QUIET, **{_config.HANG_DIR: str(dumps)})
+    proc = util.run_mpi(job, 1, named, how, timeout=90, env=env, check=False)
+    assert proc.returncode == 0, show(proc)
+    went = re.search(r"WENT (\S+) TOOK ([\d.]+) GREW (\d+)", proc.stdout)
+    assert went and went.group(1) == str(dumps), show(proc)
+    assert float(went.group(2)) < 5 and int(went.group(3)) < 64 << 10, went.group(0)
+    dump = (dumps / "rank-0.txt").read_text()
+    assert f"# no line {named}:2: {why}\n" in dump, dump
+    quoted = 'went = space["step"](call, *args)  # quoted: a regular file'
+    number = _NAMED_FRAME_JOB.splitlines().index(quoted) + 1
+    assert f"# line {job}:{number}: {quoted}\n" in dump, dump
+    lines = diagnostics_hangs.summarize(dumps).splitlines()
+    assert lines[2].startswith(f"1 rank at {named.name}:2 in step"), lines
+    assert lines[3] == f"{named}:2: no source line (the writer's note: {why})", lines
+
+
 # --- no MPI ---------------------------------------------------------------------------
 
 
@@ -434,7 +519,8 @@ def test_summarize_names_the_odd_ones_out_among_many(tmp_path):
 def test_summarize_quotes_the_source_as_it_was_when_dumped(tmp_path):
     """The stacks file carries each frame's line as the file read at the dump; the
     file changed since (a user editing the job's script) does not change the quote;
-    a file without them is read now, and the summary says so."""
+    from a stacks file without them the file is not read (it was, through
+    linecache, "as the file reads now"): one line says there is none."""
     code = tmp_path / "job.py"
     code.write_text("def step():\n    total = allreduce(x)\n")
     frames = [(str(code), 2, "step")]
@@ -449,10 +535,12 @@ def test_summarize_quotes_the_source_as_it_was_when_dumped(tmp_path):
     assert lines[2] == "1 rank at job.py:2 in step: `total = allreduce(x)`: rank 0"
     fake_stacks(dumps, 0, 2, frames)  # without the source lines
     lines = diagnostics_hangs.summarize(dumps).splitlines()
-    assert lines[2] == (
-        "1 rank at job.py:2 in step: `total = psum(x)  # edited after the job` "
-        "(as the file reads now): rank 0"
-    )
+    assert lines[2] == "1 rank at job.py:2 in step: rank 0"
+    assert lines[3:5] == [
+        "no stacks from rank 1",
+        f"{code}:2: no source line in the stacks files (--hangs reads no file "
+        f"they name)",
+    ]
 
 
 def test_groups_alike_but_for_their_callers_are_told_apart(tmp_path):
@@ -521,6 +609,109 @@ def test_summarize_names_each_file_it_cannot_use_in_one_line(tmp_path):
     )
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1, cli.stderr
     assert "no rank-N.txt in" in cli.stderr
+
+
+# A child Python's address space: room for JAX's import (0.4 GiB), none for a
+# reader without bound, which then fails there rather than fill this machine.
+_BOUNDED = (
+    "import resource, sys, time\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+)
+
+
+def in_bounded_child(code: str, *args, timeout: float = 60):
+    """Run ``code`` (``sys.argv[1:]``: ``args``) in a Python of 2 GiB of address
+    space; past ``timeout`` seconds the test fails."""
+    return util.run_command(
+        [sys.executable, "-c", _BOUNDED + code, *map(str, args)],
+        env=util.clean_env(**QUIET),
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "/proc/self/environ", "link"])
+def test_summarize_reads_no_file_a_stacks_file_names(tmp_path, kind):
+    """A forged stacks file's frame names /dev/zero, a FIFO, /proc/self/environ or
+    a link to a file: --hangs read them through linecache (7.2 GB of /dev/zero in
+    30 s; a FIFO's open() for good; the environment and the file quoted). It
+    quotes only what the stacks files hold now: at once, the place unquoted, one
+    line saying why."""
+    secret = tmp_path / "secret.py"
+    secret.write_text("token = 'hunter2'\n")
+    named = {"fifo": tmp_path / "fifo", "link": tmp_path / "job.py"}.get(kind)
+    if kind == "fifo":
+        os.mkfifo(named)
+    elif kind == "link":
+        named.symlink_to(secret)
+    named = named or Path(kind)
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    fake_stacks(dumps, 0, 1, [(str(named), 1, "step")])
+    proc = in_bounded_child(
+        "from mpi4jax_dist.diagnostics import hangs\n"
+        "start = time.monotonic()\n"
+        "text = hangs.summarize(sys.argv[1])\n"
+        "print(f'TOOK {time.monotonic() - start:.3f}')\n"
+        "print(text)\n",
+        dumps,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took, *lines = proc.stdout.splitlines()
+    assert float(took.split()[1]) < 2, took
+    assert lines[2] == f"1 rank at {named.name}:1 in step: rank 0", lines
+    assert lines[3] == (
+        f"{named}:1: no source line in the stacks files (--hangs reads no file "
+        f"they name)"
+    ), lines
+    assert "hunter2" not in proc.stdout and "PATH=" not in proc.stdout
+
+
+def test_a_quoted_line_is_one_line_whatever_it_holds():
+    """A source line in a stacks file holding a form feed or U+2028, where
+    splitlines() ends a line, stays one quote: what follows it in the line is
+    neither a frame nor another quote."""
+    text = "\n".join(
+        [
+            "# mpi4jax_dist stacks: rank 0 of 1",
+            "# main thread 0x00000000000000aa",
+            "Current thread 0x00000000000000aa (most recent call first):",
+            '  File "/home/u/job.py", line 2 in step',
+            '# line /home/u/job.py:2: a = 1\x0c  File "/evil.py", line 9 in forged',
+            "# line /home/u/job.py:3: b = 2\u2028# line /home/u/job.py:2: replaced",
+        ]
+    )
+    _, _, threads = stacks.parse_stacks(text)
+    assert threads["main"] == [stacks.Frame("/home/u/job.py", 2, "step")]
+    assert threads["source"][("/home/u/job.py", 2)] == (
+        'a = 1\x0c  File "/evil.py", line 9 in forged'
+    )
+
+
+def test_a_rank_quotes_its_own_frames_from_regular_files_only(tmp_path):
+    """The watchdog quotes its rank's frames for the hang report
+    (``report.standing``): through linecache, a frame whose code named a FIFO held
+    it for good, and one naming /dev/zero filled its memory. It reads a regular
+    file (or a link to one) only, bounded, as the C writer does."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    job = tmp_path / "job.py"
+    job.write_text("def step():\n    total = allreduce(x)  \n")
+    link = tmp_path / "link.py"
+    link.symlink_to(job)
+    proc = in_bounded_child(
+        "from mpi4jax_dist.faults import stacks\n"
+        "places = zip(sys.argv[1::2], map(int, sys.argv[2::2]))\n"
+        "frames = [stacks.Frame(path, line, 'f') for path, line in places]\n"
+        "start = time.monotonic()\n"
+        "quoted = stacks.quote(frames)\n"
+        "print(repr((time.monotonic() - start, quoted)))\n",
+        *(fifo, 1, "/dev/zero", 1, "/proc/self/environ", 1, tmp_path, 1),
+        *(job, 2, link, 2, job, 3, job, 0),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took, quoted = ast.literal_eval(proc.stdout.splitlines()[-1])
+    assert quoted == ["", "", "", ""] + ["total = allreduce(x)"] * 2 + ["", ""]
+    assert took < 2, took
 
 
 def test_summarize_without_files_says_how_to_get_them(tmp_path):

@@ -5,12 +5,15 @@ grouped by where each rank's main thread stands.
 Bounded by what it reads, not by what a file says: each file is read up to
 ``MAX_FILE_BYTES`` and a header's rank count is only believed as far as the ranks
 that answered; a file that is not a regular ``rank-N.txt`` of one rank (a folder,
-a link, a file cut short, a rank that two files claim) gets one line saying so."""
+a link, a file cut short, a rank that two files claim) gets one line saying so.
+It reads nothing else: a frame's source line is quoted as the stacks file holds
+it (the writer's ``# line PATH:N: TEXT``), never read from the file the frame
+names, which may be a FIFO, a device or anything a forged file names; a place
+the summary shows without its line gets one line saying why."""
 
 from __future__ import annotations
 
 import errno
-import linecache
 import os
 import re
 import stat
@@ -37,11 +40,11 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
     """
     folder = Path(directory)
     files = _stack_files(folder)
-    linecache.checkcache()  # a file read before may have changed since
     groups: dict = defaultdict(list)
     sizes = set()
     left_out = []
     sources: dict = {}
+    unread: dict = {}
     times = []
     owner: dict = {}  # rank -> the file that holds it
     for path in files:
@@ -64,8 +67,13 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
         owner[rank] = path.name
         sizes.add(size)
         groups[tuple(threads["main"])].append(rank)
-        for place, source in threads["source"].items():
-            sources.setdefault(place, source)
+        # Only the main thread's places are ever quoted: the lines of the
+        # others' places are not kept.
+        places = {(f.file, f.line) for f in threads["main"]}
+        for place in places & threads["source"].keys():
+            sources.setdefault(place, threads["source"][place])
+        for place in places & threads["unread"].keys():
+            unread.setdefault(place, threads["unread"][place])
         if "times" in threads:
             times.append(threads["times"])
     seen = sorted(owner)
@@ -86,12 +94,33 @@ def summarize(directory: str | os.PathLike, stacks: int = 3) -> str:
     if absent := absent_text(seen, size):
         lines.append(f"no stacks from {absent}")
     lines += left_out
+    lines += _unquoted(groups, sources, unread)
     smallest = sorted(groups.items(), key=lambda item: (len(item[1]), min(item[1])))
     for frames, ranks in smallest[:stacks]:
         lines.append("")
         lines.append(f"{ranks_text(ranks)}, main thread (most recent call first):")
         lines += [f"  {f.file}:{f.line} in {f.function}" for f in frames]
     return "\n".join(lines)
+
+
+def _unquoted(groups: dict, sources: dict, unread: dict) -> list[str]:
+    """One line for each place a group's line names without its source line: why
+    the writer read none (its ``# no line`` note), or that the files hold none."""
+    notes = {}
+    for frames in groups:
+        frame = stack_text.user_frame(frames)
+        if frame is None or sources.get(place := (frame.file, frame.line)):
+            continue  # no user frame, or one where() quotes
+        if why := unread.get(place):
+            notes[place] = (
+                f"{frame.file}:{frame.line}: no source line (the writer's note: {why})"
+            )
+        else:
+            notes[place] = (
+                f"{frame.file}:{frame.line}: no source line in the stacks files "
+                f"(--hangs reads no file they name)"
+            )
+    return list(notes.values())
 
 
 def _stack_files(folder: Path) -> list[Path]:

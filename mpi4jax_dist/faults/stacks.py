@@ -1,12 +1,19 @@
 """Python stacks as faulthandler writes them and ``_ffi/stacks.c`` files them (a
 header, the dump, each frame's source line as it read then): parsed into frames,
 and groups of ranks summarized by where their main thread stands (the collective
-and hang timeouts' reports, ``--hangs``)."""
+and hang timeouts' reports, ``--hangs``).
+
+A summary quotes the source lines it is given, and reads no file a stack names:
+a frame's file is whatever its code's ``co_filename`` says (a FIFO, ``/dev/zero``)
+and a stacks file anyone could have written. This process's own frames are quoted
+by :func:`quote`, which reads a file as ``_ffi/stacks_sources.h`` does: a regular
+file only, bounded."""
 
 from __future__ import annotations
 
-import linecache
+import os
 import re
+import stat
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -18,8 +25,12 @@ _HEADER = re.compile(r"^# mpi4jax_dist stacks: rank (\d+) of (\d+)")
 _MAIN = re.compile(r"^# main thread (0x[0-9a-fA-F]+)")
 # When the dump came (the signal, or the request) and when it was written.
 _TIMES = re.compile(r"^# host .* signal (\S+) written (\S+) reason ")
-# A source line as it read when the dump was written (``_ffi/stacks.c``).
+# A source line as it read when the dump was written (``_ffi/stacks.c``), or why
+# the writer did not read the file (not a regular file, too large).
 _SOURCE = re.compile(r"^# line (.*):(\d+): (.*)$")
+_UNREAD = re.compile(r"^# no line (.*):(\d+): (.*)$")
+# How far into a file quote() looks for a line (as _ffi/stacks_sources.h does).
+MAX_SOURCE_BYTES = 16 << 20
 # Paths of code that is not the user's: what a stack's summary looks past.
 _LIBRARY = re.compile(
     r"(site-packages|dist-packages|/lib/python\d|[\\/](jax|jaxlib|mpi4jax|"
@@ -36,14 +47,19 @@ class Frame(NamedTuple):
 def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
     """Return (rank, size, {thread id: [frames, innermost first]}) of one file, the
     main thread's stack under the key ``"main"``, under ``"source"`` the source
-    lines the file holds ({(file, line): text}), and under ``"times"`` when the
+    lines the file holds ({(file, line): text}), under ``"unread"`` why the writer
+    read no line of a place ({(file, line): why}), and under ``"times"`` when the
     dump came and when it was written (datetimes), where the header says."""
     rank = size = main = None
-    threads: dict = {"source": {}}
+    threads: dict = {"source": {}, "unread": {}}
     current = None
-    for line in text.splitlines():
+    # Lines end at "\n" alone: a source line quoted in the file may hold a form
+    # feed or U+2028, which splitlines() would take for the start of a new line.
+    for line in text.split("\n"):
         if m := _SOURCE.match(line):
             threads["source"][m.group(1), int(m.group(2))] = m.group(3)
+        elif m := _UNREAD.match(line):
+            threads["unread"][m.group(1), int(m.group(2))] = m.group(3)
         elif m := _TIMES.match(line):
             try:
                 threads["times"] = tuple(
@@ -66,20 +82,17 @@ def parse_stacks(text: str) -> tuple[int | None, int | None, dict]:
 
 def where(frames: list[Frame], sources: dict | None = None) -> str:
     """``at cg.py:123 in solve: `r = allreduce(r)`, inside jax (pxla.py:413)``: the
-    innermost frame of the user's code (its source line as the stacks file holds
-    it, else as the file reads now, said so) and, where library code runs inside
-    it, the innermost library frame."""
+    innermost frame of the user's code (its source line as ``sources`` holds it;
+    no file is read) and, where library code runs inside it, the innermost library
+    frame."""
     if not frames:
         return "with no Python frames"
-    user = next((f for f in frames if not _LIBRARY.search(f.file)), None)
+    user = user_frame(frames)
     text = ""
     if user is not None:
         text = f"at {Path(user.file).name}:{user.line} in {user.function}"
-        source = (sources or {}).get((user.file, user.line))
-        if source:
+        if source := (sources or {}).get((user.file, user.line)):
             text += f": `{source}`"
-        elif source := linecache.getline(user.file, user.line).strip():
-            text += f": `{source}` (as the file reads now)"
     inner = frames[0]
     if inner is not user:
         package = _package(inner.file)
@@ -87,6 +100,11 @@ def where(frames: list[Frame], sources: dict | None = None) -> str:
             f"{package} ({Path(inner.file).name}:{inner.line} in {inner.function})"
         )
     return text
+
+
+def user_frame(frames) -> Frame | None:
+    """The innermost frame of the user's code (the one :func:`where` quotes)."""
+    return next((f for f in frames if not _LIBRARY.search(f.file)), None)
 
 
 def _package(path: str) -> str:
@@ -123,8 +141,37 @@ def told_apart(summaries: dict) -> dict:
 
 
 def quote(frames) -> list[str]:
-    """Each frame's source line, as its file reads now ("" where there is none)."""
-    return [linecache.getline(f.file, f.line).strip() for f in frames]
+    """Each frame's source line, as its file reads now ("" where there is none, or
+    where :func:`source_line` does not read the file)."""
+    return [source_line(f.file, f.line) for f in frames]
+
+
+def source_line(path: str, line: int) -> str:
+    """Line ``line`` (from 1) of ``path``, stripped; "" where there is none.
+
+    Read as ``_ffi/stacks_sources.h`` reads it, for a frame's file is whatever its
+    code's ``co_filename`` says: only where ``path`` is a regular file (a link to
+    one too), opened without blocking, and never past its size as ``fstat`` gives
+    it (0 for /proc's files) nor past ``MAX_SOURCE_BYTES``; no cache (linecache's
+    would hold every file a rank ever quoted)."""
+    try:
+        if line < 1 or not stat.S_ISREG(os.stat(path).st_mode):
+            return ""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return ""
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return ""
+        left = min(info.st_size, MAX_SOURCE_BYTES)
+        for _ in range(line):
+            text = file.readline(left)  # readline(0) reads nothing
+            if not text:
+                return ""
+            left -= len(text)
+    # At most 1023 bytes of it, as the writer keeps.
+    return text[:1023].decode(errors="replace").strip()
 
 
 def group_lines(
