@@ -180,6 +180,11 @@ class Verdict:
         round (past its fast poll, a rank tests once a poll again)."""
         return self.period_s + self.rounds * poll_s
 
+    def late_by(self, now: float, timeout_s: float, poll_s: float) -> float:
+        """How long the pending reduction has been pending past the timeout and
+        :meth:`late_s` (negative: not yet)."""
+        return now - self.posted_at - timeout_s - self.late_s(poll_s)
+
     def test(self) -> dict | None:
         """The last reduction's result once it completed (then the next may be
         posted), else None."""

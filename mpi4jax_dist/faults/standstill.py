@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +49,9 @@ BACKOFF_MAX_S = 120.0
 # non-negative).
 _AT_EXIT = -1
 _IDLE, _FIRST, _SECOND = range(3)
+# Rank 0's question to every rank, and the answers (on the watchdog's
+# communicator and tag).
+ASK, REPLY = "calls", "calls-reply"
 
 
 def place_hash(calls: list[record.Call], at_exit: bool) -> int:
@@ -73,6 +77,62 @@ def live_calls(replies: dict) -> list[record.Call]:
     return [calls[0] for key, calls in entered.items() if len(calls) >= sizes[key]]
 
 
+def none_can_complete(replies: dict, size: int) -> bool:
+    """Whether ``replies`` (rank -> {"calls", "exited"}) come from all ``size``
+    ranks and hold no call MPI can complete: a standstill."""
+    return len(replies) == size and not live_calls(replies)
+
+
+def ask_calls(comm, own: dict, tag: int, reply_s: float) -> dict:
+    """Rank 0: ask every other rank of ``comm`` which of the package's calls it is
+    in and whether it has reached its exit (their watchdogs answer :data:`ASK`
+    with :data:`REPLY`); return the replies by rank, this one's (``own``)
+    included, after at most ``reply_s``."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    requests = [comm.isend({"kind": ASK}, dest=r, tag=tag) for r in range(size)]
+    del requests[rank]
+    replies = {rank: own}
+    end = time.monotonic() + reply_s
+    while len(replies) < size and time.monotonic() < end:
+        status = MPI.Status()
+        message = comm.improbe(MPI.ANY_SOURCE, tag, status)
+        if message is None:
+            time.sleep(1e-3)
+            continue
+        reply = message.recv()
+        if reply.get("kind") == REPLY:
+            replies[reply["rank"]] = reply
+    _unfinished.extend(requests)  # every rank that answered has received its own
+    _unfinished[:] = [r for r in _unfinished if not r.Test()]
+    return replies
+
+
+# Sends whose receiver had not answered when last looked at: tested again at the
+# next round, so that none is left to grow.
+_unfinished: list = []
+
+
+def answer(comm, source: int, tag: int, exiting: bool) -> None:
+    """Answer rank 0's :data:`ASK`: this rank's calls, or that it is at its exit."""
+    reply = {
+        "kind": REPLY,
+        "rank": comm.Get_rank(),
+        "calls": [] if exiting else record.calls(),
+        "exited": exiting,
+    }
+    comm.send(reply, dest=source, tag=tag)
+
+
+class Look(NamedTuple):
+    """What a look at the chain found: whether it has ended (every rank at its
+    exit), and the token to check with where rank 0 is to ask every rank."""
+
+    ended: bool
+    check: tuple | None
+
+
 class Standstill:
     """This rank's part in the chain of reductions (see the module's docstring),
     on ``comm``, a communicator no other messages use. :meth:`poll` once a look
@@ -93,6 +153,26 @@ class Standstill:
     def pending(self) -> bool:
         """Whether a reduction of the chain is posted and not yet complete."""
         return self._request is not None
+
+    def testing(self, now: float, progress, exiting: bool) -> bool:
+        """Whether to test often: this rank stands still and its reduction is
+        pending (its rounds move only while tested)."""
+        return self.pending and (exiting or progress.stuck_for(now) >= STALL_S)
+
+    def look(self, now: float, progress, exiting: bool) -> Look:
+        """Look at this rank (``progress``, a
+        :class:`~mpi4jax_dist.faults.progress.Progress` looked at this poll, and
+        whether it is at its exit) and :meth:`poll` with what it found."""
+        calls = [] if exiting else record.calls()
+        waiting = any(c.waiting for c in calls)
+        still = exiting or (waiting and progress.stuck_for(now) >= STALL_S)
+        key = place_hash(calls, exiting)
+        token = (record.events(), key)
+        result = self.poll(now, still, token, key)
+        if result is None or result["one_call"] or not result["all_still"]:
+            ended = bool(result and exiting and result["all_at_exit"])
+            return Look(ended, None)
+        return Look(False, token)
 
     def poll(self, now: float, still: bool, token: tuple, key: int) -> dict | None:
         """One look: ``still`` whether this rank stands still now, ``token`` where

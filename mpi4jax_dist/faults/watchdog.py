@@ -78,7 +78,53 @@ class _Loop(threading.Thread):
         return progress.place_key(self.progress.place(), record.place_text())
 
 
-class Watchdog(_Loop):
+class _Reports:
+    """What rank 0 (or the deputy) of the watchdogs over MPI says when it ends the
+    job: every rank's stacks asked for, one report, ``MPI_Abort``. Each report
+    method never returns."""
+
+    def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
+        own = {
+            "count": record.count_of(group),
+            **report.standing(self.progress, self._exiting.is_set()),
+        }
+        return _ask_every_rank(self.comm, reason, group, own)
+
+    def _report(self, alarm: dict) -> None:
+        """Rank 0: ask every rank for its stacks and count, say who is missing, and
+        end the job (never returns)."""
+        self._reporting = True
+        reason = (
+            f"rank {alarm['rank']}'s {alarm['who']} waited {alarm['waited_s']:.3g} s "
+            f"({_config.COLLECTIVE_TIMEOUT})"
+        )
+        replies, where = self._ask_every_rank(reason, alarm["group"])
+        logger.critical("%s", report.report_line(alarm, replies, self.size, where))
+        _mpi.abort(self.comm, 1)
+
+    def _report_hang(self, stuck_s: float) -> None:
+        """Rank 0: every rank's stacks, the ranks grouped by where they stand (the
+        odd ones out first), and the end of the job (never returns)."""
+        self._reporting = True
+        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
+        replies, where = self._ask_every_rank(reason, None)
+        logger.critical("%s", report.hang_report(replies, self.size, stuck_s, where))
+        _mpi.abort(self.comm, 1)
+
+    def _report_standstill(self, calls: dict) -> None:
+        """Rank 0: every rank waits in a call none of which can complete (``calls``,
+        what each is in): every rank's stacks, one report, the end of the job."""
+        self._reporting = True
+        reason = "the ranks wait in calls that cannot match"
+        stacks, where = self._ask_every_rank(reason, None)
+        text = report.standstill_report(
+            calls, stacks, self.size, standstill.STALL_S, where
+        )
+        logger.critical("%s", text)
+        _mpi.abort(self.comm, 1)
+
+
+class Watchdog(_Reports, _Loop):
     """The watchdogs over MPI, on a communicator of their own: a timed-out call's
     alarm goes to rank 0 (and the deputy), which asks every rank for its count and
     stacks; with the hang timeout, the verdict is one small reduction a period
@@ -181,45 +227,23 @@ class Watchdog(_Loop):
         return False
 
     def _watch_standstill(self, now: float, exiting: bool) -> None:
-        """Post, test and act on the standstill's chain: where its second round
-        says every rank stands still and not all in one call, rank 0 asks every
-        rank what it is in and ends the job if no call can complete."""
-        calls = [] if exiting else record.calls()
-        waiting = any(c.waiting for c in calls)
-        still = exiting or (
-            waiting and self.progress.stuck_for(now) >= standstill.STALL_S
-        )
-        key = standstill.place_hash(calls, exiting)
-        token = (record.events(), key)
-        result = self.still.poll(now, still, token, key)
-        if result is None:
-            return
-        if result["all_at_exit"]:
-            self._still_ended = exiting
-            return
-        if not result["all_still"] or result["one_call"]:
+        """One look at the standstill's chain: where it says every rank stands
+        still and not all in one call, rank 0 asks every rank which calls it is
+        in and, where none can complete, reports and ends the job."""
+        look = self.still.look(now, self.progress, exiting)
+        self._still_ended = look.ended
+        if look.check is None:
             return
         # Rank 0 asks what every rank is in, now: answer at once.
         self._urgent_until = now + report.REPLY_S + 1.0
-        if self.rank == 0:
-            self._check_standstill(now, token)
-
-    def _check_standstill(self, now: float, token: tuple) -> None:
-        """Rank 0, every rank standing still, not all in one call: ask every rank
-        which calls it is in; where none can complete, report and end the job."""
-        own = {"calls": record.calls(), "exited": self._exiting.is_set()}
-        replies = _ask_calls(self.comm, own)
-        if len(replies) < self.size or standstill.live_calls(replies):
-            self.still.no_standstill(now, token)
+        if self.rank != 0:
             return
-        self._reporting = True
-        reason = "the ranks wait in calls that cannot match"
-        stacks, where = self._ask_every_rank(reason, None)
-        text = report.standstill_report(
-            replies, stacks, self.size, standstill.STALL_S, where
-        )
-        logger.critical("%s", text)
-        _mpi.abort(self.comm, 1)
+        own = {"calls": record.calls(), "exited": exiting}
+        replies = standstill.ask_calls(self.comm, own, _TAG, report.REPLY_S)
+        if not standstill.none_can_complete(replies, self.size):
+            self.still.no_standstill(now, look.check)
+            return
+        self._report_standstill(replies)
 
     def _raise_alarm(self) -> None:
         """This rank's first timed-out call: rank 0 reports it; another rank sends
@@ -244,15 +268,8 @@ class Watchdog(_Loop):
         now = time.monotonic()
         if self._urgent or now < self._urgent_until:
             return URGENT_POLL_S
-        if (
-            self.still is not None
-            and self.still.pending
-            and (
-                self._exiting.is_set()
-                or self.progress.stuck_for(now) >= standstill.STALL_S
-            )
-        ):
-            # This rank stands still: its chain's rounds move only while tested.
+        still = self.still
+        if still and still.testing(now, self.progress, self._exiting.is_set()):
             return URGENT_POLL_S
         if self.verdict is None:
             return POLL_S
@@ -310,22 +327,16 @@ class Watchdog(_Loop):
         """Whether this rank reports a verdict pending for longer than the timeout:
         rank 0, and the deputy ``DEPUTY_AFTER_S`` later (rank 0's watchdog may be
         the one that cannot run)."""
-        late = now - self.verdict.posted_at - self.hang_timeout_s
-        late -= self.verdict.late_s(POLL_S)
-        if self.rank == 0:
-            return late >= 0
-        return self.rank == DEPUTY and late >= DEPUTY_AFTER_S
+        after_s = {0: 0.0, DEPUTY: DEPUTY_AFTER_S}.get(self.rank)
+        return (
+            after_s is not None
+            and self.verdict.late_by(now, self.hang_timeout_s, POLL_S) >= after_s
+        )
 
     def _handle(self, message: dict, source: int) -> None:
         kind = message.get("kind")
-        if kind == "calls":
-            reply = {
-                "kind": "calls-reply",
-                "rank": self.rank,
-                "calls": [] if self._exiting.is_set() else record.calls(),
-                "exited": self._exiting.is_set(),
-            }
-            self.comm.send(reply, dest=source, tag=_TAG)
+        if kind == standstill.ASK:
+            standstill.answer(self.comm, source, _TAG, self._exiting.is_set())
         elif kind == "alarm" and self.rank == 0 and not self._reporting:
             self._report(message)
         elif kind == "alarm" and self.rank == DEPUTY and self._deputy_alarm is None:
@@ -341,67 +352,6 @@ class Watchdog(_Loop):
                 **report.standing(self.progress, self._exiting.is_set()),
             }
             self.comm.send(reply, dest=source, tag=_TAG)
-
-    def _ask_every_rank(self, reason: str, group) -> tuple[dict, set]:
-        own = {
-            "count": record.count_of(group),
-            **report.standing(self.progress, self._exiting.is_set()),
-        }
-        return _ask_every_rank(self.comm, reason, group, own)
-
-    def _report(self, alarm: dict) -> None:
-        """Rank 0: ask every rank for its stacks and count, say who is missing, and
-        end the job (never returns)."""
-        self._reporting = True
-        reason = (
-            f"rank {alarm['rank']}'s {alarm['who']} waited {alarm['waited_s']:.3g} s "
-            f"({_config.COLLECTIVE_TIMEOUT})"
-        )
-        replies, where = self._ask_every_rank(reason, alarm["group"])
-        logger.critical("%s", report.report_line(alarm, replies, self.size, where))
-        _mpi.abort(self.comm, 1)
-
-    def _report_hang(self, stuck_s: float) -> None:
-        """Rank 0: every rank's stacks, the ranks grouped by where they stand (the
-        odd ones out first), and the end of the job (never returns)."""
-        self._reporting = True
-        reason = f"no progress for {stuck_s:.3g} s ({_config.HANG_TIMEOUT})"
-        replies, where = self._ask_every_rank(reason, None)
-        logger.critical("%s", report.hang_report(replies, self.size, stuck_s, where))
-        _mpi.abort(self.comm, 1)
-
-
-def _ask_calls(comm, own: dict) -> dict:
-    """Rank 0: ask every other rank of ``comm`` which of the package's calls it is
-    in (and whether it has reached its exit); return the replies by rank, this
-    one's (``own``) included, after at most ``REPLY_S``."""
-    from mpi4py import MPI
-
-    rank, size = comm.Get_rank(), comm.Get_size()
-    requests = [
-        comm.isend({"kind": "calls"}, dest=r, tag=_TAG)
-        for r in range(size)
-        if r != rank
-    ]
-    replies = {rank: own}
-    end = time.monotonic() + report.REPLY_S
-    while len(replies) < size and time.monotonic() < end:
-        status = MPI.Status()
-        message = comm.improbe(MPI.ANY_SOURCE, _TAG, status)
-        if message is None:
-            time.sleep(1e-3)
-            continue
-        reply = message.recv()
-        if reply.get("kind") == "calls-reply":
-            replies[reply["rank"]] = reply
-    _unfinished.extend(requests)  # every rank that answered has received its own
-    _unfinished[:] = [r for r in _unfinished if not r.Test()]
-    return replies
-
-
-# Sends whose receiver had not answered when last looked at: tested again at the
-# next round, so that none is left to grow.
-_unfinished: list = []
 
 
 def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:

@@ -12,6 +12,9 @@ PJRT's launch order are per thread). ``CASE``:
   in their allreduces at once;
 - ``apart``: the odd rank makes ``f`` wait on a slow input (``SLOW_S``, default
   2): its ``g`` runs first, where the others ran ``f`` first;
+- ``stream``: one thread dispatches ``f`` under
+  ``jaxlib.xla_client.execution_stream_id(1)`` (its input slow on the odd rank,
+  as ``apart``), then ``g`` under its own stream;
 - ``serial``: thread B waits for ``f``'s result before dispatching (the control:
   ordered by the user).
 
@@ -39,12 +42,20 @@ odd = rank == size - 1
 case = os.environ.get("CASE", "serial")
 
 
+def work(v, trips):
+    # Work in the program after its call: XLA:CPU then runs it on its own
+    # threads, and the dispatch returns at once (a cheap program runs inline).
+    w = jnp.broadcast_to(v[0], (1 << 14,))
+    w = lax.fori_loop(0, trips, lambda i, u: jnp.sin(u) * 0 + u, w)
+    return v + 0 * w[0]
+
+
 def reduce_first(v):
-    return mpi4jax_dist.allreduce(v, comm=comm)
+    return work(mpi4jax_dist.allreduce(v, comm=comm), 100)
 
 
 def reduce_second(v):
-    return mpi4jax_dist.allreduce(v, comm=comm)
+    return work(mpi4jax_dist.allreduce(v, comm=comm), 100)
 
 
 f = jax.jit(reduce_first)
@@ -58,8 +69,8 @@ print(f"READY {rank}", flush=True)
 @jax.jit
 def slow(v):
     # About SLOW_S seconds of work on the odd rank: f's input is late there.
-    trips = int(float(os.environ.get("SLOW_S", "2")) * 5000) if odd else 0
-    return lax.fori_loop(0, trips, lambda i, w: jnp.sin(w) * 0 + w, v)
+    trips = int(float(os.environ.get("SLOW_S", "2")) * 1700) if odd else 0
+    return work(v, trips)
 
 
 results = {}
@@ -81,11 +92,18 @@ def thread_b():
 
 if case == "same" and odd:
     time.sleep(float(os.environ.get("DELAY_S", "1")))
-threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
+if case == "stream":
+    from jaxlib import xla_client
+
+    with xla_client.execution_stream_id(1):
+        results["f"] = f(slow(x))
+    results["g"] = g(100 * x)
+else:
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 got_f = float(results["f"][0])
 got_g = float(results["g"][0])
 print(f"RESULT {rank} {got_f} {got_g}", flush=True)
