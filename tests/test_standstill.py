@@ -212,3 +212,69 @@ def test_programs_dispatched_ahead_are_no_hang():
     assert proc.returncode == 0, output(proc)
     assert "MPI4JAX_DIST_HANG_TIMEOUT" not in proc.stderr, output(proc)
     assert took > 10, took
+
+
+# --- the hang timeout, on by default --------------------------------------------
+
+
+def test_the_hang_timeout_is_on_by_default():
+    """Unset: 600 s (PyTorch's NCCL default); 0: off; set: as set."""
+    from mpi4jax_dist import _config
+
+    assert _config.hang_timeout({}) == 600.0
+    assert _config.hang_timeout({_config.HANG_TIMEOUT: "0"}) is None
+    assert _config.hang_timeout({_config.HANG_TIMEOUT: "90"}) == 90.0
+    assert not _config.hang_timeout_set({})
+
+
+def test_the_hang_timeout_tells_calls_of_one_line_on_two_communicators_apart():
+    """The checks off (no standstill watchdog), the hang timeout at 5 s: two calls
+    of one helper (one source line) in one jit, on the world and on a duplicate,
+    in the other order on rank 1. Both ranks stand at one line of Python in a
+    call of one line: before, one place (never reported); now the call's
+    communicator and number tell them apart, and the report names both."""
+    proc, took = standstill(
+        "helper", MPI4JAX_DIST_CHECKS=0, MPI4JAX_DIST_HANG_TIMEOUT=5
+    )
+    assert proc.returncode != 0, output(proc)
+    assert took < 60, output(proc)
+    assert "they do not all stand at one place: the job is hung" in proc.stderr
+    assert re.search(rf"1 rank in allreduce #2 SUM float32\[4\] {WORLD}", proc.stderr)
+    assert re.search(
+        r"1 rank in allreduce #1 SUM float32\[4\] on a communicator \(2 ranks, key "
+        r"[0-9a-f]{6}\)",
+        proc.stderr,
+    ), output(proc)
+
+
+def test_a_report_of_ranks_at_one_place_says_so():
+    """A hang report whose ranks, asked for their stacks, all stand at one place
+    does not say they do not (the verdict found them apart a moment before)."""
+    from mpi4jax_dist.faults import report
+
+    place = [("step.py", 12, "body")]
+    reply = {"place": place, "source": ["x = f(x)"], "call": ""}
+    text = report.hang_report({0: reply, 1: dict(reply)}, 2, 700.0, {"stderr"})
+    assert "do not all stand at one place" not in text, text
+    assert "they stand at one place: the job is hung there" in text, text
+    apart = dict(reply, place=[("step.py", 14, "body")])
+    text = report.hang_report({0: reply, 1: apart}, 2, 700.0, {"stderr"})
+    assert "they do not all stand at one place: the job is hung" in text, text
+
+
+def test_the_collective_timeout_names_a_missing_rank_at_its_exit():
+    """Under the collective timeout (5 s, the checks off), rank 1 ends its program
+    while rank 0 waits for it in one more call: the line says rank 1 did not
+    enter the call and reached its exit (before: "entered by every rank that
+    could say; no answer from ...")."""
+    proc, took = standstill(
+        "extra", MPI4JAX_DIST_CHECKS=0, MPI4JAX_DIST_COLLECTIVE_TIMEOUT=5
+    )
+    assert proc.returncode != 0, output(proc)
+    assert took < 60, output(proc)
+    assert re.search(
+        r"call 2 on communicator 'MPI_COMM_WORLD' \(2 ranks\) "
+        r"\(MPI4JAX_DIST_COLLECTIVE_TIMEOUT\); not entered by rank 1 \(their last "
+        r"call there: 1\), of which rank 1 reached its exit",
+        proc.stderr,
+    ), output(proc)

@@ -195,6 +195,8 @@ class Watchdog(_Reports, _Loop):
     def _poll(self, now: float) -> bool:
         from mpi4py import MPI
 
+        if MPI.Is_finalized():  # the program finalized MPI itself: nothing to do
+            return True
         status = MPI.Status()
         message = self.comm.improbe(MPI.ANY_SOURCE, _TAG, status)
         while message is not None:

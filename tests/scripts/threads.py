@@ -7,8 +7,9 @@ returned, so the process dispatched ``f`` first. Nothing orders programs of two
 threads against each other (each thread's are ordered; JAX's runtime tokens and
 PJRT's launch order are per thread). ``CASE``:
 
-- ``same``: ``f`` and ``g`` are one function (one call site), the odd rank
-  dispatches ``DELAY_S`` (default 1) later: the other ranks' two programs wait
+- ``same``: ``f`` and ``g`` make their call at one line (one call site), the odd rank
+  dispatches ``DELAY_S`` (default 1) later, and on the others thread B
+  dispatches once the record says ``f``'s call waits: their two programs wait
   in their allreduces at once;
 - ``apart``: the odd rank makes ``f`` wait on a slow input (``SLOW_S``, default
   2): its ``g`` runs first, where the others ran ``f`` first;
@@ -59,7 +60,8 @@ def reduce_second(v):
 
 
 f = jax.jit(reduce_first)
-g = f if case == "same" else jax.jit(reduce_second)
+# same: two programs whose one call is made at one line (reduce_first's).
+g = jax.jit(lambda v: reduce_first(v) * 1) if case == "same" else jax.jit(reduce_second)
 x = jnp.ones(4, jnp.float32)
 f(x).block_until_ready()  # compiled and the communicator set up, on every rank
 g(x).block_until_ready()
@@ -87,6 +89,11 @@ def thread_b():
     dispatched.wait()
     if case == "serial":
         results["f"].block_until_ready()
+    if case == "same" and not odd:
+        from mpi4jax_dist.faults import record
+
+        while not any(call.waiting for call in record.calls()):
+            time.sleep(0.01)
     results["g"] = g(100 * x)
 
 
