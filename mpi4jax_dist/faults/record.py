@@ -69,6 +69,13 @@ def place_text() -> str:
     """What the hang timeout's verdicts compare of the calls this rank is in:
     :func:`calls_in_flight` and each call's communicator key and number."""
     keys = ",".join(f"{c.comm_key:x}#{c.seq}" for c in calls())
+    if any(c.setting_up for c in calls()):
+        # A first call's key names the group alone, alike for every communicator
+        # of it: ranks in such calls stand apart (none waits ten minutes for a
+        # set-up every member has entered).
+        from mpi4py import MPI
+
+        keys += f"\nrank {MPI.COMM_WORLD.Get_rank()}"
     return f"{calls_in_flight()}\n{keys}"
 
 
@@ -91,6 +98,12 @@ class Call(NamedTuple):
     site: str
     waiting: bool
 
+    @property
+    def setting_up(self) -> bool:
+        """Whether this is a first call on its communicator still making its
+        private duplicates (its key then names the group alone)."""
+        return not self.comm_key & 1
+
     def same_as(self) -> tuple:
         """What must be alike on every member for MPI to complete the call."""
         return (self.comm_key, self.seq, self.kind, self.op, self.dtype, self.count)
@@ -101,10 +114,13 @@ class Call(NamedTuple):
         alike on its members."""
         text = f"{self.kind} #{self.seq} {self.op} {self.dtype}[{self.count}]"
         comm = self.comm
-        if comm.startswith("a communicator (") and self.comm_key:
+        if comm.startswith("a communicator (") and not self.setting_up:
             comm = f"{comm[:-1]}, key {self.comm_key & 0xFFFFFF:06x})"
         text += f" on {comm}" if comm else ""
         text += f" at {self.site}" if self.site else ""
+        if self.setting_up:
+            # Until then communicators of one group read alike, on every rank.
+            text += " (the first there: making its duplicates)"
         return text if self.waiting else text + " (started, not waited for)"
 
 

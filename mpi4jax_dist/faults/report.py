@@ -8,9 +8,10 @@ import functools
 import logging
 
 from .. import _config
-from . import progress, stacks
+from . import progress, record, stacks
 from .record import calls_in_flight
 from .stacks import ranks_text
+from .standstill import SETUP_S
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -29,6 +30,9 @@ def standing(watched: progress.Progress, exited: bool = False) -> dict:
         "place": [tuple(f) for f in place],
         "source": stacks.quote(place),
         "call": calls_in_flight(),
+        # A first call still making its communicator's duplicates reads alike on
+        # every communicator of one group: such a rank stands apart.
+        "apart": any(c.setting_up and c.waiting for c in record.calls()),
     }
 
 
@@ -82,7 +86,10 @@ def hang_report(
         if reply.get("exited"):
             continue
         frames = tuple(stacks.Frame(*f) for f in reply["place"])
-        groups.setdefault((frames, reply.get("call", "")), []).append(rank)
+        call = reply.get("call", "")
+        if reply.get("apart"):  # the groups' lines tell such ranks apart by rank
+            call += "\0" + str(rank)
+        groups.setdefault((frames, call), []).append(rank)
         for frame, text in zip(frames, reply["source"], strict=True):
             if text:
                 sources.setdefault((frame.file, frame.line), text)
@@ -141,42 +148,27 @@ def standstill_report(
     for rank in range(size):
         reply = calls.get(rank, {})
         if reply.get("exited"):
-            what = (
-                "reached its exit (the end of the program, or sys.exit): in no "
-                "collective"
-            )
+            what = "reached the exit (the end of the program, or sys.exit)"
         else:
             mine = [c for c in reply.get("calls", ()) if c.waiting]
-            what = "waits in " + "; ".join(c.text() for c in mine)
+            what = "in " + "; ".join(c.text() for c in mine)
             for call in mine:
                 at = waited.setdefault((call.comm_key, call.seq), {})
                 at.setdefault(call, []).append(rank)
             started = [c.text() for c in reply.get("calls", ()) if not c.waiting]
             if started:
-                what += " (and holds " + "; ".join(started) + ")"
+                what += " (and holding " + "; ".join(started) + ")"
         groups.setdefault(what, []).append(rank)
     lines = [
         f"mpi4jax_dist: every rank of {size} waits in a collective that cannot "
         f"complete, or has reached its exit, with no progress for {still_s:g} s "
         f"or more: the ranks' calls do not match, so MPI never completes them "
-        f"({_config.CHECKS}). What each rank waits in, the odd ones out first:"
+        f"({_config.CHECKS}). Where each rank waits, the odd ones out first:"
     ]
     for what, ranks in sorted(groups.items(), key=lambda g: (len(g[1]), min(g[1]))):
-        lines.append(f"  {ranks_text(ranks)} {what}")
+        lines.append(f"  {ranks_text(ranks)}: {what}")
     for at in waited.values():
-        call = next(iter(at))
-        where_ = f"{call.comm or 'a communicator'}, call #{call.seq}"
-        if len(at) > 1:
-            lines.append(
-                f"  {where_}: its ranks wait in {len(at)} different calls "
-                f"(above), which MPI cannot match"
-            )
-        else:
-            n = len(at[call])
-            lines.append(
-                f"  {where_}: {n} of its {call.size} ranks wait"
-                f"{'s' if n == 1 else ''} in it; the others are not in it (above)"
-            )
+        lines.append("  " + _why_not(at))
     standing = {r: reply for r, reply in replies.items() if not reply.get("exited")}
     if standing:
         lines.append("Where their main threads stand:")
@@ -187,6 +179,30 @@ def standstill_report(
     if went := stacks_went(where):
         lines.append(f"Every rank's stacks: {went}.")
     return "\n".join(lines) + "\nMPI_Abort ends the job."
+
+
+def _why_not(at: dict) -> str:
+    """Why MPI never completes the calls some ranks wait in under one number on
+    one communicator (``at``: {call: [ranks]})."""
+    call = next(iter(at))
+    where_ = f"{call.comm or 'a communicator'}, call #{call.seq}"
+    if call.setting_up:
+        return (
+            f"{where_}: a first call, its communicator's private duplicates not "
+            f"made in {SETUP_S:g} s, which take milliseconds once every member has "
+            f"entered: the ranks in it are on different communicators of one group, "
+            f"or the others are elsewhere (above)"
+        )
+    if len(at) > 1:
+        return (
+            f"{where_}: its ranks wait in {len(at)} different calls (above), which "
+            f"MPI cannot match"
+        )
+    n = len(at[call])
+    return (
+        f"{where_}: {n} of its {call.size} ranks wait{'s' if n == 1 else ''} in it; "
+        f"the others are not in it (above)"
+    )
 
 
 def _stack_groups(replies: dict) -> tuple[dict, dict]:

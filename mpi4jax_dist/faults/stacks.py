@@ -202,7 +202,9 @@ def group_lines(
     )
     lines = []
     for key, ranks in ordered:
-        call = f"in {key[1]}, " if by_call and key[1] else ""
+        # A call kept apart per rank (report.hang_report) carries "\0rank".
+        text = key[1].split("\0")[0] if by_call else ""
+        call = f"in {text}, " if text else ""
         lines.append(
             f"{len(ranks)} rank{'s' if len(ranks) > 1 else ''} {call}"
             f"{summaries[frames_of(key)]}: {ranks_text(ranks)}"

@@ -40,6 +40,11 @@ from . import record
 # long enough that ranks in matching calls have met (the slowest handshake of a
 # loaded machine), short enough to name a standstill within seconds.
 STALL_S = 3.0
+# How long ranks may all stand still while some wait in a first call on a
+# communicator whose duplicates are being made, before that call is taken for one
+# that cannot complete: where every member has entered it, the making (an
+# MPI_Comm_idup, O(log P) small messages) takes milliseconds even at 10^5 ranks.
+SETUP_S = 30.0
 # After a second round that found no standstill, a rank that still stands at the
 # same place posts again only after this long, doubling up to BACKOFF_MAX_S (a
 # long transfer every rank waits in is not asked about every few seconds).
@@ -54,27 +59,50 @@ _IDLE, _FIRST, _SECOND = range(3)
 ASK, REPLY = "calls", "calls-reply"
 
 
-def place_hash(calls: list[record.Call], at_exit: bool) -> int:
+def place_hash(calls: list[record.Call], at_exit: bool, rank: int) -> int:
     """The calls a rank waits in (or its exit) as a non-negative int64, alike on
-    ranks that wait in the same calls."""
+    ranks that wait in the same calls. A first call still making its
+    communicator's duplicates names the communicator by its group alone, alike
+    for every communicator of that group: such a rank stands apart (``rank``
+    mixed in), for rank 0 to look closer."""
     if at_exit:
         return _AT_EXIT
-    text = "\n".join(sorted(repr(c.same_as()) for c in calls if c.waiting))
+    waits = [c for c in calls if c.waiting]
+    text = "\n".join(sorted(repr(c.same_as()) for c in waits))
+    if any(c.setting_up for c in waits):
+        text += f"\nrank {rank}"
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
 def live_calls(replies: dict) -> list[record.Call]:
     """Of the calls the ranks are in (``replies``: rank -> {"calls": [Call,
-    ...], "exited": bool}), those every member of its communicator has entered
-    alike: MPI can complete them (empty at a standstill)."""
+    ...], "exited": bool, "still_s": seconds}), those every member of its
+    communicator has entered alike: MPI can complete them (empty at a
+    standstill). A first call still making its communicator's duplicates is one
+    where its rank has stood still for less than :data:`SETUP_S` (its key names
+    the group alone, alike for every communicator of that group: once every
+    member has entered it, the making takes milliseconds)."""
     entered: dict = {}
     sizes: dict = {}
     for reply in replies.values():
         for call in reply.get("calls", ()):
+            if call.setting_up and reply.get("still_s", 0.0) >= SETUP_S:
+                continue  # not made in SETUP_S: its members are elsewhere
             entered.setdefault(call.same_as(), []).append(call)
             sizes[call.same_as()] = call.size
     return [calls[0] for key, calls in entered.items() if len(calls) >= sizes[key]]
+
+
+def setup_due_s(replies: dict) -> float | None:
+    """Where first calls still making their duplicates were taken to complete:
+    in how many seconds the first of them is not (:data:`SETUP_S`)."""
+    left = [
+        SETUP_S - reply.get("still_s", 0.0)
+        for reply in replies.values()
+        if any(c.setting_up for c in reply.get("calls", ()))
+    ]
+    return max(min(left), 0.0) + 1.0 if left else None
 
 
 def none_can_complete(replies: dict, size: int) -> bool:
@@ -114,15 +142,21 @@ def ask_calls(comm, own: dict, tag: int, reply_s: float) -> dict:
 _unfinished: list = []
 
 
-def answer(comm, source: int, tag: int, exiting: bool) -> None:
+def answer(comm, source: int, tag: int, exiting: bool, still_s: float) -> None:
     """Answer rank 0's :data:`ASK`: this rank's calls, or that it is at its exit."""
-    reply = {
+    comm.send(mine(comm.Get_rank(), exiting, still_s), dest=source, tag=tag)
+
+
+def mine(rank: int, exiting: bool, still_s: float) -> dict:
+    """This rank's answer to :data:`ASK` (rank 0's own too): its calls, or that it
+    is at its exit, and how long it has stood still."""
+    return {
         "kind": REPLY,
-        "rank": comm.Get_rank(),
+        "rank": rank,
         "calls": [] if exiting else record.calls(),
         "exited": exiting,
+        "still_s": still_s,
     }
-    comm.send(reply, dest=source, tag=tag)
 
 
 class Look(NamedTuple):
@@ -166,7 +200,7 @@ class Standstill:
         calls = [] if exiting else record.calls()
         waiting = any(c.waiting for c in calls)
         still = exiting or (waiting and progress.stuck_for(now) >= STALL_S)
-        key = place_hash(calls, exiting)
+        key = place_hash(calls, exiting, self.comm.Get_rank())
         token = (record.events(), key)
         result = self.poll(now, still, token, key)
         if result is None or result["one_call"] or not result["all_still"]:
@@ -208,9 +242,14 @@ class Standstill:
             self._hold(now, token)  # one call everywhere: a long transfer
         return result
 
-    def no_standstill(self, now: float, token: tuple) -> None:
-        """Rank 0 found a call that can complete: ask again only later."""
+    def no_standstill(
+        self, now: float, token: tuple, until_s: float | None = None
+    ) -> None:
+        """Rank 0 found a call that can complete: ask again only later (in
+        ``until_s`` where that is sooner: a set-up taken to complete is due)."""
         self._hold(now, token)
+        if until_s is not None:
+            self._quiet_until = min(self._quiet_until, now + until_s)
 
     def _hold(self, now: float, token: tuple) -> None:
         if token == self._last_token:

@@ -240,10 +240,11 @@ class Watchdog(_Reports, _Loop):
         self._urgent_until = now + report.REPLY_S + 1.0
         if self.rank != 0:
             return
-        own = {"calls": record.calls(), "exited": exiting}
+        own = standstill.mine(0, exiting, self.progress.stuck_for(now))
         replies = standstill.ask_calls(self.comm, own, _TAG, report.REPLY_S)
         if not standstill.none_can_complete(replies, self.size):
-            self.still.no_standstill(now, look.check)
+            due_s = standstill.setup_due_s(replies)
+            self.still.no_standstill(now, look.check, due_s)
             return
         self._report_standstill(replies)
 
@@ -338,7 +339,8 @@ class Watchdog(_Reports, _Loop):
     def _handle(self, message: dict, source: int) -> None:
         kind = message.get("kind")
         if kind == standstill.ASK:
-            standstill.answer(self.comm, source, _TAG, self._exiting.is_set())
+            still_s = self.progress.stuck_for(time.monotonic())
+            standstill.answer(self.comm, source, _TAG, self._exiting.is_set(), still_s)
         elif kind == "alarm" and self.rank == 0 and not self._reporting:
             self._report(message)
         elif kind == "alarm" and self.rank == DEPUTY and self._deputy_alarm is None:

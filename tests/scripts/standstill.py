@@ -11,8 +11,9 @@ last rank (``odd``) the other thing:
 - ``extra``: one more call on the others, none on the odd rank, which ends;
 - ``trips``: a ``fori_loop`` of 3 calls against one of 5, in one jit;
 - ``comm``: the odd rank calls on a duplicate of the world, the others on it;
-- ``helper``: in one jit, two calls of one helper (one source line) on the world
-  and on a duplicate, in the other order on the odd rank;
+- ``helper``: in one jit, two calls of one helper (one source line) on two new
+  duplicates of the world, in the other order on the odd rank: every rank waits
+  in call #1 of that line, on another communicator;
 - ``exit``: the odd rank calls ``sys.exit(0)`` while the others call;
 - ``live``: every rank alike, ``STEPS`` allreduces, each started late where
   the test preloads tests/pmpi/slow_own.c (a long transfer); with ``SPLIT=1`` on
@@ -73,12 +74,12 @@ elif case == "comm":
     other = comm.Dup()
     out = jax.jit(lambda v: allreduce(v, other if odd else comm))(x)
 elif case == "helper":
-    other = comm.Dup()
+    rows, cols = comm.Dup(), comm.Dup()
 
     def helper(v, on):
         return mpi4jax_dist.allreduce(v, comm=on)
 
-    first, second = (other, comm) if odd else (comm, other)
+    first, second = (cols, rows) if odd else (rows, cols)
     out = jax.jit(lambda v: helper(helper(v, first), second))(x)
 elif case == "exit":
     if odd:
