@@ -1,6 +1,7 @@
 // Every call checked against its peers before it returns a value: the ranks of
 // a communicator must make the same calls in the same order (the same kind,
-// op, element type and count), and a call they disagree on fails on every rank
+// op, element type and count, made at the same line of the user's code or
+// under the same name), and a call they disagree on fails on every rank
 // with one report naming each side, instead of returning wrong numbers.
 //
 // How, at no cost a benchmark sees (docs/design.rst, *Ranks that disagree*):
@@ -40,8 +41,8 @@
 
 namespace mpi4jax_dist {
 
-// What a rank says of its call. The fields up to `flags` must be alike on
-// every rank; `flags` is what the reduction found.
+// What a rank says of its call. The fields but `flags` and `reserved` must
+// be alike on every rank; `flags` is what the reduction found.
 struct alignas(16) CallHeader {
   int32_t version = 0;  // kHeaderVersion: a build that speaks another header
   int32_t kind = 0;     // CallKind
@@ -53,11 +54,11 @@ struct alignas(16) CallHeader {
   int64_t seq = 0;          // the call's number on its communicator
   uint32_t flags = 0;       // kDisagree once headers that differ met
   uint32_t reserved = 0;
-  int64_t reserved2 = 0;
+  int64_t site_key = 0;  // where the call was made (Record::Key), or its name
 };
 static_assert(sizeof(CallHeader) == 64, "the header is a fixed 64 bytes");
 constexpr size_t kHeaderBytes = sizeof(CallHeader);
-constexpr int32_t kHeaderVersion = 0x6d6a0001;
+constexpr int32_t kHeaderVersion = 0x6d6a0002;
 constexpr uint32_t kDisagree = 1;
 
 // Payloads up to this many bytes go in one message with their header.
@@ -88,7 +89,8 @@ inline size_t PaddedBytes(size_t bytes) {
 inline bool SameCall(const CallHeader& a, const CallHeader& b) {
   return a.version == b.version && a.kind == b.kind && a.op == b.op &&
          a.type == b.type && a.count == b.count && a.carried == b.carried &&
-         a.chunk_bytes == b.chunk_bytes && a.seq == b.seq;
+         a.chunk_bytes == b.chunk_bytes && a.seq == b.seq &&
+         a.site_key == b.site_key;
 }
 
 // --- the reduction of payloads, as MPI's predefined ops do it ---------------
@@ -449,9 +451,11 @@ inline Disagreement& LastDisagreement() {
 // call's number, then each group of ranks and what they called where; *alike
 // says that every rank made the same call (then MPI itself failed on it).
 inline std::string Sides(const std::vector<Side>& sides, bool* alike) {
-  // Ranks grouped by what they called where; the smallest groups first (the
-  // odd ones out), then by their lowest rank.
-  std::map<std::string, std::vector<int>> groups;
+  // Ranks grouped by what they called where (the text, and the key of the
+  // place: two places whose text reads alike, cut short or past the table of
+  // places, are still two groups); the smallest groups first (the odd ones
+  // out), then by their lowest rank.
+  std::map<std::pair<std::string, int64_t>, std::vector<int>> groups;
   int64_t seq = 0, chunk_bytes = 0;
   for (const Side& s : sides) {
     if (s.header.kind == kBlocking) {
@@ -472,10 +476,22 @@ inline std::string Sides(const std::vector<Side>& sides, bool* alike) {
       call += " in chunks of " + std::to_string(h.chunk_bytes) + " bytes";
     }
     if (s.site[0]) call += std::string(" at ") + s.site;
-    groups[call].push_back(s.world_rank);
+    const int64_t key = h.version == kHeaderVersion ? h.site_key : 0;
+    groups[{call, key}].push_back(s.world_rank);
   }
-  std::vector<std::pair<std::string, std::vector<int>>> ordered(groups.begin(),
-                                                                groups.end());
+  std::map<std::string, int> texts;  // groups per text
+  for (const auto& group : groups) ++texts[group.first.first];
+  std::vector<std::pair<std::string, std::vector<int>>> ordered;
+  for (const auto& [call, ranks] : groups) {
+    std::string text = call.first;
+    if (texts[text] > 1) {
+      char key[48];
+      std::snprintf(key, sizeof key, " (site key %016llx)",
+                    static_cast<unsigned long long>(call.second));
+      text += key;
+    }
+    ordered.push_back({text, ranks});
+  }
   *alike = ordered.size() == 1;
   std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
     if (a.second.size() != b.second.size())
@@ -556,8 +572,10 @@ inline ffi::Error Explain(MPI_Comm comm, const CallHeader& mine,
                     " disagree on its call " + text +
                     ". No rank returned a value from it (MPI4JAX_DIST_CHECKS). "
                     "Every rank must make the same calls on a communicator in "
-                    "the same order: the same op, dtype and element count, all "
-                    "blocking (allreduce) or all non-blocking (iallreduce).")
+                    "the same order: the same op, dtype and element count, "
+                    "from the same line of code (or under the same site= "
+                    "name), all blocking (allreduce) or all non-blocking "
+                    "(iallreduce).")
           : ffi::Error(
                 ffi::ErrorCode::kFailedPrecondition,
                 std::string(who) + ": the ranks of " + comm_name +

@@ -315,6 +315,7 @@ inline ffi::Error BeginCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
   h.carried = 0;
   h.chunk_bytes = chunk_bytes;
   h.seq = seq;
+  h.site_key = Record::Get().Key(site);
   call->site = site;
   // A non-blocking start is posted, not waited in, until its wait.
   call->record = Record::Get().Enter(

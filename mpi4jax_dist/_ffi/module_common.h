@@ -113,10 +113,14 @@ inline void DefineCommon(nb::module_& m) {
       "timed-out call, or None.");
   m.def(
       "register_site",
-      [](const std::string& text) { return Record::Get().RegisterSite(text); },
-      nb::arg("text"),
+      [](const std::string& text, const std::string& compared) {
+        return Record::Get().RegisterSite(text, compared);
+      },
+      nb::arg("text"), nb::arg("compared"),
       "Return the id that compiled calls carry for the place `text` in the "
-      "user's code (0 once 4096 places are known).");
+      "user's code, whose calls the ranks compare by `compared` (its line's "
+      "text, or the name given as site=); past 4096 places, the key of "
+      "`compared` negated (Record::RegisterSite).");
   m.def(
       "in_flight",
       [] {

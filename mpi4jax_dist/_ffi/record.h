@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mpi_base.h"
@@ -170,25 +171,53 @@ class Record {
   }
 
   // A place in the user's code ("step.py:12 in body"), registered when a call
-  // is lowered; its id goes into the compiled call (0: none, past kSites
-  // places). Allocates, at lowering only.
-  int64_t RegisterSite(const std::string& text) {
+  // is lowered; its id goes into the compiled call. `compared` is what the
+  // ranks compare of it (the line's text, or the name the call was given:
+  // ops/common.py's call_site), kept as its key (SiteKey) beside the text so
+  // that a call reads it by id with one load. Past kSites places the id is
+  // the key, negated: the call is still compared, its place not named.
+  // Allocates, at lowering only.
+  int64_t RegisterSite(const std::string& text, const std::string& compared) {
+    const int64_t key = SiteKey(compared);
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t known = published_.load(std::memory_order_relaxed);
     for (int64_t i = 0; i < known; ++i) {
-      if (*sites_[i].load(std::memory_order_relaxed) == text) return i + 1;
+      if (keys_[i] == key && *sites_[i].load(std::memory_order_relaxed) == text)
+        return i + 1;
     }
-    if (known >= kSites) return 0;
+    if (known >= kSites) return -key;
+    keys_[known] = key;
     sites_[known].store(new std::string(text), std::memory_order_relaxed);
     published_.store(known + 1, std::memory_order_release);
     return known + 1;
   }
 
-  // The text of site `id` ("" for 0 or an unknown id): any thread, no lock (a
-  // site once published never changes or goes).
+  // The text of site `id` ("" for an unknown id or one past kSites): any
+  // thread, no lock (a site once published never changes or goes).
   const char* Site(int64_t id) const {
     if (id < 1 || id > published_.load(std::memory_order_acquire)) return "";
     return sites_[id - 1].load(std::memory_order_relaxed)->c_str();
+  }
+
+  // The key the ranks compare for site `id` (CallHeader::site_key; 0 for an
+  // unknown id): any thread, no lock.
+  int64_t Key(int64_t id) const {
+    if (id < 0) return -id;
+    if (id < 1 || id > published_.load(std::memory_order_acquire)) return 0;
+    return keys_[id - 1];
+  }
+
+  // The key of a site's compared text: FNV-1a (64 bits, no seed, so equal on
+  // every rank and in every build for one text), its top bit cleared so that
+  // an id past kSites can carry it negated, and never 0.
+  static int64_t SiteKey(std::string_view compared) {
+    uint64_t hash = 14695981039346656037ull;
+    for (unsigned char c : compared) {
+      hash ^= c;
+      hash *= 1099511628211ull;
+    }
+    const int64_t key = static_cast<int64_t>(hash & INT64_MAX);
+    return key != 0 ? key : 1;
   }
 
   // The entries written, oldest first (at most kEntries).
@@ -256,6 +285,7 @@ class Record {
   static constexpr int64_t kSites = 4096;
   std::mutex mu_;
   std::atomic<const std::string*> sites_[kSites] = {};
+  int64_t keys_[kSites] = {};  // written before their site is published
   std::atomic<int64_t> published_{0};
 };
 

@@ -8,7 +8,7 @@ from .. import _compat
 from .common import (
     OPS,
     Comm,
-    caller_site,
+    call_site,
     check_mpi,
     check_supported,
     communicator,
@@ -16,7 +16,7 @@ from .common import (
 )
 
 
-def allreduce(x, op=None, *, comm=None):
+def allreduce(x, op=None, *, comm=None, site=None):
     """Reduce ``x`` over the ranks of ``comm``, in place where XLA allows it.
 
     Where ``mpi4jax.allreduce`` returns a new buffer, this one's operand and
@@ -43,10 +43,12 @@ def allreduce(x, op=None, *, comm=None):
 
     Every call is checked against the other ranks' calls before it returns a
     value: a header saying what the call is (blocking or not, op, dtype,
-    element count, its number on the communicator) travels with the data, in
-    one message up to 16 KiB and beside it above. Ranks that disagree fail
-    alike, with one report naming each side and where it was made
-    (``MPI4JAX_DIST_CHECKS=0`` leaves the header out).
+    element count, its number on the communicator, the source line it was made
+    at) travels with the data, in one message up to 16 KiB and beside it above.
+    Ranks that disagree fail alike, with one report naming each side and where
+    it was made (``MPI4JAX_DIST_CHECKS=0`` leaves the header out). Calls meant
+    to match from different lines (an allreduce in each branch of a
+    ``lax.cond`` on the rank) take one ``site`` name.
 
     Calls keep program order on every rank: they share mpi4jax's ordered effect,
     so mpi4jax's calls and these are ordered together. Usable eagerly, in
@@ -67,15 +69,20 @@ def allreduce(x, op=None, *, comm=None):
         comm: an mpi4py intracommunicator; default: ``MPI.COMM_WORLD``. The
             calls run on a private duplicate of it, so that they never meet
             the program's own MPI calls on it.
+        site: a name the ranks compare in place of the call's source line, for
+            calls made at different lines that are meant to match, such as an
+            allreduce in each branch of a ``lax.cond`` on the rank: give each
+            the same name (``site="halo"``). Default: the source line, so that
+            a call matched with one from another line fails.
 
     Returns:
         The reduced array, of the shape and dtype of ``x``.
 
     Raises:
-        TypeError: a dtype, op or communicator MPI cannot reduce with, before any
-            MPI call.
+        TypeError: a dtype, op or communicator MPI cannot reduce with, or a
+            ``site`` that is not a str, before any MPI call.
         ValueError: ``comm`` is ``MPI.COMM_NULL`` (a rank in no group of a
-            ``Split``).
+            ``Split``), or ``site`` is empty.
         RuntimeError: MPI is not initialized, or provides less than
             ``MPI_THREAD_SERIALIZED`` (the message names
             ``MPICH_MAX_THREAD_SAFETY``).
@@ -92,6 +99,7 @@ def allreduce(x, op=None, *, comm=None):
 
     # Its ordered effect is mpi4jax's.
     _compat.require_mpi4jax("mpi4jax_dist.allreduce")
+    site = call_site(site)
     x = jnp.asarray(x)
     check_supported(x.dtype)  # before op_name, which may import mpi4py.MPI
     name = op_name(op)
@@ -101,5 +109,5 @@ def allreduce(x, op=None, *, comm=None):
     from .allreduce_primitive import allreduce_p
 
     return allreduce_p.bind(
-        x, op=OPS.index(name), comm=comm, transpose=False, site=caller_site()
+        x, op=OPS.index(name), comm=comm, transpose=False, site=site
     )

@@ -96,7 +96,7 @@ def _lowering(ctx, x, *, op, comm, transpose, site, platform="cpu"):
         "op": np.int32(op),
         "chunk_bytes": np.int64(_config.allreduce_chunk_bytes()),
         "check": np.int32(_config.checks()),
-        "site": np.int64(module.register_site(site)),
+        "site": np.int64(module.register_site(*site)),
     }
     if platform == "cuda":
         attributes["cuda_aware"] = np.int32(_cuda_aware(module))

@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -235,6 +236,46 @@ def caller_site() -> str:
     code = frame.f_code
     name = os.path.basename(code.co_filename)
     return f"{name}:{frame.f_lineno} in {code.co_name}"
+
+
+class Site(NamedTuple):
+    """Where a call was made, as its primitive carries it: ``text`` for the
+    reports (``a.py:12 in f``, followed by `` (site 'halo')`` where the call was
+    given a name) and ``compared``, what the ranks compare of it (the line's text,
+    or the name), which the extension keeps as a key (``Record::RegisterSite``)."""
+
+    text: str
+    compared: str
+
+
+def call_site(name=None, who: str = "mpi4jax_dist.allreduce") -> Site:
+    """Return the :class:`Site` of the call being made now: where the user made it
+    (:func:`caller_site`), compared by that line or, given ``name`` (the ``site=``
+    argument), by the name; ``who`` is the function an error names.
+
+    Pure: touches neither MPI nor JAX.
+
+    Raises:
+        TypeError: ``name`` is neither None nor a str.
+        ValueError: ``name`` is empty (or only white space).
+    """
+    line = caller_site()
+    if name is None:
+        return Site(line, line)
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{who}: site must be a str, a name the ranks compare in place of the "
+            f"call's source line (the same on every rank for the calls meant to "
+            f"match), or None; got {type(name).__name__}."
+        )
+    if not name.strip():
+        raise ValueError(
+            f"{who}: site must be a non-empty name; got {name!r}. Give the calls "
+            f"meant to match one name on every rank, or leave site out to compare "
+            f"the source line."
+        )
+    # Apart from every line's text ("a.py:12 in f"): a name never matches a line.
+    return Site(f"{line} (site {name!r})", f"site={name}")
 
 
 def extension(platform: str = "cpu"):

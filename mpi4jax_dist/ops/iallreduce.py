@@ -15,7 +15,7 @@ from .request import Request, is_traced
 _WHO = lifecycle.WHO
 
 
-def iallreduce(x, op=None, *, comm=None) -> Request:
+def iallreduce(x, op=None, *, comm=None, site=None) -> Request:
     """Start reducing ``x`` over the ranks of ``comm`` without waiting: post
     ``MPI_Iallreduce`` on a copy of ``x`` the extension owns and return a
     :class:`Request` at once.
@@ -27,12 +27,15 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
 
     Args:
         x, op, comm: as for :func:`mpi4jax_dist.allreduce`.
+        site: as for :func:`mpi4jax_dist.allreduce`: a name the ranks compare in
+            place of the start's source line, for starts made at different lines
+            that are meant to match.
 
     Returns:
         A :class:`Request`.
 
     Raises:
-        TypeError: as :func:`mpi4jax_dist.allreduce`.
+        TypeError: as :func:`mpi4jax_dist.allreduce` (``site`` included).
         ValueError: as :func:`mpi4jax_dist.allreduce`; or more than ``INT_MAX``
             elements on an MPI without ``MPI_Iallreduce_c`` (MPI-4).
         RuntimeError: as :func:`mpi4jax_dist.allreduce` on the CPU; or (at
@@ -43,6 +46,7 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     import jax.numpy as jnp
 
     _compat.require_mpi4jax(_WHO)
+    site = common.call_site(site, _WHO)
     x = jnp.asarray(x)
     common.check_supported(x.dtype, who=_WHO)
     name = common.op_name(op, _WHO)
@@ -51,7 +55,6 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     ext = lifecycle.load_extension()
     comm = common.Comm(common.communicator(comm, _WHO))
     lifecycle.check_count(x.size, ext)
-    site = common.caller_site()
     uid = lifecycle.new_uid()
     from .iallreduce_primitives import start_p
 
@@ -64,4 +67,4 @@ def iallreduce(x, op=None, *, comm=None) -> Request:
     )
     if not is_traced(buffer):  # it ran: an eager start (its uid is unused)
         uid = 0
-    return Request(buffer, handle, (), uid, site, _compat.opaque_trace_state())
+    return Request(buffer, handle, (), uid, site.text, _compat.opaque_trace_state())

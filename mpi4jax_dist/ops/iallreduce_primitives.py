@@ -93,7 +93,7 @@ def _start_lowering(ctx, x, *, op, comm, uid, site):
         op=np.int32(op),
         check=np.int32(_config.checks()),
         uid=np.int64(uid),
-        site=np.int64(ext.register_site(site)),
+        site=np.int64(ext.register_site(*site)),
     )
     _token_after(ctx, handle, _HANDLE)
     return [buffer, handle]
