@@ -94,6 +94,18 @@ WITHOUT_MPI = [
         "mpi4jax_dist.iallreduce cannot reduce bfloat16 arrays",
     ),
     (
+        "allreduce(site=3)",
+        lambda: mpi4jax_dist.allreduce(np.ones(3, np.float32), site=3),
+        TypeError,
+        "mpi4jax_dist.allreduce: site must be a str, a name the ranks compare",
+    ),
+    (
+        "iallreduce(site='')",
+        lambda: mpi4jax_dist.iallreduce(np.ones(3, np.float32), site=" "),
+        ValueError,
+        "mpi4jax_dist.iallreduce: site must be a non-empty name; got ' '.",
+    ),
+    (
         "Request.wait(3)",
         lambda: mpi4jax_dist.Request.wait(3),
         TypeError,

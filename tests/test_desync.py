@@ -141,6 +141,89 @@ def test_ranks_that_disagree_fail_named(case, env, odd, others):
     assert re.search(r"at desync\.py:\d+", proc.stderr), output(proc)
 
 
+def at(text: str, function: str = "<lambda>") -> str:
+    """Where the report says desync.py's line holding ``text`` made its call."""
+    return f"at desync.py:{line_of(text)} in {function}"
+
+
+@util.same_under_every_mpi
+def test_a_call_skipped_in_the_middle_fails_before_a_value():
+    """Rank 1 skips the middle one of three eager calls of one signature: its
+    third call met rank 0's second, which returned their sum with exit status 0
+    (and then the job hung). Both ranks now fail in seconds on that call, the
+    report naming both lines, and the only value printed is the first call's."""
+    proc, took = desync("skip", timeout=90)
+    assert_reported(
+        proc,
+        took,
+        f"rank 0 in allreduce #4 SUM float32[4] {at('# skip: b', 'run_case')};",
+        f"rank 1 in allreduce #4 SUM float32[4] {at('# skip: c', 'run_case')}.",
+        limit=30,
+    )
+    got = sorted(util.result_texts(proc.stdout, "VALUE "))
+    assert got == [f"{r} a [1.0, 3.0, 5.0, 7.0]" for r in "01"], output(proc)
+
+
+@util.same_under_every_mpi
+@pytest.mark.parametrize(
+    "env, call, count",
+    [
+        ({}, "allreduce", 4),
+        ({"EAGER": 1}, "allreduce", 4),
+        # The header apart from the payload, judged as soon as it completes.
+        ({"LARGE": 1 << 15}, "allreduce", 1 << 15),
+        ({"CALL": "iallreduce"}, "iallreduce", 4),
+        ({"CALL": "iallreduce", "EAGER": 1, "LARGE": 1 << 15}, "iallreduce", 1 << 15),
+    ],
+    ids=["jit", "eager", "jit-apart", "iallreduce", "iallreduce-eager-apart"],
+)
+def test_one_signature_from_two_lines_fails_naming_both(env, call, count):
+    """The ranks make one call alike but for its line (rank 1 at one, rank 0 at
+    another): the call fails on both, the report naming the two lines."""
+    suffix = f", {call}"
+    proc, took = desync("lines", **env)
+    assert_reported(
+        proc,
+        took,
+        f"rank 0 in {call} #3 SUM float32[{count}] {at('# lines: others' + suffix)};",
+        f"rank 1 in {call} #3 SUM float32[{count}] {at('# lines: odd' + suffix)}.",
+        limit=30,
+    )
+
+
+@util.same_under_every_mpi
+def test_a_cond_on_the_rank_fails_unless_its_branches_share_a_site():
+    """An allreduce in each branch of a lax.cond on the rank: by default the two
+    lines disagree and the report names both; given one site= name, the two
+    calls match and every rank gets x0 + 2 * x1."""
+    proc, took = desync("cond")
+    assert_reported(
+        proc,
+        took,
+        f"rank 0 in allreduce #3 SUM float32[4] {at('# cond: even')};",
+        f"rank 1 in allreduce #3 SUM float32[4] {at('# cond: odd')}.",
+        limit=30,
+    )
+    proc, _ = desync("cond", SITE="halo")
+    assert proc.returncode == 0, output(proc)
+    assert REPORT not in proc.stderr, output(proc)
+    assert values(proc) == ["float32[2.0, 5.0, 8.0, 11.0]"] * 2, output(proc)
+
+
+@util.same_under_every_mpi
+def test_a_named_branch_against_an_unnamed_one_names_both():
+    """site= on one side only is a disagreement too: the report shows the name
+    beside the line where it was given."""
+    proc, took = desync("cond", SITE="halo", SITE_ODD_ONLY=1)
+    assert_reported(
+        proc,
+        took,
+        f"rank 0 in allreduce #3 SUM float32[4] {at('# cond: even')};",
+        f"rank 1 in allreduce #3 SUM float32[4] {at('# cond: odd')} (site 'halo').",
+        limit=30,
+    )
+
+
 @util.same_under_every_mpi
 def test_the_odd_rank_is_named_first_once():
     """4 ranks, rank 2 the odd one: it leads the one report, the others after it in

@@ -15,6 +15,15 @@ passed), prints ``READY``, then ``CASE`` decides what the ranks do; the ranks in
   float32 (default 4);
 - ``setup``: the first call on a new communicator, the odd ranks in an mpi4py
   ``Barrier`` on the world instead;
+- ``skip``: eager calls ``a``, ``b`` and ``c`` of 4 float32 (of ``x``, ``2 * x``,
+  ``3 * x``), the odd ranks skipping ``b``: each rank prints ``VALUE <rank> <name>
+  <values>`` for each call that returned;
+- ``lines``: one call of 4 float32 (``LARGE`` elements) made at two lines, one
+  for the odd ranks and one for the others, jitted (``EAGER=1``: not), of
+  ``allreduce`` (``CALL=iallreduce``: ``iallreduce`` and its wait);
+- ``cond``: in one jit, ``lax.cond`` on the rank with an allreduce in each branch
+  (the odd ranks reduce ``2 * x``), both given ``site=SITE`` where it is set (the
+  odd ranks' only, with ``SITE_ODD_ONLY=1``);
 - ``agree``: every rank alike (the control);
 - ``loop``: every rank alike, ``STEPS`` jitted steps of 4 calls each (small and
   large, blocking and not), printing ``BIG <rank> True`` where the large one kept
@@ -32,6 +41,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import mpi4jax_dist
 
@@ -100,6 +110,40 @@ def run_case():
             out = x
         else:
             out = jax.jit(partial_allreduce(fresh))(x)
+    elif case == "skip":  # eager calls, as a user's script makes them
+        a = allreduce(x)  # skip: a
+        print(f"VALUE {rank} a {np.asarray(a).tolist()}", flush=True)
+        if not odd:
+            b = allreduce(2 * x)  # skip: b
+            print(f"VALUE {rank} b {np.asarray(b).tolist()}", flush=True)
+        out = allreduce(3 * x)  # skip: c
+        print(f"VALUE {rank} c {np.asarray(out).tolist()}", flush=True)
+    elif case == "lines":  # one call of one signature, made at two lines
+        v = jnp.arange(int(os.environ.get("LARGE", "4")), dtype=jnp.float32) + rank
+        run = (lambda f: f(v)) if os.environ.get("EAGER") else (lambda f: jax.jit(f)(v))
+        start = functools.partial(mpi4jax_dist.iallreduce, comm=comm)
+        if os.environ.get("CALL") == "iallreduce":
+            if odd:
+                out = run(lambda u: start(u).wait())  # lines: odd, iallreduce
+            else:
+                out = run(lambda u: start(u).wait())  # lines: others, iallreduce
+        elif odd:
+            out = run(lambda u: allreduce(u))  # lines: odd, allreduce
+        else:
+            out = run(lambda u: allreduce(u))  # lines: others, allreduce
+    elif case == "cond":  # an allreduce in each branch of a cond on the rank
+        named = {"site": os.environ["SITE"]} if os.environ.get("SITE") else {}
+        evens = {} if os.environ.get("SITE_ODD_ONLY") else named
+
+        def branches(v, r):
+            return lax.cond(
+                r % 2 == 1,
+                lambda u: allreduce(2 * u, **named),  # cond: odd
+                lambda u: allreduce(u, **evens),  # cond: even
+                v,
+            )
+
+        out = jax.jit(branches)(x, rank)
     elif case == "agree":
         out = jax.jit(allreduce)(x)
     elif case == "loop":
