@@ -211,6 +211,22 @@ def test_a_cond_on_the_rank_fails_unless_its_branches_share_a_site():
 
 
 @util.same_under_every_mpi
+def test_places_past_the_table_are_still_compared():
+    """Past the 4096 places the extension keeps, a call carries its place's key
+    without its text: two lines still disagree (the report gives the keys), and
+    the branches of a cond given one site= name still match."""
+    proc, took = desync("lines", FILL_SITES=1)
+    report = assert_reported(proc, took, "rank 0 in allreduce #3", limit=30)
+    keys = re.findall(
+        r"rank (\d) in allreduce #3 SUM float32\[4\] \(site key (\d+)\)", report
+    )
+    assert [r for r, _ in keys] == ["0", "1"] and keys[0][1] != keys[1][1], report
+    proc, _ = desync("cond", SITE="halo", FILL_SITES=1)
+    assert proc.returncode == 0, output(proc)
+    assert values(proc) == ["float32[2.0, 5.0, 8.0, 11.0]"] * 2, output(proc)
+
+
+@util.same_under_every_mpi
 def test_a_named_branch_against_an_unnamed_one_names_both():
     """site= on one side only is a disagreement too: the report shows the name
     beside the line where it was given."""

@@ -451,11 +451,9 @@ inline Disagreement& LastDisagreement() {
 // call's number, then each group of ranks and what they called where; *alike
 // says that every rank made the same call (then MPI itself failed on it).
 inline std::string Sides(const std::vector<Side>& sides, bool* alike) {
-  // Ranks grouped by what they called where (the text, and the key of the
-  // place: two places whose text reads alike, cut short or past the table of
-  // places, are still two groups); the smallest groups first (the odd ones
-  // out), then by their lowest rank.
-  std::map<std::pair<std::string, int64_t>, std::vector<int>> groups;
+  // Ranks grouped by what they called where; the smallest groups first (the
+  // odd ones out), then by their lowest rank.
+  std::map<std::string, std::vector<int>> groups;
   int64_t seq = 0, chunk_bytes = 0;
   for (const Side& s : sides) {
     if (s.header.kind == kBlocking) {
@@ -476,22 +474,17 @@ inline std::string Sides(const std::vector<Side>& sides, bool* alike) {
       call += " in chunks of " + std::to_string(h.chunk_bytes) + " bytes";
     }
     if (s.site[0]) call += std::string(" at ") + s.site;
-    const int64_t key = h.version == kHeaderVersion ? h.site_key : 0;
-    groups[{call, key}].push_back(s.world_rank);
-  }
-  std::map<std::string, int> texts;  // groups per text
-  for (const auto& group : groups) ++texts[group.first.first];
-  std::vector<std::pair<std::string, std::vector<int>>> ordered;
-  for (const auto& [call, ranks] : groups) {
-    std::string text = call.first;
-    if (texts[text] > 1) {
-      char key[48];
-      std::snprintf(key, sizeof key, " (site key %016llx)",
-                    static_cast<unsigned long long>(call.second));
-      text += key;
+    // A place cut short, or past the table of places, may read alike for
+    // two keys: its key tells them apart.
+    const size_t length = strnlen(s.site, sizeof s.site);
+    if (h.version == kHeaderVersion &&
+        (length == 0 || length + 1 >= sizeof s.site)) {
+      call += " (site key " + std::to_string(h.site_key) + ")";
     }
-    ordered.push_back({text, ranks});
+    groups[call].push_back(s.world_rank);
   }
+  std::vector<std::pair<std::string, std::vector<int>>> ordered(groups.begin(),
+                                                                groups.end());
   *alike = ordered.size() == 1;
   std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
     if (a.second.size() != b.second.size())

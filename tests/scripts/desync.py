@@ -29,6 +29,9 @@ passed), prints ``READY``, then ``CASE`` decides what the ranks do; the ranks in
   large, blocking and not), printing ``BIG <rank> True`` where the large one kept
   its value.
 
+With ``FILL_SITES=1`` the extension's table of places is full before the case
+(its calls' places are then compared by key alone, and not named).
+
 Each rank prints ``RESULT <rank> <values>`` for what it got, and ``DONE``. With
 ``AGAIN=1`` (and ``MPI4JAX_DIST_FAIL_FAST=0``) the case's error is caught
 (``CAUGHT <rank>``) and one more allreduce made on the communicator:
@@ -72,6 +75,11 @@ warm = jax.jit(allreduce)
 x = jnp.arange(4, dtype=jnp.float32) + rank
 for _ in range(2):
     warm(x).block_until_ready()
+if os.environ.get("FILL_SITES"):  # the extension's table of places full
+    from mpi4jax_dist.ops import common
+
+    for i in range(4096):
+        common.extension().register_site(f"filler {i}", f"filler {i}")
 print(f"READY {rank}", flush=True)
 
 
