@@ -933,3 +933,7 @@ def test_below_thread_multiple_without_counters_the_hang_timeout_says_so():
     assert proc.stderr.count("MPI4JAX_DIST_HANG_TIMEOUT is not in force") == 1, show(
         proc
     )
+    # Its default is not warned about (said at INFO only): no variable, no noise.
+    env = util.clean_env(**QUIET, **SERIALIZED)
+    proc = util.run_mpi(["-c", code], 2, env=env, timeout=120)
+    assert "is not in force" not in proc.stderr, show(proc)

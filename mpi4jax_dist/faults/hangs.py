@@ -104,7 +104,9 @@ def install(
             _state.watchdog = ServiceWatchdog(rank, size, hang_timeout)
             _state.watchdog.start()
         elif rank == 0:
-            logger.warning(
+            # A warning where the user set it; its default is said at INFO.
+            say = logger.warning if _config.hang_timeout_set() else logger.info
+            say(
                 "mpi4jax_dist: %s is not in force: below MPI_THREAD_MULTIPLE it needs "
                 "jaxlib 0.7.2 or newer (the counters of JAX's coordination service).",
                 _config.HANG_TIMEOUT,

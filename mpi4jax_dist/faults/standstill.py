@@ -14,8 +14,8 @@ standstill). Then no call can ever complete.
 How the ranks find out, at no cost while they make progress
 (docs/design.rst, *When a rank hangs*): a chain of two small non-blocking
 reductions on a communicator of its own, which a rank joins only once it stands
-still. The first (:data:`STILL`) completes only once every rank has posted it,
-that is has stood still since its last; the second, which every rank then posts
+still. The first completes only once every rank has posted it, that is has
+stood still since its last; the second, which every rank then posts
 at once, says whether each still stands where it stood when it posted the first
 (then all stood still together when the first completed) and whether they all
 wait in one call (MIN of a hash and of its negation). All still, not in one call:
@@ -111,16 +111,17 @@ def none_can_complete(replies: dict, size: int) -> bool:
     return len(replies) == size and not live_calls(replies)
 
 
-def ask_calls(comm, own: dict, tag: int, reply_s: float) -> dict:
+def ask_calls(comm, own: dict, tag: int, reply_s: float, others: list) -> dict:
     """Rank 0: ask every other rank of ``comm`` which of the package's calls it is
     in and whether it has reached its exit (their watchdogs answer :data:`ASK`
     with :data:`REPLY`); return the replies by rank, this one's (``own``)
-    included, after at most ``reply_s``."""
+    included, after at most ``reply_s``. Other messages that come meanwhile on
+    ``tag`` are added to ``others``, as (message, source), for the watchdog."""
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    requests = [comm.isend({"kind": ASK}, dest=r, tag=tag) for r in range(size)]
-    del requests[rank]
+    ask = {"kind": ASK}
+    requests = [comm.isend(ask, dest=r, tag=tag) for r in range(size) if r != rank]
     replies = {rank: own}
     end = time.monotonic() + reply_s
     while len(replies) < size and time.monotonic() < end:
@@ -132,6 +133,8 @@ def ask_calls(comm, own: dict, tag: int, reply_s: float) -> dict:
         reply = message.recv()
         if reply.get("kind") == REPLY:
             replies[reply["rank"]] = reply
+        else:
+            others.append((reply, status.Get_source()))
     _unfinished.extend(requests)  # every rank that answered has received its own
     _unfinished[:] = [r for r in _unfinished if not r.Test()]
     return replies

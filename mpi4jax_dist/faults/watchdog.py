@@ -241,7 +241,10 @@ class Watchdog(_Reports, _Loop):
         if self.rank != 0:
             return
         own = standstill.mine(0, exiting, self.progress.stuck_for(now))
-        replies = standstill.ask_calls(self.comm, own, _TAG, report.REPLY_S)
+        others: list = []
+        replies = standstill.ask_calls(self.comm, own, _TAG, report.REPLY_S, others)
+        for message, source in others:  # an alarm, say, that came meanwhile
+            self._handle(message, source)
         if not standstill.none_can_complete(replies, self.size):
             due_s = standstill.setup_due_s(replies)
             self.still.no_standstill(now, look.check, due_s)
