@@ -1,6 +1,6 @@
 """The hang timeout (``MPI4JAX_DIST_HANG_TIMEOUT``): whether this rank makes
 progress (its main thread runs Python, one of the package's collectives ends or
-is entered, it reads or writes storage), and the job's verdict, one small
+is entered), and the job's verdict, one small
 non-blocking reduction a period on the watchdog's communicator. docs/design.rst,
 *When a rank hangs*."""
 
@@ -39,28 +39,12 @@ def period_s(timeout_s: float, poll_s: float) -> float:
 _PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
-def storage_bytes() -> int:
-    """The bytes this process has read from and written to storage
-    (``/proc/self/io``'s ``read_bytes`` and ``write_bytes``; 0 where the system
-    does not say): a checkpoint written in C moves it."""
-    try:
-        with open("/proc/self/io", "rb") as io:
-            text = io.read(4096)
-    except OSError:
-        return 0
-    total = 0
-    for line in text.splitlines():
-        name, _, value = line.partition(b":")
-        if name in (b"read_bytes", b"write_bytes"):
-            total += int(value or 0)
-    return total
-
-
 class Progress:
     """This rank, looked at by the watchdog thread: progress is its main thread
     having run Python since the last look, or one of the package's collectives
     having been entered, waited for or ended (the record,
-    :func:`mpi4jax_dist.faults.record.events`), or storage read or written.
+    :func:`mpi4jax_dist.faults.record.events`). Not the process's I/O: a thread
+    that logs to a file would then hide every hang of the job.
 
     Each look leaves the interpreter a pending call (``Py_AddPendingCall``), which
     only the main thread runs, and only between two bytecode instructions: the next
@@ -80,7 +64,7 @@ class Progress:
         self._add.argtypes = [_PENDING_CALL, ctypes.c_void_p]
         self._add.restype = ctypes.c_int
         # What else counts as progress: a number that grows with it.
-        self._count = moved or (lambda: record.events() + storage_bytes())
+        self._count = moved or record.events
         self._last_count = self._count()
 
     def _mark(self, _arg) -> int:
