@@ -157,9 +157,11 @@ def checks(env: Mapping[str, str] | None = None) -> bool:
     Every call carries a header of what it is (blocking or not, op, dtype, element
     count, its number on the communicator) that MPI reduces with the data, in one
     message up to 16 KiB and beside it above: ranks that disagree fail on every
-    rank with one report naming each side, instead of returning wrong values.
-    ``MPI4JAX_DIST_CHECKS=0`` leaves the header out. Read when a call is
-    compiled; set it alike on every rank.
+    rank with one report naming each side, instead of returning wrong values;
+    and, rank 0's value for the job, the watchdog ends within seconds a job whose
+    ranks all wait in calls MPI cannot match (:mod:`mpi4jax_dist.faults.standstill`).
+    ``MPI4JAX_DIST_CHECKS=0`` leaves the header and that watchdog out. Read when a
+    call is compiled; set it alike on every rank.
     """
     return get_bool(CHECKS, True, env)
 

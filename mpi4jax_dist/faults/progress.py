@@ -55,7 +55,7 @@ class Progress:
     makes progress through the record: each program's collectives end.
     """
 
-    def __init__(self, main: threading.Thread | None = None, moved=None):
+    def __init__(self, main: threading.Thread | None = None):
         self.main_id = (main or threading.main_thread()).ident
         self.last_progress = time.monotonic()
         self._ran = True  # the first look arms the first call
@@ -63,8 +63,9 @@ class Progress:
         self._add = ctypes.pythonapi.Py_AddPendingCall
         self._add.argtypes = [_PENDING_CALL, ctypes.c_void_p]
         self._add.restype = ctypes.c_int
-        # What else counts as progress: a number that grows with it.
-        self._count = moved or record.events
+        # What else counts as progress: the record's calls entered, waited for
+        # and ended.
+        self._count = record.events
         self._last_count = self._count()
 
     def _mark(self, _arg) -> int:
