@@ -53,9 +53,19 @@ class _Loop(threading.Thread):
         self.progress = progress.Progress()
         self.period_s = progress.period_s(hang_timeout_s or 0.0, POLL_S)
         self._stopping = threading.Event()
+        # Set to cut a wait short: the rank reached its exit, or stops.
+        self._wake = threading.Event()
+
+    def wake(self) -> None:
+        """Poll now rather than at the end of the current wait."""
+        self._wake.set()
 
     def run(self) -> None:
-        while not self._stopping.wait(self._wait_s()):
+        while True:
+            self._wake.wait(self._wait_s())
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
             try:
                 if self._poll(time.monotonic()):
                     return
@@ -166,6 +176,7 @@ class Watchdog(_Reports, _Loop):
         """Take this rank as at its exit from now on (its verdicts and the
         standstill's chain say so; it answers rank 0 as exited)."""
         self._exiting.set()
+        self.wake()
 
     def stop(self) -> None:
         """Stop polling before MPI is finalized (an atexit handler). With the hang
@@ -176,10 +187,11 @@ class Watchdog(_Reports, _Loop):
         named as exited."""
         chains = self.verdict is not None or self.still is not None
         if chains and self.is_alive() and threading.current_thread() is not self:
-            self._exiting.set()
+            self.at_exit()
             while self.is_alive() and not self._chain_ended.wait(POLL_S):
                 pass
         self._stopping.set()
+        self.wake()
         if writer.module() is not None:
             writer.module().stop_answering()
         if self.is_alive() and threading.current_thread() is not self:
@@ -427,6 +439,7 @@ class ServiceWatchdog(_Loop):
         """Say that this rank stops (so that rank 0 takes a rank that no longer
         counts for one that has ended, not for one that cannot answer)."""
         self._stopping.set()
+        self.wake()
         if self._counting:
             try:
                 _compat.coordination_client().key_value_increment(
