@@ -44,7 +44,7 @@ STALL_S = 3.0
 # communicator whose duplicates are being made, before that call is taken for one
 # that cannot complete: where every member has entered it, the making (an
 # MPI_Comm_idup, O(log P) small messages) takes milliseconds even at 10^5 ranks.
-SETUP_S = 30.0
+SETUP_S = 10.0
 # After a second round that found no standstill, a rank that still stands at the
 # same place posts again only after this long, doubling up to BACKOFF_MAX_S (a
 # long transfer every rank waits in is not asked about every few seconds).

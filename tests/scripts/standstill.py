@@ -101,6 +101,11 @@ elif case == "ahead":
     v = jnp.ones(1 << 16, jnp.float32)
     for _ in range(int(os.environ.get("STEPS", "60"))):
         v = step(v)
+    import time
+
+    start = time.monotonic()
+    v.block_until_ready()
+    print(f"WAITED {rank} {time.monotonic() - start:.1f}", flush=True)
     out = v[:4]
 else:
     raise SystemExit(f"standstill.py: CASE={case!r} is not one it knows")
