@@ -103,12 +103,16 @@ def install(
             # Below MPI_THREAD_MULTIPLE: the hang timeout without MPI.
             _state.watchdog = ServiceWatchdog(rank, size, hang_timeout)
             _state.watchdog.start()
-        elif rank == 0:
-            # A warning where the user set it; its default is said at INFO.
-            say = logger.warning if _config.hang_timeout_set() else logger.info
-            say(
+        elif rank == 0 and _config.hang_timeout_set():
+            logger.warning(
                 "mpi4jax_dist: %s is not in force: below MPI_THREAD_MULTIPLE it needs "
                 "jaxlib 0.7.2 or newer (the counters of JAX's coordination service).",
+                _config.HANG_TIMEOUT,
+            )
+        elif rank == 0:  # its default: said, not warned about
+            logger.info(
+                "mpi4jax_dist: the hang timeout (%s's default) is not in force: below "
+                "MPI_THREAD_MULTIPLE it needs jaxlib 0.7.2 or newer.",
                 _config.HANG_TIMEOUT,
             )
     configure_loaded_modules()
