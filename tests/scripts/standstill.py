@@ -19,9 +19,10 @@ last rank (``odd``) the other thing:
   the test preloads tests/pmpi/slow_own.c (a long transfer); with ``SPLIT=1`` on
   two halves of the world at once (two communicators, each call complete on its
   own);
-- ``ahead``: every rank alike, ``STEPS`` jitted steps of ``WORK`` trips of
-  compute and one allreduce, dispatched ahead, the result read at the end (the
-  main thread waits in C throughout).
+- ``ahead``: every rank alike, jitted steps of ``WORK`` trips of compute and one
+  allreduce, as many as take ``SECONDS``, dispatched ahead, the result read at the
+  end, at a line that differs between odd and even ranks (the main thread waits
+  in C throughout).
 
 Each rank prints ``RESULT <rank> <values>`` for what it got, and ``DONE``.
 """
@@ -91,6 +92,9 @@ elif case == "live":
     for _ in range(int(os.environ.get("STEPS", "2"))):
         out = step(out)
 elif case == "ahead":
+    import math
+    import time
+
     work = int(os.environ.get("WORK", "600"))
 
     @jax.jit
@@ -99,13 +103,29 @@ elif case == "ahead":
         return allreduce(v) / size
 
     v = jnp.ones(1 << 16, jnp.float32)
-    for _ in range(int(os.environ.get("STEPS", "60"))):
-        v = step(v)
-    import time
-
+    # As many steps as fill SECONDS on the slowest rank (one step timed after its
+    # compile), so that the main thread waits in C that long whatever the machine.
+    v = step(v).block_until_ready()
     start = time.monotonic()
-    v.block_until_ready()
-    print(f"WAITED {rank} {time.monotonic() - start:.1f}", flush=True)
+    v = step(v).block_until_ready()
+    slowest = comm.allreduce(time.monotonic() - start, op=MPI.MAX)
+    steps = math.ceil(float(os.environ.get("SECONDS", "10")) / slowest)
+    start = time.monotonic()
+    for _ in range(steps):
+        v = step(v)  # returns at once, or waits in C where the queue is full
+    dispatched = time.monotonic()
+    # Each rank waits at a line of its own: one place shared by every rank would be
+    # no hang anyway; here only the calls that end say that the job moves on.
+    if rank % 2:
+        v.block_until_ready()
+    else:
+        np.asarray(v)
+    end = time.monotonic()
+    print(
+        f"WAITED {rank} {end - dispatched:.1f} DISPATCH {dispatched - start:.1f}"
+        f" STEPS {steps}",
+        flush=True,
+    )
     out = v[:4]
 else:
     raise SystemExit(f"standstill.py: CASE={case!r} is not one it knows")
