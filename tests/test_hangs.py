@@ -211,7 +211,8 @@ def wait_for_stall(job, limit=90):
     while time.monotonic() < deadline:
         line = job.stdout.readline()
         lines.append(line)
-        if line.startswith("STALL"):
+        # Anywhere in the line: mpiexec may put another rank's on either side.
+        if "STALL" in line:
             time.sleep(1)  # the others are in the 4th call
             return lines
     job.kill()

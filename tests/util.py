@@ -147,7 +147,7 @@ MPI_FILES = frozenset(
 # Files that tools/test.sh runs beside .venv's serial suite rather than in it
 # (its build_tests, to even the two lanes): they hold no tests marked mpi, and
 # tests/test_ci.py reads the collection without them.
-BESIDE_FILES = frozenset({"test_build_mpicc.py"})
+BESIDE_FILES = frozenset({"test_build_mpicc.py", "test_packaging.py"})
 
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that

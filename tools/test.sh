@@ -21,11 +21,19 @@ cd "$here"
 
 # Each stage says what it ran and how long it took: CI's log then shows where the
 # time goes.
+# A stage whose time limit (timeout's exit 124, or 137 where -k killed it) ran out
+# says so, with how long it ran, before the script ends.
 run() {
     echo "+ $*"
-    local start=$SECONDS
-    "$@"
+    local start=$SECONDS status=0
+    "$@" || status=$?
     echo "+ took $((SECONDS - start)) s"
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+        echo "tools/test.sh: the stage above ran out of its time limit after" \
+            "$((SECONDS - start)) s (exit $status): run it alone, as printed after" \
+            "its +, to see how long it takes on this machine" >&2
+    fi
+    return "$status"
 }
 
 # The code's own habits: black's layout and ruff's lint (versions pinned in setup.cfg).
@@ -74,7 +82,7 @@ if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 other_mpi=(-m "not same_under_every_mpi")
-build_tests=(tests/test_build_mpicc.py)
+build_tests=(tests/test_build_mpicc.py tests/test_packaging.py)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
@@ -106,8 +114,8 @@ beside_stages() {
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
     # .venv's tests of the build's MPI compiler wrapper (one build of the extension
-    # with a stand-in Cray cc): here rather than in .venv's serial suite, to even
-    # the two lanes.
+    # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
+    # here rather than in .venv's serial suite, to even the two lanes.
     run timeout -k 10 600 python -m pytest -q -p no:cacheprovider "${build_tests[@]}"
 }
 beside=$(mktemp)
@@ -127,11 +135,13 @@ trap 'status=$?; show_beside || true; exit "$status"' EXIT
 
 # Serially, with Open MPI's Python at hand (tools/setup.sh --with-openmpi): under
 # MPICH's mpiexec its mpi4py starts as singletons, which the package must catch.
+# 1,100 to 1,300 s on a loaded 2-core machine beside the stages above (2026-12-06);
+# a limit of 1,800 s ends it if one of its jobs outlives its own limits.
 other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1200 python -m pytest "${build_tests[@]/#/--ignore=}"
+run "${other[@]}" timeout -k 10 1800 python -m pytest "${build_tests[@]/#/--ignore=}"
 
 trap - EXIT
 beside_status=0
