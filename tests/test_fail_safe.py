@@ -127,7 +127,7 @@ def test_non_blocking_starts_that_disagree_fail_in_their_wait():
     proc, took, lines = scenario("imismatch", timeout=90)
     if util.mpi_family() == "openmpi":
         # Open MPI crashes on the truncated message of its non-blocking
-        # collective before the header is judged (docs/design.rst, *Ranks that
+        # collective before the header is judged (docs/faults.rst, *Ranks that
         # disagree*): non-zero, and no rank returned a value.
         assert proc.returncode != 0, output(proc)
         assert not any("no error" in line for r in (0, 1) for line in lines[r])

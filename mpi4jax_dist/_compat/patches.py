@@ -62,7 +62,7 @@ def disable_preemption_service() -> None:
 
     Why: the service's notifier catches SIGTERM and only takes note of it, so the
     launcher's SIGTERM (after another rank's ``MPI_Abort``, or a job's end) would
-    not end the process (docs/design.rst, fail-fast).
+    not end the process (docs/faults.rst, *When a rank fails*).
     For: jax 0.6.0 to 0.8.1, which start the service with no option to refuse it:
     the state's start of it becomes a no-op, as the option's False makes it later
     (``multihost_utils.reached_preemption_sync_point`` then raises, as there). From

@@ -71,7 +71,7 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
 # collective timeout. A correct program stays under it as long as no step leaves
 # every rank without progress (no Python run, none of the package's collectives
 # entered or ended)
-# for ten minutes while the ranks stand at different places; docs/design.rst.
+# for ten minutes while the ranks stand at different places; docs/faults.rst.
 DEFAULT_HANG_TIMEOUT_S = 600.0
 
 

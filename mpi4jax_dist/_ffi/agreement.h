@@ -4,7 +4,7 @@
 // under the same name), and a call they disagree on fails on every rank
 // with one report naming each side, instead of returning wrong numbers.
 //
-// How, at no cost a benchmark sees (docs/design.rst, *Ranks that disagree*):
+// How, at no cost a benchmark sees (docs/faults.rst, *Ranks that disagree*):
 // each call carries a header (CallHeader) that MPI reduces with a reduction
 // op of ours (CheckedOp), which compares the headers it combines and marks
 // the result where they differ.

@@ -3,7 +3,7 @@ non-zero ``sys.exit`` and the launcher's SIGTERM end every rank with
 ``MPI_Abort``, where JAX's atexit barrier and preemption service would leave the
 others waiting; ``os._exit`` waits for the other ranks to reach their exit, or
 ends the job non-zero. :func:`install` sets it up in a bootstrapped world of more
-than one process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/design.rst, *When a
+than one process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/faults.rst, *When a
 rank fails*.
 """
 
@@ -91,7 +91,7 @@ def quiet_on_other_ranks(rank: int) -> None:
 
 
 def install(rank: int, size: int) -> bool:
-    """Make a failing rank end the job (docs/design.rst); return whether
+    """Make a failing rank end the job (docs/faults.rst); return whether
     the hooks are in place. Runs once per process; does nothing for a world of
     one process or when ``MPI4JAX_DIST_FAIL_FAST=0``."""
     if _state.installed or size < 2 or not _config.fail_fast():

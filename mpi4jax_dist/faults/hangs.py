@@ -4,7 +4,7 @@ watchdog (:mod:`~mpi4jax_dist.faults.watchdog`) asks every rank for its stacks a
 its count of calls (:mod:`~mpi4jax_dist.faults.record`), names the ranks that had
 not entered the call or stand apart (:mod:`~mpi4jax_dist.faults.report`), and ends
 the job. This module installs them and gives the extensions their settings.
-docs/design.rst, *When a rank hangs*.
+docs/faults.rst, *When a rank hangs*.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ member of its communicator (such a call completes: a long transfer is not a
 standstill). Then no call can ever complete.
 
 How the ranks find out, at no cost while they make progress
-(docs/design.rst, *When a rank hangs*): a chain of two small non-blocking
+(docs/faults.rst, *When a rank hangs*): a chain of two small non-blocking
 reductions on a communicator of its own, which a rank joins only once it stands
 still. The first completes only once every rank has posted it, that is has
 stood still since its last; the second, which every rank then posts

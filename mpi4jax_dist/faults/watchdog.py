@@ -1,5 +1,5 @@
 """The watchdog: every rank's thread for the collective and hang timeouts
-(docs/design.rst, *When a rank hangs*). One loop looks at this rank once a poll;
+(docs/faults.rst, *When a rank hangs*). One loop looks at this rank once a poll;
 what differs is how the ranks reach their verdict and their reports: over MPI on a
 communicator of the watchdog's own (:class:`Watchdog`), or where the watchdog may
 not call MPI, through JAX's coordination service (:class:`ServiceWatchdog`)."""
