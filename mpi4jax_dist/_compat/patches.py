@@ -1,9 +1,11 @@
 """Every change this package makes to JAX itself, one function each.
 
 Each docstring says why JAX's own behaviour does not serve, the JAX versions the
-change is for, the tests that show it works and that it is still needed, and when
-to drop it. Each is idempotent and chooses by the table of versions
-(``versions.py``), nowhere else.
+change is for, the tests that show it works and that it is still needed, when to
+drop it, and the upstream change that would retire it: docs/replacements.rst writes
+each out as an issue for JAX (with Python's, ``faults/failfast.py``), in one table.
+Each is idempotent and chooses by the table of versions (``versions.py``), nowhere
+else.
 
 =============================  =========================================================
 function                       what of JAX it changes
@@ -51,6 +53,7 @@ def register_first(cls) -> None:
     once); tests/test_slurm_cluster.py's
     test_jax_alone_under_mpiexec_in_sbatch_is_not_one_world (what JAX's order does
     without it). Drop it when JAX lets a library put its cluster env first.
+    Retired upstream by: a ``ClusterEnv.priority`` that cluster detection sorts by.
     """
     registry = ClusterEnv._cluster_types
     registry[:] = [cls] + [c for c in registry if c is not cls]
@@ -71,6 +74,7 @@ def disable_preemption_service() -> None:
     tests/test_failfast.py's test_switch_off_brings_back_jax_behaviour (SIGTERM
     caught by JAX's notifier without it). Drop the patch when the floor reaches
     jax 0.8.2.
+    Retired upstream by: jax 0.8.2's ``jax_enable_preemption_service`` (done).
     """
     if since("jax_enable_preemption_service"):
         jax.config.update("jax_enable_preemption_service", False)
@@ -102,6 +106,8 @@ def publish_gloo_address(address: str) -> bool:
     tests/test_slurm_cluster.py's test_jax_alone_gloo_fails_across_debian_style_nodes
     (without it, the first collective across nodes fails). Drop it when JAX gives
     Gloo an address the other nodes reach, or takes one.
+    Retired upstream by: JAX options passed on as ``make_gloo_tcp_collectives``'
+    ``hostname`` and ``interface``, which jaxlib takes already.
     """
     from jax.extend.backend import register_backend_factory
 
@@ -167,6 +173,8 @@ def cache_on_every_process() -> bool:
     test_jax_rule_alone_leaves_rank_1_without_entries (JAX's rule alone: rank 1
     misses every time). Drop it when JAX writes on every process the entries of
     programs that no other process compiles.
+    Retired upstream by: ``_cache_write`` keeping its ``process_id != 0`` check for
+    programs with ``is_multi_process`` only (computed in ``compile_or_get_cached``).
     """
     from jax._src import compiler
 
@@ -259,7 +267,9 @@ def reuse_runtime_tokens(enabled: bool = True) -> bool:
     tests/test_jax_compat.py's test_the_runtime_token_is_handed_on_as_it_is (same
     token, same results; with the switch off, JAX's own method and a new token each
     call). Drop it when JAX's own method returns the token it holds (the change in
-    docs/design.rst, ready to send). Idempotent; ``enabled=False``
+    docs/design.rst, ready to send).
+    Retired upstream by: ``get_token_input`` returning the token it holds where it
+    already sits on the call's one device. Idempotent; ``enabled=False``
     (``MPI4JAX_DIST_TOKEN_REUSE=0``) restores JAX's method.
     """
     from jax._src import core, dispatch
@@ -325,9 +335,12 @@ def tokens_in_program(enabled: bool = True) -> bool:
     barrier waits; two CPU devices and ``enabled=False`` keep JAX's convention)
     and every ordering test of the suite, run with it on. Drop it when JAX gives
     programs whose ordered effects need no runtime token (an effect ordered
-    within a program only) its C++ dispatch. Idempotent; ``enabled=False``
-    (``MPI4JAX_DIST_TOKENS_IN_PROGRAM=0``) restores JAX's functions (read before
-    the first lowering: executables already built keep their convention).
+    within a program only) its C++ dispatch.
+    Retired upstream by: an effect type set ordered within a program only, whose
+    token the lowering makes at entry and which the executable's effects leave out.
+    Idempotent; ``enabled=False`` (``MPI4JAX_DIST_TOKENS_IN_PROGRAM=0``) restores
+    JAX's functions (read before the first lowering: executables already built keep
+    their convention).
     """
     from jax._src import dispatch
     from jax._src.interpreters import mlir

@@ -4,7 +4,9 @@ non-zero ``sys.exit`` and the launcher's SIGTERM end every rank with
 others waiting; ``os._exit`` waits for the other ranks to reach their exit, or
 ends the job non-zero. :func:`install` sets it up in a bootstrapped world of more
 than one process (``MPI4JAX_DIST_FAIL_FAST=0``: off). docs/faults.rst, *When a
-rank fails*.
+rank fails*. Python's functions replaced here (``sys.excepthook``,
+``threading.excepthook``, ``sys.exit``, ``os._exit``) are in the table of
+docs/replacements.rst, with what would make each unnecessary.
 """
 
 from __future__ import annotations
