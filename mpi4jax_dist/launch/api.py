@@ -23,6 +23,13 @@ def topology(comm=None) -> bootstrap.Topology:
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: mpi4jax_dist.topology: comm must be an mpi4py
+            intracommunicator (MPI.COMM_WORLD, or a Split of it) or None for
+            MPI.COMM_WORLD; got <type>.
     """
     check_comm(comm, "topology")
     return bootstrap.topology(comm)
@@ -55,9 +62,22 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> bootstrap.Topolo
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
-        RuntimeError: JAX's process index or count differs from the communicator's
-            rank or size (JAX was initialized another way, or with other
-            arguments); or MPI collectives were asked for and cannot work.
+        ValueError: ``cpu_collectives`` is neither of its values.
+        RuntimeError: JAX's process index or count differs from the
+            communicator's rank or size (JAX was initialized another way, or
+            with other arguments); or MPI collectives were asked for and cannot
+            work. Their messages, and those of a variable's bad value, are in
+            docs/troubleshooting.rst.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: mpi4jax_dist.initialize: comm must be an mpi4py
+            intracommunicator (MPI.COMM_WORLD, or a Split of it) or None for
+            MPI.COMM_WORLD; got <type>.
+
+            ValueError: cpu_collectives=<value>: expected 'mpi' or 'gloo'
+            (or None for MPI4JAX_DIST_CPU_COLLECTIVES, else JAX's default).
     """
     check_comm(comm, "initialize")
     initialized, _, _ = _compat.distributed_state()
