@@ -66,8 +66,9 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> bootstrap.Topolo
         RuntimeError: JAX's process index or count differs from the
             communicator's rank or size (JAX was initialized another way, or
             with other arguments); or MPI collectives were asked for and cannot
-            work. Their messages, and those of a variable's bad value, are in
-            docs/troubleshooting.rst.
+            work (quoted in docs/troubleshooting.rst and configuration.rst); or a
+            second call
+            asks for another communicator, port or timeout.
 
     Messages:
         .. code-block:: text
@@ -78,6 +79,19 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> bootstrap.Topolo
 
             ValueError: cpu_collectives=<value>: expected 'mpi' or 'gloo'
             (or None for MPI4JAX_DIST_CPU_COLLECTIVES, else JAX's default).
+
+            RuntimeError: mpi4jax_dist already bootstrapped on another
+            communicator: one JAX world per process. Pass the same comm= to every
+            call.
+
+            RuntimeError: coordinator port <port> asked for, but this process
+            already bootstrapped with the coordinator at <host:port>. Set
+            JAX_COORDINATOR_PORT (or pass the port) before the first call, the
+            same on every call.
+
+            RuntimeError: initialization_timeout=<seconds> asked for, but this
+            process already bootstraps with <seconds> s. Pass the same timeout to
+            every call.
     """
     check_comm(comm, "initialize")
     initialized, _, _ = _compat.distributed_state()

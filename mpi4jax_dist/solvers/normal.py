@@ -206,6 +206,9 @@ def make_normal_solver(
 
             ValueError: reduce_dtype=<value>: expected a floating dtype such
             as jnp.float32.
+
+            mpi4jax_dist.cg: variant=<variant> with reduce_dtype=<dtype> is unstable
+            below a relative residual of about 1e-5; use 'classic' or 'single'.
     """
     check_options(backend, variant, replace_every)
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
