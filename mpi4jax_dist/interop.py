@@ -32,7 +32,20 @@ def global_mesh(axis_name: str = DEFAULT_AXIS, axis_type: str = "auto"):
 
     Raises:
         TypeError: ``axis_name`` is not a non-empty string.
-        ValueError: ``axis_type`` is none of those.
+        ValueError: ``axis_type`` is none of those, or this JAX has no axis
+            types.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: global_mesh: axis_name must be a non-empty string
+            (the name shard_map and psum refer to); got <value>.
+
+            ValueError: axis_type=<value>: expected 'auto' or 'explicit' (or
+            jax.sharding.AxisType.Auto or .Explicit).
+
+            ValueError: axis_type=<value> needs jax >= 0.6 with
+            jax.sharding.AxisType.
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(
@@ -63,9 +76,28 @@ def to_global(local, mesh=None, *, check: bool = True):
 
     Raises:
         TypeError: ``mesh`` is not a ``Mesh``, or ``local`` is not an array.
-        ValueError: ``local`` is a scalar, its rows do not split evenly over this
-            process's devices, or (on every rank) the ranks' shapes or dtypes
-            differ.
+        ValueError: ``local`` is a scalar, its rows do not split evenly over
+            this process's devices, or (on every rank) the ranks' shapes or
+            dtypes differ.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: to_global: mesh must be a jax.sharding.Mesh (such as
+            mpi4jax_dist.global_mesh()) or None; got <type>.
+
+            TypeError: to_global: local must be an array (NumPy, JAX or a
+            nested list of numbers); got <type>: <error>
+
+            ValueError: to_global needs an array with a leading axis to
+            shard; got a scalar.
+
+            ValueError: to_global: <n> rows do not split evenly over this
+            process's <n> devices.
+
+            ValueError: to_global: the ranks' local arrays differ in shape
+            or dtype (rank <rank> of <size> has <shape> <dtype>); every rank
+            must pass the same shape and dtype.
     """
     if mesh is None:
         mesh = global_mesh()
@@ -144,6 +176,13 @@ def to_local(global_array):
 
     Raises:
         TypeError: ``global_array`` is not a ``jax.Array``.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: to_local: global_array must be a jax.Array (from
+            to_global, or a computation on one); got <type>. A NumPy array
+            is already local.
     """
     if not isinstance(global_array, jax.Array):
         raise TypeError(

@@ -1,5 +1,13 @@
-"""Every message the package gives a user is on docs/troubleshooting.rst, and every
+"""Every message the package gives a user is quoted in the documentation, and every
 message quoted there is still one the code gives.
+
+The documentation read is where a user looks a message up: docs/troubleshooting.rst
+(by symptom), docs/configuration.rst (a variable's bad value, beside its row), and
+the docstrings of the public API (argument errors, in each function's ``Raises``
+section), as docs/api.rst renders them: the docstring of each object an
+``autofunction``, ``autoclass`` or ``automodule`` directive there names, and of a
+class's public methods, found with ``ast`` from the source (``from .x import name``
+followed to the definition; nothing is imported).
 
 The messages are read from the source each time, with ``ast`` for Python and
 regular expressions for the C and C++ of ``mpi4jax_dist/_ffi`` (nothing is imported
@@ -21,18 +29,21 @@ message per place it is called from, the argument filled in, so that the page
 quotes what a user sees: ``... waiting for rank 0 to send the coordinator
 address. ...``.
 
-On the page, a message is a paragraph of a ``.. code-block:: text``, holes written
-as ``<...>``, with an optional ``SomeError:`` (or the ``PROBLEM``/``WARNING`` of the
-diagnostics' report) in front.
+A quote is a paragraph of a ``.. code-block:: text``, on a page or in a docstring
+(its ``Messages:`` section, after ``Raises:``: docs/conf.py makes it a section of
+napoleon's, since a directive inside a ``Raises`` entry would be flattened into its
+text), holes written as ``<...>``, with an
+optional ``SomeError:`` (or the ``PROBLEM``/``WARNING`` of the diagnostics' report)
+in front.
 
-- Documented: some quoted paragraph holds every chunk of the message of three words
-  or more (its longest chunk where none has three), whitespace folded. So a new
-  ``raise`` fails this test until the page quotes it, while a short name formatted
-  into a message may appear on the page as a placeholder.
-- Not stale: the literal text of each quoted paragraph, between its placeholders,
-  occurs in that order in one message of the code (a placeholder may stand for any
-  text, literal text never for a hole), so a reworded or removed message fails this
-  test too.
+- Documented: some quoted paragraph, in any of those places, holds every chunk of
+  the message of three words or more (its longest chunk where none has three),
+  whitespace folded. So a new ``raise`` fails this test until it is quoted, while
+  a short name formatted into a message may appear as a placeholder.
+- Not stale: the literal text of each quoted paragraph, wherever it is, between its
+  placeholders, occurs in that order in one message of the code (a placeholder may
+  stand for any text, literal text never for a hole), so a reworded or removed
+  message fails this test too.
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ pytestmark = [util.serial_only, util.same_under_every_mpi]
 
 ROOT = util.ROOT
 PAGE = ROOT / "docs" / "troubleshooting.rst"
+# The pages that quote messages, and the page whose autodoc directives name the
+# public API whose docstrings quote the argument errors.
+PAGES = [PAGE, ROOT / "docs" / "configuration.rst"]
+API_PAGE = ROOT / "docs" / "api.rst"
 FFI = ROOT / "mpi4jax_dist" / "_ffi"
 
 # Source files whose messages are not for users, with the reason.
@@ -768,6 +783,7 @@ _PREFIX = re.compile(
 class Quote:
     line: int
     text: str  # folded
+    where: str = ""  # the page or the docstring, for the reports
 
     @property
     def body(self) -> str:
@@ -775,12 +791,17 @@ class Quote:
         return _PREFIX.sub("", self.text)
 
 
-def quotes(page: str) -> list[Quote]:
-    """The paragraphs of the page's ``.. code-block:: text`` directives."""
+def quotes(page: str, where: str = "", first_line: int = 1) -> list[Quote]:
+    """The paragraphs of the page's ``.. code-block:: text`` directives (a page, or
+    a docstring whose first line is ``first_line`` of its file)."""
     lines = page.splitlines() + [""]
 
     def indent(line: str) -> int:
         return len(line) - len(line.lstrip())
+
+    def quote(start: int, paragraph: list[str]) -> Quote:
+        line = start + first_line - 1
+        return Quote(line, fold(" ".join(paragraph)), f"{where}:{line}")
 
     found, i = [], 0
     while i < len(lines):
@@ -797,11 +818,93 @@ def quotes(page: str) -> list[Quote]:
                 start = start if paragraph else i + 1
                 paragraph.append(lines[i])
             elif paragraph:
-                found.append(Quote(start, fold(" ".join(paragraph))))
+                found.append(quote(start, paragraph))
                 paragraph = []
             i += 1
         if paragraph:
-            found.append(Quote(start, fold(" ".join(paragraph))))
+            found.append(quote(start, paragraph))
+    return found
+
+
+# --- the public API's docstrings ----------------------------------------------------
+
+_AUTODOC = re.compile(r"^\.\. auto(function|class|module):: *(\S+)\s*$", re.M)
+
+
+def _module_path(dotted: str, sources: dict[str, str]) -> str | None:
+    base = dotted.replace(".", "/")
+    for path in (f"{base}.py", f"{base}/__init__.py"):
+        if path in sources:
+            return path
+    return None
+
+
+def _definition(dotted: str, sources: dict[str, str], depth: int = 0):
+    """(path, node) of the module, class or function ``dotted`` names, following
+    ``from .x import name``; None where the source does not define it."""
+    path = _module_path(dotted, sources)
+    if path is not None:
+        return path, ast.parse(sources[path])
+    module, _, name = dotted.rpartition(".")
+    path = _module_path(module, sources)
+    if path is None or depth > MAX_DEPTH:
+        return None
+    tree = ast.parse(sources[path])
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return path, node
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            if (alias.asname or alias.name) != name:
+                continue
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            origin = (
+                ".".join(p for p in (base, node.module) if p)
+                if node.level
+                else (node.module or "")
+            )
+            return _definition(f"{origin}.{alias.name}", sources, depth + 1)
+    return None
+
+
+def api_docstrings(sources: dict[str, str], api_page: str) -> list[tuple]:
+    """(where, first line, docstring) of every object the API page renders with
+    autodoc, and of each public method of its classes."""
+    found = []
+    for kind, dotted in _AUTODOC.findall(api_page):
+        definition = _definition(dotted, sources)
+        assert definition is not None, f"api.rst: {dotted} is not in the source"
+        path, node = definition
+        nodes = [(dotted, node)]
+        if kind == "class":
+            nodes += [
+                (f"{dotted}.{child.name}", child)
+                for child in node.body
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not child.name.startswith("_")
+            ]
+        for name, each in nodes:
+            doc = ast.get_docstring(each)
+            if doc:
+                first = each.body[0].lineno
+                found.append((f"docstring of {name} ({path})", first, doc))
+    return found
+
+
+def documented_quotes(
+    pages: Iterable = PAGES, sources: dict | None = None, api_page: str | None = None
+) -> list[Quote]:
+    """Every quote: the pages', and the API docstrings'."""
+    sources = python_sources() if sources is None else sources
+    api_page = API_PAGE.read_text() if api_page is None else api_page
+    found = [q for p in pages for q in quotes(p.read_text(), f"docs/{p.name}")]
+    for where, first, doc in api_docstrings(sources, api_page):
+        found += quotes(doc, where, first)
     return found
 
 
@@ -893,23 +996,24 @@ def test_extraction_finds_the_messages():
     assert any(": MPI is not initialized; import mpi4py.MPI" in r for r in rendered)
 
 
-def test_every_message_is_on_the_page():
-    missing = undocumented(all_messages(), quotes(PAGE.read_text()))
+def test_every_message_is_documented():
+    missing = undocumented(all_messages(), documented_quotes())
     assert not missing, (
         f"{len(missing)} message(s) the package gives are not quoted in "
-        f"docs/troubleshooting.rst (a paragraph of a '.. code-block:: text' with "
-        f"every chunk below, holes as <...>), with cause and fix:\n"
+        f"docs/troubleshooting.rst (with cause and fix), docs/configuration.rst (a "
+        f"variable's bad value) or the Raises section of a public function's "
+        f"docstring (an argument error): a paragraph of a '.. code-block:: text' "
+        f"with every chunk below, holes as <...>:\n"
         + "\n".join(f"{m.where()}\n    chunks: {m.required}" for m in missing)
     )
 
 
 def test_every_quoted_message_is_in_the_code():
-    gone = stale(quotes(PAGE.read_text()), all_messages())
+    gone = stale(documented_quotes(), all_messages())
     assert not gone, (
-        f"{len(gone)} paragraph(s) quoted in docs/troubleshooting.rst are no "
-        f"message of the code any more (reworded or removed?); placeholders <...> "
-        f"must stand where the code formats a value in:\n"
-        + "\n".join(f"troubleshooting.rst:{q.line}: {q.text}" for q in gone)
+        f"{len(gone)} quoted paragraph(s) are no message of the code any more "
+        f"(reworded or removed?); placeholders <...> must stand where the code "
+        f"formats a value in:\n" + "\n".join(f"{q.where}: {q.text}" for q in gone)
     )
 
 
@@ -930,6 +1034,21 @@ def test_every_message_can_be_read():
 
 def test_page_has_quotes():
     assert len(quotes(PAGE.read_text())) > 50
+
+
+def test_api_docstrings_are_read():
+    """Every autodoc directive of api.rst is found in the source, docstrings and
+    methods included."""
+    docs = api_docstrings(python_sources(), API_PAGE.read_text())
+    names = {where.split()[2] for where, *_ in docs}
+    assert {
+        "mpi4jax_dist.initialize",
+        "mpi4jax_dist.allreduce",
+        "mpi4jax_dist.cg.cg",
+        "mpi4jax_dist.Request.wait",
+    } <= names, sorted(names)
+    in_docstrings = [q for q in documented_quotes() if q.where.startswith("docstring")]
+    assert len(in_docstrings) > 40, len(in_docstrings)
 
 
 def test_allow_list_is_current():
@@ -1007,6 +1126,48 @@ def test_a_stale_quote_is_reported():
     # Literal text may not stand where the code formats a value in.
     literal = _FAKE_PAGE.replace("<value>", "'hot'")
     assert len(stale(quotes(literal), messages)) == 2
+
+
+_FAKE_DOCUMENTED = _FAKE.replace(
+    "def frob(x):\n",
+    '''def frob(x):
+    """Frobs.
+
+    Raises:
+        RuntimeError: x is hot:
+
+            .. code-block:: text
+
+                RuntimeError: MPI4JAX_DIST_FROB=<value>: the frobnicator melted.
+    """
+''',
+)
+
+
+def test_a_stale_quote_in_a_docstring_is_reported():
+    sources = {
+        "mpi4jax_dist/__init__.py": "from ._fake import frob\n",
+        "mpi4jax_dist/_fake.py": _FAKE_DOCUMENTED,
+    }
+    api_page = "Frob\n----\n\n.. autofunction:: mpi4jax_dist.frob\n"
+    found = documented_quotes([], sources, api_page)
+    assert [(q.where, q.text) for q in found] == [
+        (
+            "docstring of mpi4jax_dist.frob (mpi4jax_dist/_fake.py):19",
+            "RuntimeError: MPI4JAX_DIST_FROB=<value>: the frobnicator melted.",
+        )
+    ]
+    messages = Package(sources).messages()
+    assert stale(found, messages) == found
+    fixed = dict(sources)
+    fixed["mpi4jax_dist/_fake.py"] = _FAKE_DOCUMENTED.replace(
+        "melted.", "overheated; cool it."
+    )
+    found = documented_quotes([], fixed, api_page)
+    assert stale(found, Package(fixed).messages()) == []
+    # and, quoted there, the raise counts as documented
+    raised = [m for m in Package(fixed).messages() if m.kind == "RuntimeError"]
+    assert raised and undocumented(raised, found) == []
 
 
 def test_c_messages_are_read():

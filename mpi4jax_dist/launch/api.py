@@ -23,6 +23,13 @@ def topology(comm=None) -> bootstrap.Topology:
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: mpi4jax_dist.topology: comm must be an mpi4py
+            intracommunicator (MPI.COMM_WORLD, or a Split of it) or None for
+            MPI.COMM_WORLD; got <type>.
     """
     check_comm(comm, "topology")
     return bootstrap.topology(comm)
@@ -55,9 +62,36 @@ def initialize(comm=None, *, cpu_collectives=None, **kwargs) -> bootstrap.Topolo
 
     Raises:
         TypeError: ``comm`` is not an mpi4py intracommunicator.
-        RuntimeError: JAX's process index or count differs from the communicator's
-            rank or size (JAX was initialized another way, or with other
-            arguments); or MPI collectives were asked for and cannot work.
+        ValueError: ``cpu_collectives`` is neither of its values.
+        RuntimeError: JAX's process index or count differs from the
+            communicator's rank or size (JAX was initialized another way, or
+            with other arguments); or MPI collectives were asked for and cannot
+            work (quoted in docs/troubleshooting.rst and configuration.rst); or a
+            second call
+            asks for another communicator, port or timeout.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: mpi4jax_dist.initialize: comm must be an mpi4py
+            intracommunicator (MPI.COMM_WORLD, or a Split of it) or None for
+            MPI.COMM_WORLD; got <type>.
+
+            ValueError: cpu_collectives=<value>: expected 'mpi' or 'gloo'
+            (or None for MPI4JAX_DIST_CPU_COLLECTIVES, else JAX's default).
+
+            RuntimeError: mpi4jax_dist already bootstrapped on another
+            communicator: one JAX world per process. Pass the same comm= to every
+            call.
+
+            RuntimeError: coordinator port <port> asked for, but this process
+            already bootstrapped with the coordinator at <host:port>. Set
+            JAX_COORDINATOR_PORT (or pass the port) before the first call, the
+            same on every call.
+
+            RuntimeError: initialization_timeout=<seconds> asked for, but this
+            process already bootstraps with <seconds> s. Pass the same timeout to
+            every call.
     """
     check_comm(comm, "initialize")
     initialized, _, _ = _compat.distributed_state()

@@ -82,18 +82,69 @@ def allreduce(x, op=None, *, comm=None, site=None):
         TypeError: a dtype, op or communicator MPI cannot reduce with, or a
             ``site`` that is not a str, before any MPI call.
         ValueError: ``comm`` is ``MPI.COMM_NULL`` (a rank in no group of a
-            ``Split``), or ``site`` is empty.
+            ``Split``, or a freed communicator), or ``site`` is empty.
+        NotImplementedError: differentiated with an op other than ``MPI.SUM``,
+            or (when compiled) on a platform without a handler: no fallback to
+            the CPU (on AMD or Intel GPUs use ``mpi4jax.allreduce`` or
+            ``lax.psum`` in ``shard_map``).
         RuntimeError: MPI is not initialized, or provides less than
-            ``MPI_THREAD_SERIALIZED`` (the message names
-            ``MPICH_MAX_THREAD_SAFETY``).
+            ``MPI_THREAD_SERIALIZED``; (on a CUDA GPU) CUDA-aware MPI asked for
+            from an MPI that cannot read device memory, or cannot say: runtime
+            conditions, quoted in docs/troubleshooting.rst.
         ImportError: mpi4jax is not installed (a ``ModuleNotFoundError`` naming
             the ``mpi4jax`` extra), or the extension was built against another
             MPI than mpi4py's, or (on a CUDA GPU, when compiled) without CUDA,
             or against a CUDA that this node's driver or JAX's CUDA plugin does
-            not match.
-        RuntimeError: (on a CUDA GPU, when compiled) CUDA-aware MPI asked for
-            from an MPI that says it cannot read device memory, or cannot say
-            (unless ``MPI4JAX_DIST_CUDA_AWARE_MPI=force``).
+            not match (docs/troubleshooting.rst).
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: mpi4jax_dist.allreduce cannot reduce <dtype> arrays:
+            MPI has no standard <dtype> type. Supported dtypes: <dtypes>
+            (bool with MPI.LAND, MPI.LOR and MPI.LXOR only). Cast first, for
+            example x.astype(jnp.float32).
+
+            TypeError: mpi4jax_dist.allreduce cannot reduce <dtype> with
+            MPI.<op>: MPI reduces <dtype> with <ops> only (or cast to an
+            integer type).
+
+            TypeError: mpi4jax_dist.allreduce: op must be one of <ops>; got
+            <op>. User-defined ops and MPI.MAXLOC/MINLOC/REPLACE/NO_OP are
+            not supported.
+
+            TypeError: mpi4jax_dist.allreduce: comm must be an mpi4py
+            intracommunicator (MPI.Intracomm, such as MPI.COMM_WORLD or a
+            Split of it); got <type>.
+
+            TypeError: <function>: site must be a str, a name the ranks
+            compare in place of the call's source line (the same on every
+            rank for the calls meant to match), or None; got <type>.
+
+            ValueError: mpi4jax_dist.allreduce: comm is MPI.COMM_NULL: a
+            communicator freed (comm.Free()), or a Split of which this rank
+            is in no group. Call with a live communicator (after a Split, on
+            the group's members only).
+
+            ValueError: mpi4jax_dist.allreduce: comm has been freed
+            (comm.Free()) since an earlier call was given it: it is
+            MPI.COMM_NULL now. Call with a live communicator.
+
+            ValueError: <function>: site must be a non-empty name; got
+            <site>. Give the calls meant to match one name on every rank, or
+            leave site out to compare the source line.
+
+            NotImplementedError: mpi4jax_dist.allreduce is differentiable
+            for MPI.SUM only; got MPI.<op>.
+
+            NotImplementedError: the transpose of mpi4jax_dist.allreduce is
+            defined for MPI.SUM only; got MPI.<op>.
+
+            NotImplementedError: <mpi4jax_dist.allreduce |
+            mpi4jax_dist.iallreduce (and Request.test and Request.wait)>
+            runs on <CPU and CUDA | CPU> only: it has no handler for the
+            <platform> platform, and does not fall back to the CPU. <what
+            runs there>
     """
     import jax.numpy as jnp
 

@@ -35,13 +35,41 @@ def iallreduce(x, op=None, *, comm=None, site=None) -> Request:
         A :class:`Request`.
 
     Raises:
-        TypeError: as :func:`mpi4jax_dist.allreduce` (``site`` included).
+        TypeError: as :func:`mpi4jax_dist.allreduce` (``site`` included;
+            ``mpi4jax_dist.iallreduce`` in the message).
         ValueError: as :func:`mpi4jax_dist.allreduce`; or more than ``INT_MAX``
-            elements on an MPI without ``MPI_Iallreduce_c`` (MPI-4).
+            elements on an MPI without ``MPI_Iallreduce_c`` (MPI-4): one request
+            cannot be split into chunks.
         RuntimeError: as :func:`mpi4jax_dist.allreduce` on the CPU; or (at
             lowering) the request was dropped without its wait.
         ImportError: as :func:`mpi4jax_dist.allreduce` on the CPU.
-        NotImplementedError: (at lowering) on a GPU.
+        NotImplementedError: (at lowering) on a GPU; or differentiated.
+
+    Messages:
+        .. code-block:: text
+
+            ValueError: mpi4jax_dist.iallreduce: <n> elements are more than
+            one MPI_Iallreduce takes (INT_MAX = <INT_MAX>), and this MPI
+            (<MPI>, MPI <version>) has no MPI-4 MPI_Iallreduce_c; one
+            request cannot be split into chunks. Use mpi4jax_dist.allreduce,
+            which reduces in chunks, or reduce smaller pieces.
+
+            mpi4jax_dist.iallreduce: <n> elements are more than one
+            MPI_Iallreduce takes (INT_MAX) on an MPI without MPI-4's
+            MPI_Iallreduce_c, and one request cannot be split into chunks.
+            Use mpi4jax_dist.allreduce, which reduces in chunks.
+
+            RuntimeError: mpi4jax_dist.iallreduce: the request started at
+            <file:line (function)> is never waited on: it was dropped
+            without req.wait(). A start without its wait would leave MPI's
+            reduction pending (and the next collective on its communicator
+            hanging). Call req.wait() on it, or on the request that
+            req.overlap() or req.test() returned, in the same function and
+            on every path.
+
+            NotImplementedError: mpi4jax_dist.iallreduce does not
+            differentiate the array it reduces; use mpi4jax_dist.allreduce
+            (MPI.SUM, differentiable) for that.
     """
     import jax.numpy as jnp
 

@@ -105,9 +105,24 @@ class Request:
             :meth:`test`), and ``fn``'s result.
 
         Raises:
-            TypeError: ``fn`` is not callable, or ``args`` or ``fn``'s result
-                hold no JAX array (nothing to order by).
-            RuntimeError: this request is used up, or out of its function.
+            TypeError: ``fn`` is not callable, or ``args`` or ``fn``'s
+                result hold no JAX array (nothing to order by).
+            RuntimeError: this request is used up, or out of its function
+                (as :meth:`wait`).
+
+        Messages:
+            .. code-block:: text
+
+                TypeError: mpi4jax_dist.Request.overlap: fn=<value> is
+                not callable.
+
+                TypeError: mpi4jax_dist.Request.overlap: args hold no
+                JAX array, so nothing orders fn's work after the start;
+                pass fn's inputs as args rather than closing over them.
+
+                TypeError: mpi4jax_dist.Request.overlap: fn returned no
+                JAX array, so nothing orders the wait after its work;
+                return the work's results.
         """
         import jax
 
@@ -161,7 +176,8 @@ class Request:
             :meth:`overlap` or :meth:`test` again).
 
         Raises:
-            RuntimeError: this request is used up, or out of its function.
+            RuntimeError: this request is used up, or out of its function
+                (as :meth:`wait`).
         """
         from .iallreduce_primitives import test_p
 
@@ -183,7 +199,29 @@ class Request:
             The reduced array, of the shape and dtype of the started one.
 
         Raises:
-            RuntimeError: this request is used up, or out of its function.
+            TypeError: ``req`` is not a request.
+            RuntimeError: this request is used up, or out of its function
+                (the same from :meth:`test` and :meth:`overlap`).
+
+        Messages:
+            .. code-block:: text
+
+                TypeError: mpi4jax_dist.Request.wait: req must be the
+                mpi4jax_dist.Request that mpi4jax_dist.iallreduce (or
+                req.overlap(), or req.test()) returned; got <type>.
+
+                RuntimeError: <mpi4jax_dist.Request.wait, .test or
+                .overlap>: the request started at <file:line (function)>
+                was already used by req.<method>(); use the request that
+                returned (a request is used once: req.overlap() and
+                req.test() return its successor).
+
+                RuntimeError: <mpi4jax_dist.Request.wait, .test or
+                .overlap>: the request started at <file:line (function)>
+                is used in another function than the one that started it
+                (a jit, loop body or branch of its own). Start, overlap,
+                test and wait a request in the same function: its buffer
+                is in flight and cannot cross into another trace.
         """
         from .iallreduce_primitives import wait_p
 

@@ -44,6 +44,19 @@ class CGInfo(NamedTuple):
             four every ``replace_every`` iterations).
         converged: True when the loop stopped because the recurrence residual
             reached ``tol`` (not ``maxiter``, nor a breakdown to inf/NaN).
+
+    Messages:
+        .. code-block:: text
+
+            mpi4jax_dist.cg: info.reductions is -1: the CG loop was not found in
+            the traced program (<reason, such as: expected one top-level while
+            loop marked name in the traced program, found n>)
+
+            mpi4jax_dist.cg: info.reductions is -1: how many reductions an
+            iteration makes depends on the data: <why>
+
+            mpi4jax_dist.cg: info.reductions is -1: how many reductions A or M
+            makes depends on the data: <why>
     """
 
     iterations: jax.Array

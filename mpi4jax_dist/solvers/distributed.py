@@ -103,11 +103,24 @@ def make_solver(
         returns ``(x, info)`` as :func:`solve` does.
 
     Raises:
-        ValueError: unknown ``backend`` or ``variant``, negative ``replace_every``,
-            or a mesh that is not 1-D.
+        ValueError: unknown ``backend`` or ``variant``, negative
+            ``replace_every``, or a mesh that is not 1-D (the messages of
+            :func:`cg`).
         TypeError: ``matvec`` is not callable.
-        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
-            names the ``mpi4jax`` extra).
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the
+            message names the ``mpi4jax`` extra).
+
+    Warns:
+        DeprecationWarning: ``matvec_reductions`` is passed.
+
+    Messages:
+        .. code-block:: text
+
+            TypeError: matvec=<value> is not callable.
+
+            DeprecationWarning: matvec_reductions=<value> is deprecated and
+            ignored: info.reductions counts the reductions in the compiled
+            loop, the matvec's included. Drop the argument.
     """
     check_options(backend, variant, replace_every)
     _deprecate_matvec_reductions(matvec_reductions)
@@ -184,12 +197,13 @@ def solve(
         ``(x, info)``: ``x`` laid out like ``b``, and a :class:`CGInfo`.
 
     Raises:
-        ValueError: unknown ``backend``/``variant``, ``x0`` or ``diag`` shaped unlike
-            ``b``, negative ``tol``/``maxiter``/``replace_every``, or (psum) a ``b``
-            whose rows do not split evenly over the mesh.
-        TypeError: ``matvec`` is not callable.
-        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
-            names the ``mpi4jax`` extra).
+        ValueError: unknown ``backend``/``variant``, ``x0`` or ``diag`` shaped
+            unlike ``b``, negative ``tol``/``maxiter``/``replace_every``, or
+            (psum) a ``b`` whose rows do not split evenly over the mesh (the
+            messages of :func:`cg`).
+        TypeError: ``matvec`` is not callable (as :func:`make_solver`).
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the
+            message names the ``mpi4jax`` extra).
     """
     check_options(backend, variant, replace_every)
     _deprecate_matvec_reductions(matvec_reductions)

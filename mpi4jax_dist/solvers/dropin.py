@@ -257,12 +257,59 @@ def cg(
         ``(x, info)``: ``x`` like ``b``, and a :class:`CGInfo`.
 
     Raises:
-        ValueError: unknown ``variant``/``backend``, ``comm`` or ``mesh`` with a
-            backend that does not use it, ``x0`` unlike ``b``, a non-square matrix,
-            negative ``tol``/``atol``/``maxiter``/``replace_every``, or (psum) rows
-            that do not split over the mesh.
+        ValueError: unknown ``variant``/``backend``, negative
+            ``tol``/``atol``/``maxiter``/``replace_every``, ``comm`` or ``mesh``
+            with a backend that does not use it, ``b`` or ``x0`` unlike ``b``, a
+            non-square matrix, or (psum) a mesh that is not 1-D or rows that do
+            not split over it.
         TypeError: ``A`` or ``M`` is neither a function nor a matrix.
         ImportError: ``backend="mpi4jax"`` without mpi4jax (names the extra).
+
+    Messages:
+        .. code-block:: text
+
+            ValueError: <backend | variant>=<value> is not one of <choices>.
+
+            ValueError: replace_every=<value>: expected an int >= 0 (0: no
+            residual replacement).
+
+            ValueError: tol=<value>: expected a relative residual >= 0.
+
+            ValueError: atol=<value>: expected an absolute residual >= 0.
+
+            ValueError: maxiter=<value>: expected an int >= 0.
+
+            ValueError: comm= (vectors split over MPI ranks, backend
+            'mpi4jax') and mesh= (global arrays sharded over a mesh, backend
+            'psum') exclude each other: pass one.
+
+            ValueError: <comm or mesh>= is for backend=<backend>, not
+            <backend>: <comm or mesh>= says how the vectors are split (<row
+            blocks over the communicator's ranks, or global arrays sharded
+            over the mesh>), which backend=<backend> does not take; drop
+            <comm or mesh>= or pass backend=<backend>.
+
+            ValueError: b=<value> holds no array: expected an array or a
+            pytree.
+
+            ValueError: x0 and b must have the same tree structure: x0 is
+            <tree>, b is <tree>.
+
+            ValueError: <x0's arrays have shapes S but b's S | x0 has shape
+            S but b has shape S>; they must match.
+
+            ValueError: A has shape <shape>: a linear operator given as an
+            array must be a square matrix, or pass a function v -> A v.
+
+            ValueError: mesh has axes <axes>; the psum backend needs a 1-D
+            mesh such as mpi4jax_dist.global_mesh().
+
+            ValueError: b has shape <shape>: the psum backend shards axis 0
+            over the <n> devices of the mesh, so it must be a multiple of
+            <n>.
+
+            TypeError: A=<value> is not a linear operator: pass a function v
+            -> A v, or a square 2-D array.
     """
     backend = _drop_in_backend(backend, comm, mesh)
     check_options(backend, variant, replace_every, DROP_IN_BACKENDS)

@@ -196,10 +196,19 @@ def make_normal_solver(
         maxiter=200, num_samples=None)`` returns ``(x, info)``.
 
     Raises:
-        ValueError: unknown ``backend``/``variant``, or ``reduce_dtype`` not a
-            floating dtype.
-        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
-            names the ``mpi4jax`` extra).
+        ValueError: unknown ``backend``/``variant`` (the messages of
+            :func:`cg`), or ``reduce_dtype`` not a floating dtype.
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the
+            message names the ``mpi4jax`` extra).
+
+    Messages:
+        .. code-block:: text
+
+            ValueError: reduce_dtype=<value>: expected a floating dtype such
+            as jnp.float32.
+
+            mpi4jax_dist.cg: variant=<variant> with reduce_dtype=<dtype> is unstable
+            below a relative residual of about 1e-5; use 'classic' or 'single'.
     """
     check_options(backend, variant, replace_every)
     reduce_dtype = _check_reduce_dtype(reduce_dtype)
@@ -278,10 +287,30 @@ def solve_normal(
         ``(x, info)``: ``x`` replicated, ``(params,)``, and a :class:`CGInfo`.
 
     Raises:
-        ValueError: unknown ``backend``/``variant``, shapes that do not fit,
-            ``reduce_dtype`` wider than the working dtype or not floating.
-        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the message
-            names the ``mpi4jax`` extra).
+        ValueError: unknown ``backend``/``variant`` (the messages of
+            :func:`cg`), shapes that do not fit, a shift ``eps`` not positive,
+            ``reduce_dtype`` wider than the working dtype or not floating (as
+            :func:`make_normal_solver`).
+        ImportError: ``backend="mpi4jax"`` without mpi4jax installed (the
+            message names the ``mpi4jax`` extra).
+
+    Messages:
+        .. code-block:: text
+
+            ValueError: J has shape <shape> and f <shape>: expected J of
+            shape (samples, params) and f of shape (params,) or (params, 1).
+
+            ValueError: eps has shape <shape>: expected a scalar, or one
+            shift per parameter of shape (<n>,).
+
+            ValueError: eps must be > 0 (every entry of a vector eps): J^T J
+            / Ns alone is singular when there are fewer samples than
+            parameters; got min(eps) = <value>.
+
+            ValueError: reduce_dtype=<dtype> is wider than the working dtype
+            <dtype>: to iterate in float64, call
+            jax.config.update("jax_enable_x64", True) before creating J and
+            f, and pass them as float64.
     """
     check_options(backend, variant, replace_every)
     solver = _cached_normal_solver(
