@@ -5,6 +5,8 @@ The tests read the serial session's own collection, so they check something when
 it collects every file (python -m pytest, as CI runs it) and skip otherwise.
 """
 
+import re
+
 import pytest
 import util
 
@@ -82,3 +84,24 @@ def test_help_prints_usage_and_starts_nothing(script, tmp_path):
     )
     assert wrong.returncode == 2 and "--no-such-flag" in wrong.stderr, wrong.stderr
     assert not (tmp_path / "started").exists() and not venv.exists()
+
+
+def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
+    """tools/test.sh's ``run``, read from the script: a stage ended by its
+    ``timeout`` prints which limit ran out and after how long, and the script ends
+    with timeout's status; a stage that passes says nothing of the kind."""
+    script = (util.ROOT / "tools" / "test.sh").read_text()
+    run = re.search(r"^run\(\) \{\n.*?^\}\n", script, re.M | re.S)
+    assert run, "tools/test.sh defines no run()"
+    probe = tmp_path / "probe.sh"
+    probe.write_text(
+        "set -euo pipefail\n" + run.group(0) + "run true\nrun timeout 1 sleep 30\n"
+        "echo not reached\n"
+    )
+    proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=30)
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "not reached" not in proc.stdout
+    said = re.findall(
+        r"ran out of its time limit after (\d+) s \(exit 124\)", proc.stderr
+    )
+    assert len(said) == 1 and 1 <= int(said[0]) <= 5, proc.stderr
