@@ -831,53 +831,33 @@ def quotes(page: str, where: str = "", first_line: int = 1) -> list[Quote]:
 _AUTODOC = re.compile(r"^\.\. auto(function|class|module):: *(\S+)\s*$", re.M)
 
 
-def _module_path(dotted: str, sources: dict[str, str]) -> str | None:
-    base = dotted.replace(".", "/")
-    for path in (f"{base}.py", f"{base}/__init__.py"):
-        if path in sources:
-            return path
-    return None
-
-
-def _definition(dotted: str, sources: dict[str, str], depth: int = 0):
+def _definition(dotted: str, package: Package, depth: int = 0):
     """(path, node) of the module, class or function ``dotted`` names, following
-    ``from .x import name``; None where the source does not define it."""
-    path = _module_path(dotted, sources)
-    if path is not None:
-        return path, ast.parse(sources[path])
-    module, _, name = dotted.rpartition(".")
-    path = _module_path(module, sources)
-    if path is None or depth > MAX_DEPTH:
+    the package's imports (``from .x import name``); None where the source does
+    not define it."""
+    if dotted in package.modules:
+        module = package.modules[dotted]
+        return module.path, module.tree
+    owner, _, name = dotted.rpartition(".")
+    module = package.modules.get(owner)
+    if module is None or depth > MAX_DEPTH:
         return None
-    tree = ast.parse(sources[path])
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
-            return path, node
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    for node in tree.body:
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        for alias in node.names:
-            if (alias.asname or alias.name) != name:
-                continue
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            origin = (
-                ".".join(p for p in (base, node.module) if p)
-                if node.level
-                else (node.module or "")
-            )
-            return _definition(f"{origin}.{alias.name}", sources, depth + 1)
+    for node in module.tree.body:
+        defines = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        if isinstance(node, defines) and node.name == name:
+            return module.path, node
+    if name in module.imported:
+        origin, attr = module.imported[name]
+        return _definition(f"{origin}.{attr}", package, depth + 1)
     return None
 
 
-def api_docstrings(sources: dict[str, str], api_page: str) -> list[tuple]:
+def api_docstrings(package: Package, api_page: str) -> list[tuple]:
     """(where, first line, docstring) of every object the API page renders with
     autodoc, and of each public method of its classes."""
     found = []
     for kind, dotted in _AUTODOC.findall(api_page):
-        definition = _definition(dotted, sources)
+        definition = _definition(dotted, package)
         assert definition is not None, f"api.rst: {dotted} is not in the source"
         path, node = definition
         nodes = [(dotted, node)]
@@ -897,13 +877,15 @@ def api_docstrings(sources: dict[str, str], api_page: str) -> list[tuple]:
 
 
 def documented_quotes(
-    pages: Iterable = PAGES, sources: dict | None = None, api_page: str | None = None
+    pages: Iterable = PAGES,
+    package: Package | None = None,
+    api_page: str | None = None,
 ) -> list[Quote]:
     """Every quote: the pages', and the API docstrings'."""
-    sources = python_sources() if sources is None else sources
+    package = the_package() if package is None else package
     api_page = API_PAGE.read_text() if api_page is None else api_page
     found = [q for p in pages for q in quotes(p.read_text(), f"docs/{p.name}")]
-    for where, first, doc in api_docstrings(sources, api_page):
+    for where, first, doc in api_docstrings(package, api_page):
         found += quotes(doc, where, first)
     return found
 
@@ -946,8 +928,14 @@ def stale(page_quotes: list[Quote], messages: list[Message]) -> list[Quote]:
 
 
 @functools.cache
+def the_package() -> Package:
+    """The package's Python, parsed once for every test that reads it."""
+    return Package(python_sources())
+
+
+@functools.cache
 def all_messages() -> list[Message]:
-    return Package(python_sources()).messages() + c_messages(c_sources())
+    return the_package().messages() + c_messages(c_sources())
 
 
 # --- tests --------------------------------------------------------------------------
@@ -1021,7 +1009,7 @@ def test_every_message_can_be_read():
     """A message built in a way the extraction cannot follow (``str.format``, a
     helper outside the package) would escape both checks: each place that gives
     the user a message must yield its text, or be a known relay."""
-    package = Package(python_sources())
+    package = the_package()
     unread = [
         f"{path}:{node.lineno}: {ast.unparse(node)}"
         for path, node, _, found in package.sinks()
@@ -1039,7 +1027,7 @@ def test_page_has_quotes():
 def test_api_docstrings_are_read():
     """Every autodoc directive of api.rst is found in the source, docstrings and
     methods included."""
-    docs = api_docstrings(python_sources(), API_PAGE.read_text())
+    docs = api_docstrings(the_package(), API_PAGE.read_text())
     names = {where.split()[2] for where, *_ in docs}
     assert {
         "mpi4jax_dist.initialize",
@@ -1150,23 +1138,24 @@ def test_a_stale_quote_in_a_docstring_is_reported():
         "mpi4jax_dist/_fake.py": _FAKE_DOCUMENTED,
     }
     api_page = "Frob\n----\n\n.. autofunction:: mpi4jax_dist.frob\n"
-    found = documented_quotes([], sources, api_page)
+    package = Package(sources)
+    found = documented_quotes([], package, api_page)
     assert [(q.where, q.text) for q in found] == [
         (
             "docstring of mpi4jax_dist.frob (mpi4jax_dist/_fake.py):19",
             "RuntimeError: MPI4JAX_DIST_FROB=<value>: the frobnicator melted.",
         )
     ]
-    messages = Package(sources).messages()
-    assert stale(found, messages) == found
+    assert stale(found, package.messages()) == found
     fixed = dict(sources)
     fixed["mpi4jax_dist/_fake.py"] = _FAKE_DOCUMENTED.replace(
         "melted.", "overheated; cool it."
     )
-    found = documented_quotes([], fixed, api_page)
-    assert stale(found, Package(fixed).messages()) == []
+    package = Package(fixed)
+    found = documented_quotes([], package, api_page)
+    assert stale(found, package.messages()) == []
     # and, quoted there, the raise counts as documented
-    raised = [m for m in Package(fixed).messages() if m.kind == "RuntimeError"]
+    raised = [m for m in package.messages() if m.kind == "RuntimeError"]
     assert raised and undocumented(raised, found) == []
 
 
