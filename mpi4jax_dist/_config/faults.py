@@ -70,8 +70,8 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> float | None:
 # The hang timeout when none is set: ten minutes, PyTorch's NCCL default for its
 # collective timeout. A correct program stays under it as long as no step leaves
 # every rank without progress (no Python run, none of the package's collectives
-# entered or ended)
-# for ten minutes while the ranks stand at different places; docs/faults.rst.
+# entered or ended) for ten minutes while the ranks stand at different places;
+# docs/faults.rst.
 DEFAULT_HANG_TIMEOUT_S = 600.0
 
 
@@ -80,8 +80,8 @@ def hang_timeout(env: Mapping[str, str] | None = None) -> float | None:
 
     How long the ranks of a job may all make no progress (no rank's main thread
     running Python, none of the package's collectives entered or ended) while they
-    stand at different places, whatever they wait in, before
-    the job is taken for hung: every rank's stacks, one report, the job ends.
+    stand at different places, whatever they wait in, before the job is taken for
+    hung: every rank's stacks, one report, the job ends.
     Unset or empty: 600 s; ``0``: off.
 
     Raises:

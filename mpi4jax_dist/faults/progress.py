@@ -1,8 +1,7 @@
 """The hang timeout (``MPI4JAX_DIST_HANG_TIMEOUT``): whether this rank makes
 progress (its main thread runs Python, one of the package's collectives ends or
-is entered), and the job's verdict, one small
-non-blocking reduction a period on the watchdog's communicator. docs/faults.rst,
-*When a rank hangs*."""
+is entered), and the job's verdict, one small non-blocking reduction a period on
+the watchdog's communicator. docs/faults.rst, *When a rank hangs*."""
 
 from __future__ import annotations
 

@@ -60,6 +60,11 @@ class _Loop(threading.Thread):
         """Poll now rather than at the end of the current wait."""
         self._wake.set()
 
+    def _halt(self) -> None:
+        """End the loop at once: no further poll."""
+        self._stopping.set()
+        self._wake.set()
+
     def run(self) -> None:
         while True:
             self._wake.wait(self._wait_s())
@@ -190,8 +195,7 @@ class Watchdog(_Reports, _Loop):
             self.at_exit()
             while self.is_alive() and not self._chain_ended.wait(POLL_S):
                 pass
-        self._stopping.set()
-        self.wake()
+        self._halt()
         if writer.module() is not None:
             writer.module().stop_answering()
         if self.is_alive() and threading.current_thread() is not self:
@@ -438,8 +442,7 @@ class ServiceWatchdog(_Loop):
     def stop(self) -> None:
         """Say that this rank stops (so that rank 0 takes a rank that no longer
         counts for one that has ended, not for one that cannot answer)."""
-        self._stopping.set()
-        self.wake()
+        self._halt()
         if self._counting:
             try:
                 _compat.coordination_client().key_value_increment(
