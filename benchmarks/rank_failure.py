@@ -23,6 +23,7 @@ aborting on an uncaught exception.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -66,6 +67,10 @@ def worker(case: str) -> None:
     import jax
     import jax.numpy as jnp
 
+    if case == "os_exit0_early":
+        # Rank 0's work at its exit (rank 1 leaves by os._exit), after the ranks
+        # meet there (atexit runs this after mpi4jax_dist's handler, before JAX's).
+        atexit.register(lambda: (time.sleep(1), _say("EXIT WORK DONE")))
     import mpi4jax_dist  # noqa: F401  (registers the cluster env)
 
     jax.distributed.initialize(initialization_timeout=60)

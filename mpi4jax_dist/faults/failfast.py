@@ -202,7 +202,9 @@ def _os_exit(status):
     one rank ended the job with status 0 and the others' work undone), so it
     first waits for every rank to reach its exit (the others' ``os._exit`` or the
     end of their program); where they do not in time, it ends the job non-zero,
-    naming this rank."""
+    naming this rank. Where they do, it leaves as a rank that ends its program
+    does (:func:`_leave`), so that the launcher does not kill the others while
+    they finish."""
     if os.getpid() != _state.pid:  # a forked child (multiprocessing's end)
         _state.original_os_exit(status)
     # The hang timeout where one is set (steps that long may keep the others from
@@ -218,7 +220,24 @@ def _os_exit(status):
             None,
             status if isinstance(status, int) and status else 1,
         )
+    _leave()
     _state.original_os_exit(status)
+
+
+def _leave() -> None:
+    """What the end of a program does for the job, without the program's atexit
+    handlers: stop the watchdog, leave JAX's coordination service (whose shutdown
+    barrier the others wait at) and finalize MPI. A rank gone without
+    ``MPI_Finalize`` is a failure to the launchers: MPICH's Hydra then SIGKILLs
+    the ranks still finishing (status 9 or 0 by the race), Open MPI's returns 1
+    and Intel MPI's 255."""
+    import jax
+    from mpi4py import MPI
+
+    hangs.stop()
+    jax.distributed.shutdown()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _meet_at_exit() -> None:

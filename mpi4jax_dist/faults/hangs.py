@@ -127,6 +127,13 @@ def at_exit() -> None:
         _state.watchdog.at_exit()
 
 
+def stop() -> None:
+    """Stop the watchdog as its atexit handler does (for ``os._exit``, which runs
+    none)."""
+    if _state.watchdog is not None:
+        _state.watchdog.stop()
+
+
 def configure(module) -> None:
     """Give an extension module the collective timeout, once (the compiled ops call
     it when they load one; :func:`install` sets it again for the ones loaded
