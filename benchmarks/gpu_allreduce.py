@@ -12,7 +12,7 @@ share one GPU). It
 
 1. asks a fresh process whether JAX sees a GPU; without one it prints one sentence
    and exits 0 (nothing to run: the CPU figures come from benchmarks/memory.py);
-2. runs ``tests/test_inplace_allreduce_gpu.py`` under ``mpiexec -n P``: results
+2. runs ``tests/gpu/test_inplace_allreduce_gpu.py`` under ``mpiexec -n P``: results
    against mpi4py in the staged and (where the MPI says it can) CUDA-aware modes,
    donation in place, a device-memory rise under half a message, one pinned
    staging buffer of host memory however large the message, order with mpi4jax,

@@ -38,7 +38,7 @@ autodoc_default_options = {"members": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 # A public function's "Messages:" section, after its "Raises:", quotes the argument
-# errors it raises, as tests/test_docs_errors.py reads them (a directive inside a
+# errors it raises, as tests/docs/test_docs_errors.py reads them (a directive inside a
 # Raises entry would be flattened into its text).
 napoleon_custom_sections = ["Messages"]
 # No network in CI: the links to JAX's and mpi4py's docs are plain links.

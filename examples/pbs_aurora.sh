@@ -45,7 +45,7 @@ NTOTRANKS=$((NNODES * RANKS_PER_NODE))
 # for the operating system), as Aurora's documentation does.
 CPU_BIND=${CPU_BIND:-list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100}
 
-# The launcher and its PALS-only flags. tests/test_job_scripts.py sets these two to
+# The launcher and its PALS-only flags. tests/jobs/test_job_scripts.py sets these two to
 # the local MPICH mpiexec and its pretend nodes, to run this script as it is.
 MPIEXEC=${MPIEXEC:-mpiexec}
 MPIEXEC_FLAGS=${MPIEXEC_FLAGS:---cpu-bind $CPU_BIND}

@@ -32,7 +32,7 @@ RANKS_PER_NODE=$GPUS_PER_NODE
 NTOTRANKS=$((NNODES * RANKS_PER_NODE))
 DEPTH=${DEPTH:-16}                  # CPU cores per rank: ncpus / RANKS_PER_NODE
 
-# The launcher and its PALS-only flags. tests/test_job_scripts.py sets these two to
+# The launcher and its PALS-only flags. tests/jobs/test_job_scripts.py sets these two to
 # the local MPICH mpiexec and its pretend nodes, to run this script as it is.
 MPIEXEC=${MPIEXEC:-mpiexec}
 MPIEXEC_FLAGS=${MPIEXEC_FLAGS:---depth=$DEPTH --cpu-bind depth}

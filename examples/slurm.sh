@@ -32,7 +32,7 @@ export GPUS_PER_NODE=$TASKS_PER_NODE  # read by set_affinity_gpu.sh
 
 # srun and its flags. --mpi= must match the MPI that mpi4py uses: pmix for Open MPI
 # 5 and PMIx builds of MPICH, pmi2 for MPICH/Cray MPICH/Intel MPI built with PMI-2
-# (srun --mpi=list shows your site's). tests/test_job_scripts.py sets these two to
+# (srun --mpi=list shows your site's). tests/jobs/test_job_scripts.py sets these two to
 # the local MPICH mpiexec and its pretend nodes, to run this script as it is.
 SRUN=${SRUN:-srun}
 SRUN_FLAGS=${SRUN_FLAGS:---mpi=pmix --cpu-bind=cores}

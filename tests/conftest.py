@@ -19,12 +19,15 @@ def world(jax_world):
 
 
 def pytest_ignore_collect(collection_path, config):
-    """Under mpiexec (--with-mpi), skip the files without tests marked mpi
-    (util.MPI_FILES). A file named on the command line is collected all the same."""
+    """Under mpiexec (--with-mpi), collect only the folders of tests run with peers
+    (util.WITH_PEERS): the tests of the others would only repeat the serial
+    session on every rank. A file named on the command line is collected all the
+    same."""
     if (
         config.getoption("--with-mpi")
-        and collection_path.suffix == ".py"
-        and collection_path.name not in util.MPI_FILES
+        and collection_path.parent == util.HERE
+        and collection_path.is_dir()
+        and collection_path.name not in util.WITH_PEERS
     ):
         return True
     return None

@@ -111,6 +111,10 @@ serial_only = pytest.mark.skipif(
 # between the MPIs, leave it out (-m "not same_under_every_mpi").
 same_under_every_mpi = pytest.mark.same_under_every_mpi
 
+# What a test checks differs between MPIs (their launchers, aborts, thread levels,
+# libraries): tools/test.sh runs it under Open MPI and Intel MPI too (-m every_mpi).
+every_mpi = pytest.mark.every_mpi
+
 # What a test checks does not meet what changes between JAX versions (stacks on a
 # signal, a stopped process, the package's C thread): the stages of another JAX in
 # tools/test.sh leave it out (-m "not same_under_every_jax").
@@ -125,29 +129,10 @@ same_under_every_jax = pytest.mark.same_under_every_jax
 more_ranks = pytest.mark.more_ranks
 
 
-# The files that hold tests marked mpi: the only ones collected under mpiexec
-# (--with-mpi, tests/conftest.py): the unmarked tests of the others, run on every
-# rank, would only repeat the serial session. tests/test_ci.py fails where a file
-# with a test marked mpi is missing here.
-MPI_FILES = frozenset(
-    {
-        "test_allreduce_bench.py",
-        "test_api_examples.py",
-        "test_bad_input.py",
-        "test_cg.py",
-        "test_cg_dropin.py",
-        "test_iallreduce.py",
-        "test_inplace_allreduce.py",
-        "test_inplace_allreduce_gpu.py",
-        "test_mpi.py",
-    }
-)
-
-
-# Files that tools/test.sh runs beside .venv's serial suite rather than in it
-# (its build_tests, to even the two lanes): they hold no tests marked mpi, and
-# tests/test_ci.py reads the collection without them.
-BESIDE_FILES = frozenset({"test_build_mpicc.py", "test_packaging.py"})
+# The folders of tests run with peers (tests/mpi, and tests/gpu's, which need a
+# GPU): the only ones collected under mpiexec --with-mpi (tests/conftest.py). The
+# others' tests run in one process, or start their own jobs (tests/jobs).
+WITH_PEERS = ("mpi", "gpu")
 
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that

@@ -33,7 +33,7 @@
 #   3. python3 benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB --impls
 #      ours,ours_jit,mpi4jax: 2 ranks sharing the GPU, staged through host memory
 #      (MPI4JAX_DIST_CUDA_AWARE_MPI=0 where a case does not set it), first
-#      tests/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every dtype and op
+#      tests/gpu/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every dtype and op
 #      against mpi4py, 1 MiB staging in pieces with chunking on and off, donation
 #      in place, order with mpi4jax, 2**31 + 16 int8), then one fresh job per
 #      (implementation, size), 256 MiB float32 and 2**31 + 16 int8, one table.
@@ -42,7 +42,7 @@
 # About 3 to 5 minutes once the machine is up.
 #
 # Expected output, at the end:
-#   # GPU checks: mpiexec -n 2 pytest .../tests/test_inplace_allreduce_gpu.py
+#   # GPU checks: mpiexec -n 2 pytest .../tests/gpu/test_inplace_allreduce_gpu.py
 #   #   N passed, M skipped ...        (a skip: the CUDA-aware test, where the MPI
 #                                      does not say it reads device memory)
 #   # device memory of one allreduce, 2 ranks, one fresh mpiexec job per case

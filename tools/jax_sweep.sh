@@ -18,17 +18,17 @@
 # 3.11 (whose last JAX is 0.10), with the whole serial suite as well, and Python
 # 3.10, setup.cfg's floor. The
 # checks, each a pytest run of its own (a job of 2 ranks for those under mpiexec):
-#   launch       tests/test_launch.py: plain jax.distributed.initialize() under
+#   launch       tests/jobs/test_launch.py: plain jax.distributed.initialize() under
 #                mpiexec, process index = rank, the launchers' variables
-#   compat       tests/test_jax_compat.py: the table of JAX versions, true of this
+#   compat       tests/jobs/test_jax_compat.py: the table of JAX versions, true of this
 #                JAX; every function traced once around the first calls
-#   cache        tests/test_compilation_cache.py: every rank hits the persistent
+#   cache        tests/jobs/test_compilation_cache.py: every rank hits the persistent
 #                cache on a second run
-#   in-place     mpiexec -n 2 pytest --with-mpi tests/test_inplace_allreduce.py
-#   fail-safe    tests/test_iallreduce.py and tests/test_fail_safe.py (jobs whose
+#   in-place     mpiexec -n 2 pytest --with-mpi tests/mpi/test_inplace_allreduce.py
+#   fail-safe    tests/mpi/test_iallreduce.py and tests/jobs/test_fail_safe.py (jobs whose
 #                requests or communicators are misused), then mpiexec -n 2
-#                pytest --with-mpi tests/test_iallreduce.py
-#   cg           mpiexec -n 2 pytest --with-mpi tests/test_cg_dropin.py
+#                pytest --with-mpi tests/mpi/test_iallreduce.py
+#   cg           mpiexec -n 2 pytest --with-mpi tests/mpi/test_cg_dropin.py
 #   serial       (the rows of Python 3.13 and 3.11 only) python -m pytest: the
 #                serial suite
 # Every run has a time limit. Each check's output is kept in
@@ -102,13 +102,13 @@ check_commands() {
     local mpi="timeout -k 10 600 mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider"
     local serial="timeout -k 10 900 python -m pytest -q -p no:cacheprovider"
     case "$1" in
-        launch) echo "$serial tests/test_launch.py" ;;
-        compat) echo "$serial tests/test_jax_compat.py" ;;
-        cache) echo "$serial tests/test_compilation_cache.py" ;;
-        in-place) echo "$mpi tests/test_inplace_allreduce.py" ;;
-        fail-safe) echo "$serial tests/test_iallreduce.py tests/test_fail_safe.py"
-            echo "$mpi tests/test_iallreduce.py" ;;
-        cg) echo "$mpi tests/test_cg_dropin.py" ;;
+        launch) echo "$serial tests/jobs/test_launch.py" ;;
+        compat) echo "$serial tests/jobs/test_jax_compat.py" ;;
+        cache) echo "$serial tests/jobs/test_compilation_cache.py" ;;
+        in-place) echo "$mpi tests/mpi/test_inplace_allreduce.py" ;;
+        fail-safe) echo "$serial tests/mpi/test_iallreduce.py tests/jobs/test_fail_safe.py"
+            echo "$mpi tests/mpi/test_iallreduce.py" ;;
+        cg) echo "$mpi tests/mpi/test_cg_dropin.py" ;;
         serial) echo "$serial" ;;
     esac
 }

@@ -108,11 +108,11 @@ check "psum over MPI (env)" bash -c "eval \"\$(python -m mpi4jax_dist env)\" && 
 # The launch, fail-fast, CPU-collective and thread-level tests under this mpiexec,
 # then the in-place allreduce, iallreduce and the CG solvers with 2 ranks.
 check "launch tests" env TEST_MPIEXEC="mpiexec.$family" timeout -k 10 900 python -m pytest \
-    -q -p no:cacheprovider -m "not same_under_every_mpi" tests/test_launch.py \
-    tests/test_robustness.py tests/test_failfast.py tests/test_cpu_collectives.py \
-    tests/test_thread_level.py
+    -q -p no:cacheprovider -m "not same_under_every_mpi" tests/jobs/test_launch.py \
+    tests/jobs/test_robustness.py tests/jobs/test_failfast.py tests/jobs/test_cpu_collectives.py \
+    tests/jobs/test_thread_level.py
 check "allreduce, iallreduce, cg (2 ranks)" "${mpiexec[@]}" -n 2 python -m pytest \
-    --with-mpi -q -p no:cacheprovider tests/test_inplace_allreduce.py \
-    tests/test_iallreduce.py tests/test_cg_dropin.py
+    --with-mpi -q -p no:cacheprovider tests/mpi/test_inplace_allreduce.py \
+    tests/mpi/test_iallreduce.py tests/mpi/test_cg_dropin.py
 printf '%s\n' "site_mpi.sh: $family" "${results[@]}"
 exit "$status"

@@ -56,24 +56,23 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # the second core idle much of the time. The stages of another JAX and MPI run
 # beside .venv's serial suite; their output is kept and shown when they end.
 #
-# Serially, the tests of what meets JAX (initialize, its clients and backends, the
-# compiled ops, jit/shard_map/custom_linear_solve, its caches): not the launcher,
-# network, limit and benchmark tests, whose JAX calls are those of the tests kept
-# (CI's time: they are a third of the serial suite's, and run in .venv's, on Python
-# 3.12). Nor the packaging test: setup.sh built these environments' package from a
-# copy of the tree against their JAX already, and .venv's run builds the sdist.
-meets_jax=()
-for name in test_packaging test_launch test_launch_detection \
-    test_coordinator_scale test_benchmarks test_memory_bench \
-    test_allreduce_bench test_job_scripts test_network test_limits test_mpi \
-    test_docs test_docs_errors test_build_mpicc; do
-    meets_jax+=("--ignore=tests/$name.py")
-done
+# tests/ holds a folder for each way its tests run: unit (one process), docs, mpi
+# (under mpiexec --with-mpi; serially too, where they also hold tests of one
+# process), gpu (likewise, where a GPU is), jobs (each test starts its own
+# mpiexec), packaging (builds), cluster (a Slurm cluster). Markers choose within:
+# same_under_every_jax, every_mpi, same_under_every_mpi, more_ranks (tests/util.py).
+#
+# On the oldest JAX, the tests that meet what changes between JAX versions (not
+# those marked same_under_every_jax: the launcher, network, limit and benchmark
+# tests, whose JAX calls are those of the tests kept). Not the docs, nor the
+# packaging: setup.sh built these environments' package from a copy of the tree
+# against their JAX already, and .venv's run builds the sdist.
 # The other MPIs (tools/setup.sh --with-openmpi, --with-intel-mpi), each running its
 # own installed copy (its build is for its MPI; the tree's is .venv's):
-# PYTHONSAFEPATH=1 keeps the tree's package off sys.path. Their tests whose check is
-# the package's logic alone, alike under every MPI (marked same_under_every_mpi: no
-# launcher, a switch, a message), run under MPICH only.
+# PYTHONSAFEPATH=1 keeps the tree's package off sys.path. They run the tests marked
+# every_mpi (what differs between MPIs: the launcher, aborts, threads), less those
+# whose check is the package's logic alone (same_under_every_mpi: a switch, a
+# message).
 ompi=${VENV_OMPI:-$here/.venv-ompi}
 impi=${VENV_IMPI:-$here/.venv-impi}
 in_ompi=(env PATH="$ompi/bin:$PATH" PYTHONSAFEPATH=1)
@@ -81,12 +80,12 @@ in_impi=(env PATH="$impi/bin:$PATH" PYTHONSAFEPATH=1)
 if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-other_mpi=(-m "not same_under_every_mpi")
-build_tests=(tests/test_build_mpicc.py tests/test_packaging.py)
+other_mpi=(-m "every_mpi and not same_under_every_mpi" tests/jobs)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
-            -p no:cacheprovider "${meets_jax[@]}" -m "not same_under_every_jax"
+            -p no:cacheprovider -m "not same_under_every_jax" tests/unit tests/mpi \
+            tests/gpu tests/jobs
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
@@ -94,10 +93,7 @@ beside_stages() {
     # under the other's mpiexec: the mismatch must be caught.
     if [ -x "$ompi/bin/mpiexec" ]; then
         run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
-            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
-            tests/test_launch.py tests/test_robustness.py tests/test_failfast.py \
-            tests/test_cpu_collectives.py tests/test_fail_safe.py tests/test_thread_level.py \
-            tests/test_desync.py
+            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}"
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
@@ -106,17 +102,14 @@ beside_stages() {
     # bootstrap benchmark once, printing its table.
     if [ -x "$impi/bin/mpiexec" ]; then
         run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
-            -p no:cacheprovider "${other_mpi[@]}" tests/test_launch.py \
-            tests/test_robustness.py tests/test_failfast.py tests/test_one_process.py \
-            tests/test_cpu_collectives.py tests/test_fail_safe.py \
-            tests/test_thread_level.py
+            -p no:cacheprovider "${other_mpi[@]}"
     else
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
     # .venv's tests of the build's MPI compiler wrapper (one build of the extension
     # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
     # here rather than in .venv's serial suite, to even the two lanes.
-    run timeout -k 10 600 python -m pytest -q -p no:cacheprovider "${build_tests[@]}"
+    run timeout -k 10 600 python -m pytest -q -p no:cacheprovider tests/packaging
 }
 beside=$(mktemp)
 beside_stages >"$beside" 2>&1 &
@@ -141,7 +134,8 @@ other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1800 python -m pytest "${build_tests[@]/#/--ignore=}"
+run "${other[@]}" timeout -k 10 1800 python -m pytest tests/unit tests/docs tests/mpi \
+    tests/gpu tests/jobs
 
 trap - EXIT
 beside_status=0
@@ -163,14 +157,12 @@ if [ -x "$ompi/bin/mpiexec" ]; then
     # variables; elsewhere they change nothing.)
     run "${in_ompi[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
-        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
-        tests/test_iallreduce.py tests/test_inplace_allreduce.py
+        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider -m every_mpi
 fi
 
 if [ -x "$impi/bin/mpiexec" ]; then
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
-        "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
-        tests/test_iallreduce.py tests/test_inplace_allreduce.py
+        "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider -m every_mpi
     run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
         --procs 2,4 --repeat 1
 fi
@@ -183,14 +175,14 @@ fi
 # 3. A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
 # makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
 # MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the faults
-# of a real cluster (tests/test_slurm_cluster.py), each case's seconds printed.
+# of a real cluster (tests/cluster/test_slurm_cluster.py), each case's seconds printed.
 # Taken down again whatever happens.
 if [ "$(id -u)" -eq 0 ]; then
     trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
     run bash tools/cluster.sh up 3
     run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
         timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
-        tests/test_slurm_cluster.py
+        tests/cluster
     run bash tools/cluster.sh down
     trap - EXIT
 else

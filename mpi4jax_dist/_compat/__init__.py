@@ -15,7 +15,7 @@ gathered here (``_compat.since``, ``_compat.reuse_runtime_tokens``).
 
 Supported: jax 0.6.0 (``FLOOR``, the floor in setup.cfg) up to today. ``CHANGES``
 is the table of what changed since, one row per difference the code meets. The
-test of this package (tests/test_jax_compat.py) checks every row against the JAX
+test of this package (tests/jobs/test_jax_compat.py) checks every row against the JAX
 it runs with: CI's runs on the oldest and the newest JAX keep the table true at
 both ends.
 

@@ -49,8 +49,8 @@ def register_first(cls) -> None:
     SlurmCluster reads as a world of other ranks), so ours is asked first. JAX's
     ``cluster_detection_method`` names one env, and is the user's argument.
     For: jax 0.6.0 to today (``ClusterEnv._cluster_types``, a list).
-    Test: tests/test_package.py's test_registered_first_under_own_name (ours first,
-    once); tests/test_slurm_cluster.py's
+    Test: tests/unit/test_package.py's test_registered_first_under_own_name (ours first,
+    once); tests/cluster/test_slurm_cluster.py's
     test_jax_alone_under_mpiexec_in_sbatch_is_not_one_world (what JAX's order does
     without it). Drop it when JAX lets a library put its cluster env first.
     Retired upstream by: a ``ClusterEnv.priority`` that cluster detection sorts by.
@@ -70,8 +70,8 @@ def disable_preemption_service() -> None:
     the state's start of it becomes a no-op, as the option's False makes it later
     (``multihost_utils.reached_preemption_sync_point`` then raises, as there). From
     0.8.2, ``jax_enable_preemption_service`` is set: no patch.
-    Test: tests/test_jax_compat.py's test_disable_preemption_service;
-    tests/test_failfast.py's test_switch_off_brings_back_jax_behaviour (SIGTERM
+    Test: tests/jobs/test_jax_compat.py's test_disable_preemption_service;
+    tests/jobs/test_failfast.py's test_switch_off_brings_back_jax_behaviour (SIGTERM
     caught by JAX's notifier without it). Drop the patch when the floor reaches
     jax 0.8.2.
     Retired upstream by: jax 0.8.2's ``jax_enable_preemption_service`` (done).
@@ -101,10 +101,11 @@ def publish_gloo_address(address: str) -> bool:
     ``jax.extend.backend.register_backend_factory`` (its priority and the rest
     kept): where the collectives are gloo and a distributed client exists when the
     CPU backend is made, Gloo gets ``address``; otherwise JAX's own factory runs as
-    it would. For: jax 0.6.0 to today. Test: tests/test_jax_compat.py's
+    it would. For: jax 0.6.0 to today. Test: tests/jobs/test_jax_compat.py's
     test_publish_gloo_address (the address reaches Gloo);
-    tests/test_slurm_cluster.py's test_jax_alone_gloo_fails_across_debian_style_nodes
-    (without it, the first collective across nodes fails). Drop it when JAX gives
+    tests/cluster/test_slurm_cluster.py's
+    test_jax_alone_gloo_fails_across_debian_style_nodes (without it, the first
+    collective across nodes fails). Drop it when JAX gives
     Gloo an address the other nodes reach, or takes one.
     Retired upstream by: JAX options passed on as ``make_gloo_tcp_collectives``'
     ``hostname`` and ``interface``, which jaxlib takes already.
@@ -168,7 +169,7 @@ def cache_on_every_process() -> bool:
     Programs over several processes keep JAX's rule.
     For: jax 0.6.0 to today: a JAX whose ``_cache_write`` takes other parameters
     than ``versions.cache_write_params`` says keeps its own rule (False).
-    Test: tests/test_compilation_cache.py's
+    Test: tests/jobs/test_compilation_cache.py's
     test_every_rank_hits_the_cache_on_the_second_run, and
     test_jax_rule_alone_leaves_rank_1_without_entries (JAX's rule alone: rank 1
     misses every time). Drop it when JAX writes on every process the entries of
@@ -264,7 +265,7 @@ def reuse_runtime_tokens(enabled: bool = True) -> bool:
     ``block_until_ready`` instead of the next dispatch (jax#25671).
     For: the JAX minors in :data:`TOKEN_REUSE_RAN`; programs over one device per
     process (several devices keep JAX's resharding). Test:
-    tests/test_jax_compat.py's test_the_runtime_token_is_handed_on_as_it_is (same
+    tests/jobs/test_jax_compat.py's test_the_runtime_token_is_handed_on_as_it_is (same
     token, same results; with the switch off, JAX's own method and a new token each
     call). Drop it when JAX's own method returns the token it holds (the change in
     docs/design.rst, ready to send).
@@ -330,7 +331,7 @@ def tokens_in_program(enabled: bool = True) -> bool:
     orders launches per device: with two, programs on two devices crossed their
     allreduces), whose ordered effects include mpi4jax's; any other ordered
     effect in the program keeps its runtime token. Tests:
-    tests/test_tokens_in_program.py (no runtime token, no ordered effect, JAX's
+    tests/jobs/test_tokens_in_program.py (no runtime token, no ordered effect, JAX's
     C++ dispatch; programs dispatched back to back never cross across ranks; the
     barrier waits; two CPU devices and ``enabled=False`` keep JAX's convention)
     and every ordering test of the suite, run with it on. Drop it when JAX gives

@@ -1,7 +1,7 @@
 // The CUDA allreduce's device-side path (ReduceDeviceBuffer in
 // mpi4jax_dist/_ffi/cuda_staging.h) over a CUDA runtime made of host threads,
 // as a Python module:
-// tests/test_cuda_fake.py builds it and runs tests/scripts/cuda_fake_job.py
+// tests/gpu/test_cuda_fake.py builds it and runs tests/scripts/cuda_fake_job.py
 // under mpiexec on the CPU, where there is no GPU.
 //
 // "Device" memory is host memory the job registers (register_device). A stream

@@ -1,4 +1,4 @@
-/* A PMPI interposer for tests/test_standstill.py: the package's own reductions
+/* A PMPI interposer for tests/jobs/test_standstill.py: the package's own reductions
  * (on the communicators it names "mpi4jax_dist's own") start SLOW_OWN_S
  * seconds late, so that every rank waits in a call that MPI completes: a long
  * transfer, which no check may take for ranks that cannot go on. Every other

@@ -1,4 +1,4 @@
-"""The program tests/test_slurm_cluster.py runs on the Slurm test cluster.
+"""The program tests/cluster/test_slurm_cluster.py runs on the Slurm test cluster.
 
 Each rank prints one ``RESULT {json}`` line: where it runs (host, MPI rank, the
 package's topology), JAX's view of the world, the cross-process checks of

@@ -1,6 +1,6 @@
 """Under mpiexec: the CUDA allreduce's device-side path (``ReduceDeviceBuffer`` in
 ``_ffi/cuda.cc``) over the fake CUDA runtime of tests/cuda_fake/staging_module.cc,
-built by tests/test_cuda_fake.py into the folder named by ``argv[1]``.
+built by tests/gpu/test_cuda_fake.py into the folder named by ``argv[1]``.
 
 Each case reduces per-rank values with MPI.SUM through one fake stream whose
 copies each wait up to ``delay_us`` before they run, and checks the result, what

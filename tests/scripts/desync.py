@@ -1,4 +1,4 @@
-"""Ranks that disagree on a collective (tests/test_desync.py).
+"""Ranks that disagree on a collective (tests/jobs/test_desync.py).
 
 Every rank first makes two matching jitted ``mpi4jax_dist.allreduce`` calls on
 ``COMM_WORLD`` (so that a check made only on a communicator's first call has

@@ -1,4 +1,4 @@
-"""One rank of tests/test_intel_devices.py's job: what it was given and what JAX
+"""One rank of tests/jobs/test_intel_devices.py's job: what it was given and what JAX
 took from the device rule.
 
 Run under examples/set_affinity_gpu.sh with GPU_VENDOR=intel: each rank sees one

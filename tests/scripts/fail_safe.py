@@ -1,4 +1,4 @@
-"""The failure paths of the compiled ops, one per run (tests/test_fail_safe.py).
+"""The failure paths of the compiled ops, one per run (tests/jobs/test_fail_safe.py).
 
     mpiexec -n 2 python tests/scripts/fail_safe.py SCENARIO
 

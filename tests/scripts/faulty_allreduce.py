@@ -6,7 +6,7 @@
 ``mpi4jax_reversed`` the same reversed: permutations of a right result, which an
 index-blind check cannot see. The run must end with status 1 and a ``WRONG:`` line
 for each of them in each mode, and none for mpi4jax itself
-(tests/test_allreduce_faults.py).
+(tests/jobs/test_allreduce_faults.py).
 """
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""The program tests/test_job_scripts.py hands the job scripts in examples/.
+"""The program tests/jobs/test_job_scripts.py hands the job scripts in examples/.
 
 Like examples/hello.py, its one line for JAX is ``import mpi4jax_dist``; each rank
 prints one ``RESULT {json}`` line: its MPI rank, its local rank and the device

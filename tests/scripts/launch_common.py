@@ -1,7 +1,7 @@
 """Shared by the launch_*.py scripts: one JSON line per rank, and cross-process checks.
 
-Each script prints exactly one line ``RESULT {json}`` per rank; tests/test_launch.py
-parses those lines.
+Each script prints exactly one line ``RESULT {json}`` per rank;
+tests/jobs/test_launch.py parses those lines.
 """
 
 from __future__ import annotations

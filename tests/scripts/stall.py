@@ -1,4 +1,5 @@
-"""A job with one stalled rank (tests/test_hangs.py, tests/test_slurm_cluster.py).
+"""A job with one stalled rank (tests/jobs/test_hangs.py,
+tests/cluster/test_slurm_cluster.py).
 
 Every rank makes 3 jitted ``mpi4jax_dist.allreduce`` calls, prints ``READY``; then
 rank ``STALL_RANK`` (default the last) prints ``STALL <epoch seconds>`` and sleeps

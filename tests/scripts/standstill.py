@@ -1,4 +1,4 @@
-"""Ranks that wait in calls MPI cannot match (tests/test_standstill.py).
+"""Ranks that wait in calls MPI cannot match (tests/jobs/test_standstill.py).
 
 Every rank first makes one matching jitted ``mpi4jax_dist.allreduce`` on
 ``COMM_WORLD`` and prints ``READY``; then ``CASE`` decides what the ranks do, the

@@ -1,4 +1,4 @@
-"""The compiled ops at the thread level MPI provides (tests/test_thread_level.py).
+"""The compiled ops at the thread level MPI provides (tests/jobs/test_thread_level.py).
 
     MPI4PY_RC_THREAD_LEVEL=serialized mpiexec -n 2 python tests/scripts/thread_level.py
 

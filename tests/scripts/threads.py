@@ -1,4 +1,4 @@
-"""Programs of one process dispatched from two threads (tests/test_standstill.py).
+"""Programs of one process dispatched from two threads (tests/jobs/test_standstill.py).
 
 Two jitted programs hold one ``mpi4jax_dist.allreduce`` each on ``COMM_WORLD``:
 ``f`` (of ``x``, whose sum is 2.0 a position) and ``g`` (of ``100 x``, 200.0).

@@ -1,5 +1,6 @@
 """What a program of the compiled ops looks like to JAX and PJRT, with mpi4jax's
-tokens made inside it or taken from JAX's runtime (tests/test_tokens_in_program.py).
+tokens made inside it or taken from JAX's runtime
+(tests/jobs/test_tokens_in_program.py).
 
     MPI4JAX_DIST_TOKENS_IN_PROGRAM=1 \
         mpiexec -n 2 python tests/scripts/tokens_in_program.py

@@ -1,0 +1,95 @@
+"""What tools/test.sh runs where: each folder of tests/ by how its tests run;
+under mpiexec, only the folders of util.WITH_PEERS are collected
+(tests/conftest.py); at 4 ranks, only the tests marked more_ranks.
+"""
+
+import re
+
+import pytest
+import util
+
+pytestmark = util.serial_only
+
+# A test or a module marked mpi (pytest-mpi), or more_ranks (run at 4 ranks).
+MARKED_MPI = re.compile(
+    r"^(@pytest\.mark\.mpi\(|@util\.more_ranks|pytestmark = .*mark\.mpi\()", re.M
+)
+FOLDERS = sorted(p for p in util.HERE.iterdir() if any(p.glob("test_*.py")))
+
+
+def test_tests_marked_mpi_are_in_a_folder_run_with_peers():
+    """A test marked mpi elsewhere would never run with peers; a file of
+    tests/mpi without one is not run with peers either."""
+    for folder in FOLDERS:
+        for path in folder.glob("test_*.py"):
+            marked = MARKED_MPI.search(path.read_text()) is not None
+            where = path.relative_to(util.ROOT)
+            if folder.name not in util.WITH_PEERS:
+                assert not marked, f"{where}: marked mpi, in no folder run with peers"
+            elif folder.name == "mpi":
+                assert marked, f"{where}: no test marked mpi, in tests/mpi"
+
+
+def test_every_folder_runs_in_tools_test_sh():
+    script = (util.ROOT / "tools" / "test.sh").read_text()
+    for folder in FOLDERS:
+        assert f"tests/{folder.name}" in script, f"tools/test.sh never runs {folder}"
+
+
+def test_tests_at_four_ranks_are_mpi_tests(request):
+    serial = [
+        item.nodeid
+        for item in request.session.items
+        if item.get_closest_marker("more_ranks") and not item.get_closest_marker("mpi")
+    ]
+    assert not serial, f"marked more_ranks, not mpi (every rank runs them): {serial}"
+
+
+@pytest.mark.parametrize("script", [".ci/run", "tools/setup.sh"])
+def test_help_prints_usage_and_starts_nothing(script, tmp_path):
+    """``--help`` of the README's two entry points says what they do and starts
+    nothing: run from a copy of the tree's scripts whose setup.sh and test.sh
+    (for .ci/run) only leave a mark, and with VENV in a fresh folder."""
+    for name in (".ci/run", "tools/setup.sh", "tools/test.sh", "tools/find_python.sh"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        text = (util.ROOT / name).read_text()
+        if script == ".ci/run" and name != ".ci/run":
+            text = f"#!/usr/bin/env bash\ntouch {tmp_path}/started\n"
+        (tmp_path / name).write_text(text)
+    venv = tmp_path / "venv"
+    proc = util.run_command(
+        ["bash", str(tmp_path / script), "--help"],
+        env=util.clean_env(VENV=str(venv)),
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout.lower() or "bash tools/setup.sh" in proc.stdout
+    assert not (tmp_path / "started").exists() and not venv.exists()
+    wrong = util.run_command(
+        ["bash", str(tmp_path / script), "--no-such-flag"],
+        env=util.clean_env(VENV=str(venv)),
+        timeout=30,
+    )
+    assert wrong.returncode == 2 and "--no-such-flag" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "started").exists() and not venv.exists()
+
+
+def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
+    """tools/test.sh's ``run``, read from the script: a stage ended by its
+    ``timeout`` prints which limit ran out and after how long, and the script ends
+    with timeout's status; a stage that passes says nothing of the kind."""
+    script = (util.ROOT / "tools" / "test.sh").read_text()
+    run = re.search(r"^run\(\) \{\n.*?^\}\n", script, re.M | re.S)
+    assert run, "tools/test.sh defines no run()"
+    probe = tmp_path / "probe.sh"
+    probe.write_text(
+        "set -euo pipefail\n" + run.group(0) + "run true\nrun timeout 1 sleep 30\n"
+        "echo not reached\n"
+    )
+    proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=30)
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "not reached" not in proc.stdout
+    said = re.findall(
+        r"ran out of its time limit after (\d+) s \(exit 124\)", proc.stderr
+    )
+    assert len(said) == 1 and 1 <= int(said[0]) <= 5, proc.stderr
