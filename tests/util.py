@@ -129,10 +129,12 @@ same_under_every_jax = pytest.mark.same_under_every_jax
 more_ranks = pytest.mark.more_ranks
 
 
-# The folders of tests run with peers (tests/mpi, and tests/gpu's, which need a
+# The folders of tests run with peers (tests/peers, and tests/gpu's, which need a
 # GPU): the only ones collected under mpiexec --with-mpi (tests/conftest.py). The
-# others' tests run in one process, or start their own jobs (tests/jobs).
-WITH_PEERS = ("mpi", "gpu")
+# others' tests run in one process, or start their own jobs (tests/jobs). Not
+# "mpi": pytest-mpi takes a test for one marked mpi where "mpi" is among its
+# keywords, which hold the names of its folders.
+WITH_PEERS = ("peers", "gpu")
 
 
 # Variables that change what mpi4jax_dist or JAX choose: set only by the tests that

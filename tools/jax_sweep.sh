@@ -24,11 +24,11 @@
 #                JAX; every function traced once around the first calls
 #   cache        tests/jobs/test_compilation_cache.py: every rank hits the persistent
 #                cache on a second run
-#   in-place     mpiexec -n 2 pytest --with-mpi tests/mpi/test_inplace_allreduce.py
-#   fail-safe    tests/mpi/test_iallreduce.py and tests/jobs/test_fail_safe.py (jobs whose
+#   in-place     mpiexec -n 2 pytest --with-mpi tests/peers/test_inplace_allreduce.py
+#   fail-safe    tests/peers/test_iallreduce.py and tests/jobs/test_fail_safe.py (jobs whose
 #                requests or communicators are misused), then mpiexec -n 2
-#                pytest --with-mpi tests/mpi/test_iallreduce.py
-#   cg           mpiexec -n 2 pytest --with-mpi tests/mpi/test_cg_dropin.py
+#                pytest --with-mpi tests/peers/test_iallreduce.py
+#   cg           mpiexec -n 2 pytest --with-mpi tests/peers/test_cg_dropin.py
 #   serial       (the rows of Python 3.13 and 3.11 only) python -m pytest: the
 #                serial suite
 # Every run has a time limit. Each check's output is kept in
@@ -105,10 +105,10 @@ check_commands() {
         launch) echo "$serial tests/jobs/test_launch.py" ;;
         compat) echo "$serial tests/jobs/test_jax_compat.py" ;;
         cache) echo "$serial tests/jobs/test_compilation_cache.py" ;;
-        in-place) echo "$mpi tests/mpi/test_inplace_allreduce.py" ;;
-        fail-safe) echo "$serial tests/mpi/test_iallreduce.py tests/jobs/test_fail_safe.py"
-            echo "$mpi tests/mpi/test_iallreduce.py" ;;
-        cg) echo "$mpi tests/mpi/test_cg_dropin.py" ;;
+        in-place) echo "$mpi tests/peers/test_inplace_allreduce.py" ;;
+        fail-safe) echo "$serial tests/peers/test_iallreduce.py tests/jobs/test_fail_safe.py"
+            echo "$mpi tests/peers/test_iallreduce.py" ;;
+        cg) echo "$mpi tests/peers/test_cg_dropin.py" ;;
         serial) echo "$serial" ;;
     esac
 }

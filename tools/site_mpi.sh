@@ -112,7 +112,7 @@ check "launch tests" env TEST_MPIEXEC="mpiexec.$family" timeout -k 10 900 python
     tests/jobs/test_robustness.py tests/jobs/test_failfast.py tests/jobs/test_cpu_collectives.py \
     tests/jobs/test_thread_level.py
 check "allreduce, iallreduce, cg (2 ranks)" "${mpiexec[@]}" -n 2 python -m pytest \
-    --with-mpi -q -p no:cacheprovider tests/mpi/test_inplace_allreduce.py \
-    tests/mpi/test_iallreduce.py tests/mpi/test_cg_dropin.py
+    --with-mpi -q -p no:cacheprovider tests/peers/test_inplace_allreduce.py \
+    tests/peers/test_iallreduce.py tests/peers/test_cg_dropin.py
 printf '%s\n' "site_mpi.sh: $family" "${results[@]}"
 exit "$status"

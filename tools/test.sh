@@ -56,7 +56,7 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # the second core idle much of the time. The stages of another JAX and MPI run
 # beside .venv's serial suite; their output is kept and shown when they end.
 #
-# tests/ holds a folder for each way its tests run: unit (one process), docs, mpi
+# tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
 # process), gpu (likewise, where a GPU is), jobs (each test starts its own
 # mpiexec), packaging (builds), cluster (a Slurm cluster). Markers choose within:
@@ -84,7 +84,7 @@ other_mpi=(-m "every_mpi and not same_under_every_mpi" tests/jobs)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
-            -p no:cacheprovider -m "not same_under_every_jax" tests/unit tests/mpi \
+            -p no:cacheprovider -m "not same_under_every_jax" tests/unit tests/peers \
             tests/gpu tests/jobs
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
@@ -134,7 +134,7 @@ other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1800 python -m pytest tests/unit tests/docs tests/mpi \
+run "${other[@]}" timeout -k 10 1800 python -m pytest tests/unit tests/docs tests/peers \
     tests/gpu tests/jobs
 
 trap - EXIT

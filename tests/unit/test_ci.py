@@ -19,21 +19,33 @@ FOLDERS = sorted(p for p in util.HERE.iterdir() if any(p.glob("test_*.py")))
 
 def test_tests_marked_mpi_are_in_a_folder_run_with_peers():
     """A test marked mpi elsewhere would never run with peers; a file of
-    tests/mpi without one is not run with peers either."""
+    tests/peers without one is not run with peers either."""
     for folder in FOLDERS:
         for path in folder.glob("test_*.py"):
             marked = MARKED_MPI.search(path.read_text()) is not None
             where = path.relative_to(util.ROOT)
             if folder.name not in util.WITH_PEERS:
                 assert not marked, f"{where}: marked mpi, in no folder run with peers"
-            elif folder.name == "mpi":
-                assert marked, f"{where}: no test marked mpi, in tests/mpi"
+            elif folder.name == "peers":
+                assert marked, f"{where}: no test marked mpi, in tests/peers"
 
 
 def test_every_folder_runs_in_tools_test_sh():
     script = (util.ROOT / "tools" / "test.sh").read_text()
     for folder in FOLDERS:
         assert f"tests/{folder.name}" in script, f"tools/test.sh never runs {folder}"
+
+
+def test_no_test_of_one_process_is_taken_for_an_mpi_test(request):
+    """pytest-mpi skips serially, and runs under mpiexec, every test with "mpi"
+    among its keywords, which hold its folders' names too (a folder tests/mpi
+    skipped 70 tests of one process)."""
+    wrong = [
+        item.nodeid
+        for item in request.session.items
+        if "mpi" in item.keywords and not item.get_closest_marker("mpi")
+    ]
+    assert not wrong, f"taken for tests marked mpi: {wrong[:5]}"
 
 
 def test_tests_at_four_ranks_are_mpi_tests(request):

@@ -2,7 +2,7 @@
 test and wait.
 
 With peers: mpiexec -n 2 (and 4) python -m pytest --with-mpi
-tests/mpi/test_iallreduce.py
+tests/peers/test_iallreduce.py
 (results against mpi4py's Allreduce, eager and jitted, in loops, with work
 overlapped; the errors a start without its wait and other misuse raise). Serially
 (python -m pytest): the order of start, overlapped work and wait in the compiled

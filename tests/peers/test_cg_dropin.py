@@ -1,5 +1,5 @@
 """The drop-in for jax.scipy.sparse.linalg.cg: mpiexec -n 2 (and 4) python -m pytest
---with-mpi tests/mpi/test_cg_dropin.py.
+--with-mpi tests/peers/test_cg_dropin.py.
 
 Each test makes the same call to ``jax.scipy.sparse.linalg.cg`` and to
 ``mpi4jax_dist.cg`` and compares the answers, on the SR pattern of a variational

@@ -1,10 +1,10 @@
 """Distributed CG: mpiexec -n 2 (and 4) python -m pytest --with-mpi
-tests/mpi/test_cg.py.
+tests/peers/test_cg.py.
 
 Every backend x variant (``cg.VARIANT_RECORDS``) solves small problems and is
 compared with SciPy/NumPy; asserts gather the outcome over ranks first
 (``all_ranks``). The tests at the end need no peers (mpi4jax on COMM_SELF, argument
-checks) and also run in the serial session: python -m pytest tests/mpi/test_cg.py.
+checks) and also run in the serial session: python -m pytest tests/peers/test_cg.py.
 """
 
 import functools

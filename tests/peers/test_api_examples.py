@@ -1,7 +1,7 @@
 """docs/api.rst holds what it says: its examples run, its signatures are the code's.
 
 Every ``.. code-block:: python`` of the page is an example: under ``mpiexec -n 2
-python -m pytest --with-mpi tests/mpi/test_api_examples.py`` each runs on every rank,
+python -m pytest --with-mpi tests/peers/test_api_examples.py`` each runs on every rank,
 in this process's JAX world (the ``world`` fixture) and a namespace of its own, so
 that all of them cost one process per rank. An example that defines ``test_*``
 functions (the pytest plugin's) has them called, with the fixtures they name. A
@@ -11,7 +11,7 @@ Every literal block (``::``) is a signature: a call (``mpi4jax_dist.x(...) ->
 ...``, or ``solver(...)`` for what ``make_solver`` returns) whose parameters,
 their kinds and defaults must be the code's, or a ``class`` whose fields (and
 defaults) or members must be. Those checks, and that every public name has a
-section with both, run serially: ``python -m pytest tests/mpi/test_api_examples.py``.
+section with both, run serially: ``python -m pytest tests/peers/test_api_examples.py``.
 """
 
 from __future__ import annotations
