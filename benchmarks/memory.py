@@ -94,7 +94,6 @@ with ``JAX_PLATFORMS=cuda``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -108,9 +107,6 @@ import _harness  # noqa: E402
 
 ORDERS = ("default", "reversed", "shuffled")
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
-# glibc: blocks from 128 KiB up get their own mapping, returned when freed (the
-# default is also 128 KiB, but it then rises with every large block freed).
-MMAP_THRESHOLD = "131072"
 
 # ---------------------------------------------------------------------------------
 # The cases: _allreduce_impls's implementations, and two on an intermediate
@@ -172,29 +168,6 @@ TABLE = _harness.Table(
 
 # ---------------------------------------------------------------------------------
 # One case, inside its own MPI job
-
-
-def settle(most: float = 2.0) -> None:
-    """Wait until the set-up's memory is freed: garbage collected, JAX's pending
-    work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
-
-    Memory freed after the baseline but during the call offsets what the call
-    allocates: jaxlib released the host array of a load at the next dispatch,
-    which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
-    (``load`` now releases it; this waits for anything else still moving).
-    """
-    import jax
-
-    gc.collect()
-    jax.effects_barrier()
-    deadline = time.monotonic() + most
-    last = _harness.rss_bytes()[0]
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = _harness.rss_bytes()[0]
-        if now == last:
-            return
-        last = now
 
 
 def load_pattern(impl, rank: int, procs: int) -> None:
@@ -260,7 +233,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
         impl.call()
         load_pattern(impl, rank, procs)
     grow_communicator_pool(comm)
-    settle()
+    _harness.settle()
     comm.Barrier()
     if extension is not None:
         extension.reset_stats()
@@ -332,16 +305,6 @@ def order_cases(cases: list, order: str, seed: int) -> list:
     elif order == "shuffled":
         random.Random(seed).shuffle(cases)
     return cases
-
-
-def job_env(malloc_default: bool) -> dict:
-    """Return the jobs' environment: ours, with glibc's mmap threshold fixed
-    (unless ``malloc_default``) and JAX on the CPU unless the caller chose."""
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if not malloc_default:
-        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    return env
 
 
 def timeout_for(nbytes: int, timeout: float | None) -> float:
@@ -515,7 +478,7 @@ def main(argv=None) -> list[dict]:
         args.order,
         args.seed,
     )
-    env = job_env(args.malloc_default)
+    env = _harness.memory_job_env(args.malloc_default)
     threshold = env.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
     meta = _harness.meta(
         procs=args.procs,
