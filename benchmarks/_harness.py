@@ -23,12 +23,16 @@ and the OSU micro-benchmarks are:
 - :func:`run_job`: a parent process that is not itself in an MPI job (the bootstrap
   and memory benchmarks) starts ``mpiexec`` jobs, each with a time limit, and reads
   the ``RESULT {json}`` lines they print.
+- :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`settle` and
+  :func:`memory_job_env`: what a job that measures memory reads, waits for and
+  runs with (``memory.py``, ``sr.py --memory``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -827,6 +831,10 @@ def _text(data) -> str:
 # ---------------------------------------------------------------------------------
 # Memory
 
+# glibc: blocks from 128 KiB up get their own mapping, returned when freed (the
+# default is also 128 KiB, but it then rises with every large block freed).
+MMAP_THRESHOLD = "131072"
+
 
 def rss_bytes() -> tuple[int, int]:
     """Return ``(current, peak)`` resident set size of this process, in bytes."""
@@ -847,3 +855,38 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def settle(most: float = 2.0) -> None:
+    """Wait until the set-up's memory is freed: garbage collected, JAX's pending
+    work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
+
+    Memory freed after the baseline but during the call offsets what the call
+    allocates: jaxlib released the host array of a load at the next dispatch,
+    which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
+    (``JaxAllreduce.load`` now releases it; this waits for anything else still
+    moving).
+    """
+    import jax
+
+    gc.collect()
+    jax.effects_barrier()
+    deadline = time.monotonic() + most
+    last = rss_bytes()[0]
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = rss_bytes()[0]
+        if now == last:
+            return
+        last = now
+
+
+def memory_job_env(malloc_default: bool = False) -> dict:
+    """Return the environment of jobs that measure memory: ours, with glibc's mmap
+    threshold fixed (unless ``malloc_default``; benchmarks/memory.py says why).
+    :func:`run_job` puts JAX on the CPU unless the caller chose."""
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if not malloc_default:
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    return env

@@ -7,9 +7,10 @@ Per size: K back-to-back ``Comm.Allreduce(x, y)`` on float32 NumPy buffers, noth
 else (no buffer swap, no data update, no check), timed by ``_harness.time_rounds``
 (one warm-up, a barrier before each sample, the slowest rank per sample) with the
 same K as benchmarks/allreduce.py. With ``--compare`` the ``mpi4py`` loop of
-benchmarks/allreduce.py (its registered implementation, buffers swapped every step)
-is timed in the same rounds, interleaved with the bare loop, and ``ratio`` is its
-median over the bare median: the harness's own overhead, which should be ~1.
+benchmarks/allreduce.py (its registered implementation, from _allreduce_impls.py,
+buffers swapped every step) is timed in the same rounds, interleaved with the bare
+loop, and ``ratio`` is its median over the bare median: the harness's own overhead,
+which should be ~1.
 ``--json PATH`` writes the rows with their provenance.
 """
 
@@ -81,9 +82,9 @@ def main(argv=None) -> list[dict]:
 
         cases, names = [bare], ["bare"]
         if args.compare:
-            import allreduce
+            import _allreduce_impls
 
-            impl = allreduce.IMPLS["mpi4py"](x.size, np.float32, comm)
+            impl = _allreduce_impls.IMPLS["mpi4py"](x.size, np.float32, comm)
             cases.append(lambda impl=impl, steps=steps: impl.loop(steps))
             names.append("mpi4py loop")
         times = _harness.time_rounds(cases, comm, args.samples)

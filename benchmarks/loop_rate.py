@@ -3,7 +3,8 @@ at with ``perf`` (the in-place allreduce and huge pages, docs/benchmarks.rst).
 
     mpiexec -n 2 python benchmarks/loop_rate.py IMPL BYTES SECONDS [--trips 20]
 
-Runs ``loop(trips)`` of ``benchmarks/allreduce.py``'s implementation ``IMPL`` on an
+Runs ``loop(trips)`` of the allreduce implementation ``IMPL`` (the benchmarks'
+``_allreduce_impls.IMPLS``, as ``allreduce.py --impls`` names them) on an
 all-zero message of ``BYTES`` per rank until ``SECONDS`` have passed on every rank,
 and prints on rank 0 the allreduces run and the time per allreduce, dispatch
 included. Under ``perf record`` or ``perf stat`` (per rank: ``sh -c 'exec perf stat
@@ -36,12 +37,12 @@ def main(argv=None) -> dict:
 
     if not jax.distributed.is_initialized():
         jax.distributed.initialize()
-    import allreduce as bench
+    import _allreduce_impls
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     n = max(1, args.bytes // 4)
-    impl = bench.IMPLS[args.impl](n, np.float32, comm)
+    impl = _allreduce_impls.IMPLS[args.impl](n, np.float32, comm)
     impl.load(np.zeros(n, np.float32))
     impl.loop(args.trips)  # warm-up: compiled, pages touched
     comm.Barrier()

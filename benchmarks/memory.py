@@ -20,8 +20,8 @@ other), and so that a crash ends that case only. ``--order`` runs the cases in
 another order to show that the figures do not move. In the job, every rank:
 
 1. builds the implementation (JAX ones compile ahead of time) and loads its
-   checked input, ``allreduce.pattern`` as XLA makes it
-   (``allreduce.device_pattern``: NumPy needs 16 GiB of temporaries for 2^31
+   checked input, ``_allreduce_impls.pattern`` as XLA makes it
+   (``_allreduce_impls.device_pattern``: NumPy needs 16 GiB of temporaries for 2^31
    elements; every job imports JAX for this, the mpi4py ones too);
 2. lets the set-up settle (``gc.collect()``, JAX's pending work done, RSS still
    for 20 ms), resets the peak RSS (VmHWM); baseline = current RSS;
@@ -30,12 +30,12 @@ another order to show that the figures do not move. In the job, every rank:
 4. peak = VmHWM; reports ``(peak - baseline) / message bytes``, the time of that
    call, the XLA compilations during it (none: the executables were compiled in
    step 1) and whether the result is exactly ``S(i)`` (checked a block at a time
-   by XLA, ``allreduce.count_wrong_blocks``).
+   by XLA, ``_allreduce_impls.count_wrong_blocks``).
 
-The cases are benchmarks/allreduce.py's ``IMPLS`` (``mpi4py``, ``mpi4py_inplace``,
-``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``) and two on an
-intermediate inside the ``jit``, ``allreduce(x + z)`` with ``z`` a zero passed at run
-time (XLA can fold neither it nor the sum away), the input not donated:
+The cases are the ``IMPLS`` of benchmarks/_allreduce_impls.py (``mpi4py``,
+``mpi4py_inplace``, ``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``) and
+two on an intermediate inside the ``jit``, ``allreduce(x + z)`` with ``z`` a zero
+passed at run time (XLA can fold neither it nor the sum away), the input not donated:
 ``mpi4jax_dist_tmp`` (XLA writes ``x + z`` into the result's buffer, which the op
 reduces in place) and ``mpi4jax_tmp`` (``x + z`` is a temporary beside mpi4jax's
 result).
@@ -94,7 +94,6 @@ with ``JAX_PLATFORMS=cuda``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -103,22 +102,19 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _allreduce_impls  # noqa: E402
 import _harness  # noqa: E402
-import allreduce  # noqa: E402
 
 ORDERS = ("default", "reversed", "shuffled")
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
-# glibc: blocks from 128 KiB up get their own mapping, returned when freed (the
-# default is also 128 KiB, but it then rises with every large block freed).
-MMAP_THRESHOLD = "131072"
 
 # ---------------------------------------------------------------------------------
-# The cases: benchmarks/allreduce.py's implementations, and two on an intermediate
+# The cases: _allreduce_impls's implementations, and two on an intermediate
 
 
 IMPLS = _harness.Registry("memory case")
-for _name in allreduce.IMPLS.names():
-    IMPLS.register(_name, allreduce.IMPLS[_name])
+for _name in _allreduce_impls.IMPLS.names():
+    IMPLS.register(_name, _allreduce_impls.IMPLS[_name])
 
 
 class OnIntermediate:
@@ -134,7 +130,7 @@ class OnIntermediate:
 
 
 @IMPLS.register("mpi4jax_dist_tmp")
-class Mpi4jaxDistTmp(OnIntermediate, allreduce.Mpi4jax):
+class Mpi4jaxDistTmp(OnIntermediate, _allreduce_impls.Mpi4jax):
     """``mpi4jax_dist.allreduce(x + z)`` in ``jax.jit``, not donated: XLA writes
     ``x + z`` into the result's buffer and the handler reduces it in place."""
 
@@ -149,7 +145,7 @@ class Mpi4jaxDistTmp(OnIntermediate, allreduce.Mpi4jax):
 
 
 @IMPLS.register("mpi4jax_tmp")
-class Mpi4jaxTmp(OnIntermediate, allreduce.Mpi4jax):
+class Mpi4jaxTmp(OnIntermediate, _allreduce_impls.Mpi4jax):
     """``mpi4jax.allreduce(x + z)`` in ``jax.jit``: ``x + z`` is a temporary
     beside the result (the comparison for ``mpi4jax_dist_tmp``)."""
 
@@ -174,33 +170,10 @@ TABLE = _harness.Table(
 # One case, inside its own MPI job
 
 
-def settle(most: float = 2.0) -> None:
-    """Wait until the set-up's memory is freed: garbage collected, JAX's pending
-    work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
-
-    Memory freed after the baseline but during the call offsets what the call
-    allocates: jaxlib released the host array of a load at the next dispatch,
-    which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
-    (``load`` now releases it; this waits for anything else still moving).
-    """
-    import jax
-
-    gc.collect()
-    jax.effects_barrier()
-    deadline = time.monotonic() + most
-    last = _harness.rss_bytes()[0]
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = _harness.rss_bytes()[0]
-        if now == last:
-            return
-        last = now
-
-
 def load_pattern(impl, rank: int, procs: int) -> None:
-    """Load this rank's checked input (``allreduce.pattern``), made by XLA: a
+    """Load this rank's checked input (``_allreduce_impls.pattern``), made by XLA: a
     2^31-element pattern in NumPy takes 16 GiB temporaries and 80 s a rank."""
-    made = allreduce.device_pattern(impl.n, rank, procs, impl.dtype)
+    made = _allreduce_impls.device_pattern(impl.n, rank, procs, impl.dtype)
     made.block_until_ready()
     impl.load(np.asarray(made))  # on the CPU a view of XLA's buffer, not a copy
     del made
@@ -260,7 +233,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
         impl.call()
         load_pattern(impl, rank, procs)
     grow_communicator_pool(comm)
-    settle()
+    _harness.settle()
     comm.Barrier()
     if extension is not None:
         extension.reset_stats()
@@ -283,7 +256,7 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
         peak = _harness.rss_bytes()[1]
     handler = None if extension is None else extension.stats()
     rise = None if peak is None or base is None else peak - base
-    wrong = allreduce.count_wrong_blocks(impl.result(), n, procs, dtype)
+    wrong = _allreduce_impls.count_wrong_blocks(impl.result(), n, procs, dtype)
     mine = {
         "rise": rise,
         "t": elapsed,
@@ -332,16 +305,6 @@ def order_cases(cases: list, order: str, seed: int) -> list:
     elif order == "shuffled":
         random.Random(seed).shuffle(cases)
     return cases
-
-
-def job_env(malloc_default: bool) -> dict:
-    """Return the jobs' environment: ours, with glibc's mmap threshold fixed
-    (unless ``malloc_default``) and JAX on the CPU unless the caller chose."""
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if not malloc_default:
-        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    return env
 
 
 def timeout_for(nbytes: int, timeout: float | None) -> float:
@@ -451,7 +414,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
     parser.add_argument(
         "--dtype",
-        choices=allreduce.DTYPES,
+        choices=_allreduce_impls.DTYPES,
         default="float32",
         help="of every size; with int8 a size in bytes is the element count "
         "(--dtype int8 --sizes 2147483664: 2^31 + 16 elements)",
@@ -479,7 +442,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     try:
         args.impls = IMPLS.choose(args.impls, "--impls")
-        allreduce.pattern_bound(args.procs, args.dtype)
+        _allreduce_impls.pattern_bound(args.procs, args.dtype)
     except ValueError as err:
         parser.error(str(err))
     itemsize = np.dtype(args.dtype).itemsize
@@ -515,7 +478,7 @@ def main(argv=None) -> list[dict]:
         args.order,
         args.seed,
     )
-    env = job_env(args.malloc_default)
+    env = _harness.memory_job_env(args.malloc_default)
     threshold = env.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
     meta = _harness.meta(
         procs=args.procs,

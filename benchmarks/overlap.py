@@ -61,6 +61,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import _latency  # noqa: E402
+import _poisson  # noqa: E402
 
 MODES = ("latency", "rank1", "noise")
 
@@ -257,7 +258,6 @@ def progress_cases(prob, comm, trips: int):
     (no simulated latency): the grid's stencil on this rank's rows alone (zero
     halos, in two halves), the reduction overlapped with it, and the same with an
     ``req.test()`` between the two halves."""
-    import cg as cg_bench
     import jax.numpy as jnp
 
     import mpi4jax_dist
@@ -268,7 +268,7 @@ def progress_cases(prob, comm, trips: int):
         u = v.reshape(-1, n)
         u = u[: len(u) // 2] if top else u[len(u) // 2 :]
         zeros = jnp.zeros(n, v.dtype)
-        return cg_bench.stencil(u, zeros, zeros, jnp).reshape(-1) * 1e-3
+        return _poisson.stencil(u, zeros, zeros, jnp).reshape(-1) * 1e-3
 
     def work(v):
         return jnp.concatenate([half(v, True), half(v, False)])
@@ -296,7 +296,6 @@ def main(argv=None):
     args = parse_args(argv)
     import mpi4jax_dist  # noqa: I001  (before jax: it registers the cluster env)
 
-    import cg as cg_bench
     import jax
     import jax.numpy as jnp
     from mpi4py import MPI
@@ -343,7 +342,7 @@ def main(argv=None):
     # Every case of a table is compiled first, then all are timed round-robin, so
     # that a drift of the machine's speed falls on all of them alike.
     for n in args.grids:
-        prob = cg_bench.Poisson(n, comm)
+        prob = _poisson.Poisson(n, comm)
         cases = []
         for latency in args.micro_latencies:
             cases += micro_cases(prob, comm, args.micro_iters, latency)
@@ -418,7 +417,7 @@ def main(argv=None):
             + f"  {counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
         )
     for n, mode in [(n, m) for n in args.grids for m in args.mode]:
-        prob = cg_bench.Poisson(n, comm)
+        prob = _poisson.Poisson(n, comm)
         b = jnp.asarray(prob.b)
         cases = []
         for delay, variant in [(d, v) for d in args.delays for v in variants]:

@@ -1074,7 +1074,6 @@ def run_memory_case(spec: str, args) -> None:
 
     jax.config.update("jax_enable_x64", True)
     mpi4jax_dist.initialize()
-    import memory
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -1108,7 +1107,7 @@ def run_memory_case(spec: str, args) -> None:
         marks[name] = _harness.rss_bytes()[1]
 
     del prob.J  # the check needs none; only J on the device stays
-    memory.settle()
+    _harness.settle()
     comm.Barrier()
     reset = _harness.reset_peak_rss()
     base = _harness.rss_bytes()[0]
@@ -1197,7 +1196,6 @@ def memory_skip(route, params, walkers, args) -> str | None:
 
 
 def memory_main(args) -> list[dict]:
-    import memory
 
     from mpi4jax_dist.launch import detect
 
@@ -1206,7 +1204,7 @@ def memory_main(args) -> list[dict]:
             "sr.py --memory starts its own mpiexec jobs: run it as `python "
             "benchmarks/sr.py --memory`, not under mpiexec"
         )
-    env = memory.job_env(False)
+    env = _harness.memory_job_env()
     meta = _harness.meta(
         procs=args.procs,
         args=vars(args),

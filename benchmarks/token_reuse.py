@@ -87,16 +87,16 @@ def main(argv=None) -> list[dict]:
 
     if not jax.distributed.is_initialized():
         jax.distributed.initialize()
-    import allreduce as bench
+    import _allreduce_impls
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     procs = comm.Get_size()
     cases = [  # (name, record, communicator, the result of one call on ones)
-        ("jit(v + 1)", bench.JitPlusOne, comm, 2.0),
-        ("alone on COMM_SELF", bench.Mpi4jaxDist, MPI.COMM_SELF, 1.0),
-        ("mpi4jax", bench.Mpi4jax, comm, float(procs)),
-        ("mpi4jax_dist", bench.Mpi4jaxDist, comm, float(procs)),
+        ("jit(v + 1)", _allreduce_impls.JitPlusOne, comm, 2.0),
+        ("alone on COMM_SELF", _allreduce_impls.Mpi4jaxDist, MPI.COMM_SELF, 1.0),
+        ("mpi4jax", _allreduce_impls.Mpi4jax, comm, float(procs)),
+        ("mpi4jax_dist", _allreduce_impls.Mpi4jaxDist, comm, float(procs)),
     ]
     impls, timed, wrong = [], [], 0
     for _name, record, where, want in cases:

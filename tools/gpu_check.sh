@@ -30,21 +30,23 @@
 #      MPI4JAX_DIST_BUILD_CUDA=1: no CUDA module is a failure); then loads the
 #      CUDA module once (_ffi.load_cuda: the driver and plugin checks) and prints
 #      its CUDA runtime, the driver's, and what MPI says of device memory;
-#   3. python3 benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB --impls
-#      ours,ours_jit,mpi4jax: 2 ranks sharing the GPU, staged through host memory
-#      (MPI4JAX_DIST_CUDA_AWARE_MPI=0 where a case does not set it), first
-#      tests/gpu/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every dtype and op
-#      against mpi4py, 1 MiB staging in pieces with chunking on and off, donation
-#      in place, order with mpi4jax, 2**31 + 16 int8), then one fresh job per
-#      (implementation, size), 256 MiB float32 and 2**31 + 16 int8, one table.
+#   3. 2 ranks sharing the GPU, staged through host memory
+#      (MPI4JAX_DIST_CUDA_AWARE_MPI=0 where a case does not set it): first the GPU
+#      tests, tests/gpu/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every
+#      dtype and op against mpi4py, 1 MiB staging in pieces with chunking on and
+#      off, donation in place, order with mpi4jax, 2**31 + 16 int8), then the table,
+#      python3 benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB --impls
+#      ours,ours_jit,mpi4jax: one fresh job per (implementation, size), 256 MiB
+#      float32 and 2**31 + 16 int8. The table runs after failed tests too, and the
+#      step then fails.
 # Everything printed also goes to $OUT/gpu_check.log, and the table's rows to
 # $OUT/gpu_allreduce.json, where the device tool gives an $OUT.
 # About 3 to 5 minutes once the machine is up.
 #
 # Expected output, at the end:
-#   # GPU checks: mpiexec -n 2 pytest .../tests/gpu/test_inplace_allreduce_gpu.py
-#   #   N passed, M skipped ...        (a skip: the CUDA-aware test, where the MPI
-#                                      does not say it reads device memory)
+#   N passed, M skipped in ...        (pytest's summary, from each rank; a skip:
+#                                      the CUDA-aware test, where the MPI does not
+#                                      say it reads device memory)
 #   # device memory of one allreduce, 2 ranks, one fresh mpiexec job per case
 #   # columns: bytes (per rank), dtype, impl, mode, before / peak / after (device
 #   #   MiB: bytes_in_use before the call, peak_bytes_in_use, bytes_in_use after),
@@ -181,12 +183,22 @@ assert any(d.platform == "gpu" for d in jax.devices()), "JAX sees no GPU"
 EOF
 
 step "the GPU tests and the table (2 ranks sharing the GPU, staged)"
+# 480 s in all: the tests at most 360 of them, the table the rest.
+start=$SECONDS
+aware=${MPI4JAX_DIST_CUDA_AWARE_MPI:-0}
+tests=tests/gpu/test_inplace_allreduce_gpu.py
+JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} \
+    XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false} \
+    MPI4JAX_DIST_CUDA_AWARE_MPI=$aware timeout 360 \
+    mpiexec -n 2 "$python" -m pytest --with-mpi -q -rs -p no:cacheprovider "$tests"
+tests_status=$?
 json=()
 [ -n "${OUT:-}" ] && json=(--json "$OUT/gpu_allreduce.json")
-MPI4JAX_DIST_CUDA_AWARE_MPI=${MPI4JAX_DIST_CUDA_AWARE_MPI:-0} timeout 480 \
+MPI4JAX_DIST_CUDA_AWARE_MPI=$aware timeout $((480 - (SECONDS - start))) \
     "$python" benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB \
     --impls ours,ours_jit,mpi4jax --timeout 120 "${json[@]}" \
     || fail "benchmarks/gpu_allreduce.py (exit $?)"
+[ "$tests_status" = 0 ] || fail "$tests (exit $tests_status)"
 echo "gpu_check: PASS (${SECONDS} s)"
 }
 

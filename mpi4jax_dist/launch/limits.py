@@ -114,11 +114,13 @@ GPU_TOPOLOGY_TIMEOUTS_MINUTES = {"local": 2, "global": 5}
 # GPU client fills (a process id and boot id, about 40 B, and about 70 B per GPU).
 CPU_LOCAL_TOPOLOGY_BYTES = 88
 GPU_LOCAL_TOPOLOGY_BYTES = {"process": 40, "device": 70}
-# The exchange's seconds, fitted by benchmarks/topology_model.py to the emulation's
-# runs (benchmarks/coordinator_scale.py --exchange: P = 64 to 4,096, local topologies
-# of 88 to 600 B, one 2-core host holding the service and all P clients, so an upper
-# bound for a real rank 0; docs/benchmarks/topology_exchange-*.json). Terms: per
-# process, per pair of processes, per byte the service sends (exchange_payload).
+# The exchange's seconds: the fit that docs/benchmarks-scale.rst gives, with the
+# command that makes it, under "The model" (of JAX's topology exchange, emulated at
+# P = 64 to 4,096 with local topologies of 88 to 600 B, one 2-core host holding the
+# service and all P clients, so an upper bound for a real rank 0; the runs are
+# docs/benchmarks/topology_exchange-*.json, which tests/unit/test_topology_model.py
+# refits). Terms: per process, per pair of processes, per byte the service sends
+# (exchange_payload).
 TOPOLOGY_FIT = {
     "whole": {
         "per_process_s": 7.546e-04,

@@ -9,9 +9,9 @@ unless ``JAX_PLATFORMS`` says otherwise, so on a GPU machine run
     JAX_PLATFORMS=cuda mpiexec -n 2 python -m pytest --with-mpi \\
         tests/gpu/test_inplace_allreduce_gpu.py
 
-or ``python benchmarks/gpu_allreduce.py``, which runs this file and the GPU
-memory table (``tools/gpu_check.sh`` builds everything and runs that in one
-command). There, results are checked against mpi4py's Allreduce on host copies;
+or ``bash tools/gpu_check.sh``, which builds everything, runs this file and then
+the device-memory table of ``benchmarks/gpu_allreduce.py``, in one command. There,
+results are checked against mpi4py's Allreduce on host copies;
 device memory against ``memory_stats()``; what the handler did (staged or
 CUDA-aware, how many pieces, pinned host bytes) is counted by the extension.
 tests/gpu/test_cuda_fake.py runs the staging itself on the CPU, over a fake CUDA
@@ -68,7 +68,7 @@ def gpu():
             f"no GPU among jax.devices() ({jax.default_backend()} only; "
             f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): the CUDA "
             f"handler runs on a machine with an NVIDIA GPU, with "
-            f"JAX_PLATFORMS=cuda (benchmarks/gpu_allreduce.py)"
+            f"JAX_PLATFORMS=cuda (tools/gpu_check.sh)"
         )
     cuda_extension()
     return devices[0]

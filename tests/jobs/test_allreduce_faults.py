@@ -8,7 +8,8 @@ import util
 
 @pytest.fixture(scope="module")
 def bench():
-    return util.load_benchmark("allreduce")
+    """The implementations' module, which holds the checked pattern."""
+    return util.load_benchmark("_allreduce_impls")
 
 
 def inputs(bench, n, procs, dtype="float32"):

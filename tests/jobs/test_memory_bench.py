@@ -126,7 +126,7 @@ def test_statuses_and_time_limits(memory):
 
 
 def test_pattern_made_by_xla_is_numpys(memory, monkeypatch):
-    bench = memory.allreduce
+    bench = memory._allreduce_impls
     for dtype in bench.DTYPES:
         for rank in (0, 2):
             made = bench.device_pattern(1001, rank, 3, dtype)
@@ -142,11 +142,12 @@ def test_pattern_made_by_xla_is_numpys(memory, monkeypatch):
 
 def test_a_failed_case_is_a_row(memory):
     args = argparse.Namespace(dtype="float32", procs=2, timeout=60, warm=False)
-    row = memory.measure("nosuch", 1 << 20, args, memory.job_env(False))
+    env = memory._harness.memory_job_env(False)
+    row = memory.measure("nosuch", 1 << 20, args, env)
     assert row["status"] == "crashed (1)", row["tail"]
     assert "nosuch" in row["tail"]
     args.timeout = 0.01
-    row = memory.measure("mpi4py", 1 << 20, args, memory.job_env(False))
+    row = memory.measure("mpi4py", 1 << 20, args, env)
     assert row["status"] == "timed out (0.01 s)"
 
 
@@ -157,5 +158,5 @@ def test_orders_and_environment(memory):
     shuffled = memory.order_cases(cases, "shuffled", 1)
     assert sorted(shuffled) == sorted(cases)
     assert shuffled == memory.order_cases(cases, "shuffled", 1)
-    assert memory.job_env(False)["MALLOC_MMAP_THRESHOLD_"] == "131072"
-    assert "MALLOC_MMAP_THRESHOLD_" not in memory.job_env(True)
+    assert memory._harness.memory_job_env(False)["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert "MALLOC_MMAP_THRESHOLD_" not in memory._harness.memory_job_env(True)
