@@ -109,7 +109,7 @@ check "psum over MPI (env)" bash -c "eval \"\$(python -m mpi4jax_dist env)\" && 
 # then the in-place allreduce, iallreduce and the CG solvers with 2 ranks.
 check "launch tests" env TEST_MPIEXEC="mpiexec.$family" timeout -k 10 900 python -m pytest \
     -q -p no:cacheprovider -m "not same_under_every_mpi" tests/jobs/test_launch.py \
-    tests/jobs/test_robustness.py tests/jobs/test_failfast.py tests/jobs/test_cpu_collectives.py \
+    tests/jobs/test_bootstrap_faults.py tests/jobs/test_failfast.py tests/jobs/test_cpu_collectives.py \
     tests/jobs/test_thread_level.py
 check "allreduce, iallreduce, cg (2 ranks)" "${mpiexec[@]}" -n 2 python -m pytest \
     --with-mpi -q -p no:cacheprovider tests/peers/test_inplace_allreduce.py \

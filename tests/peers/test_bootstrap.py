@@ -1,4 +1,6 @@
-"""With peers: mpiexec -n 2 (and 4) python -m pytest --with-mpi.
+"""The bootstrap with peers (mpiexec -n 2 and 4, python -m pytest --with-mpi): the
+topology, the counts of its collectives, initialize, the global mesh, psum and
+to_global.
 
 Every rank runs every test; asserts gather the outcome first, so that one failing
 rank does not leave the others waiting in the next collective.
