@@ -48,6 +48,10 @@ CASES.register("os_exit0", "rank 1 calls os._exit(0); rank 0 in mpi4jax.allreduc
 CASES.register(
     "os_exit0_early", "rank 1 calls os._exit(0) at its end; rank 0 works 3 s more"
 )
+CASES.register(
+    "os_exit0_cleanup_fails",
+    "rank 1 calls os._exit(0) at its end, and its clean-up (JAX's shutdown) fails",
+)
 CASES.register("fork_os_exit0", "a forked child of rank 1 ends by os._exit(0)")
 # What the table shows by default: the failures, and one job that does not fail.
 DEFAULT_CASES = ("raise_before_backend", "raise", "thread", "exit3", "kill9")
@@ -127,11 +131,17 @@ def worker(case: str) -> None:
         _say(f"RANK0 DONE {float(total[0])}")
     if rank == 1 and case == "raise_after":
         fail()
-    if case == "os_exit0_early":
+    if case in ("os_exit0_early", "os_exit0_cleanup_fails"):
         if rank == 1:
+            if case == "os_exit0_cleanup_fails":
+                jax.distributed.shutdown = _fail_to_shut_down
             os._exit(0)
         time.sleep(3)  # work the launcher would cut short
         _say(f"RANK{rank} LATE DONE")
+
+
+def _fail_to_shut_down() -> None:
+    raise RuntimeError("the coordination service is gone (injected)")
 
 
 def _say(text: str) -> None:

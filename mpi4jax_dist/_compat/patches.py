@@ -105,8 +105,8 @@ def publish_gloo_address(address: str) -> bool:
     test_publish_gloo_address (the address reaches Gloo);
     tests/cluster/test_slurm_cluster.py's
     test_jax_alone_gloo_fails_across_debian_style_nodes (without it, the first
-    collective across nodes fails). Drop it when JAX gives
-    Gloo an address the other nodes reach, or takes one.
+    collective across nodes fails). Drop it when JAX gives Gloo an address the
+    other nodes reach, or takes one.
     Retired upstream by: JAX options passed on as ``make_gloo_tcp_collectives``'
     ``hostname`` and ``interface``, which jaxlib takes already.
     """

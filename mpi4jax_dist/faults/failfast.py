@@ -220,24 +220,32 @@ def _os_exit(status):
             None,
             status if isinstance(status, int) and status else 1,
         )
-    _leave()
+    _leave(status)
     _state.original_os_exit(status)
 
 
-def _leave() -> None:
+def _leave(status) -> None:
     """What the end of a program does for the job, without the program's atexit
     handlers: stop the watchdog, leave JAX's coordination service (whose shutdown
     barrier the others wait at) and finalize MPI. A rank gone without
     ``MPI_Finalize`` is a failure to the launchers: MPICH's Hydra then SIGKILLs
     the ranks still finishing (status 9 or 0 by the race), Open MPI's returns 1
-    and Intel MPI's 255."""
+    and Intel MPI's 255. Where a step fails, the others could wait at JAX's
+    shutdown barrier for minutes: the job ends with ``MPI_Abort``, naming why."""
     import jax
     from mpi4py import MPI
 
-    hangs.stop()
-    jax.distributed.shutdown()
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
+    try:
+        hangs.stop()
+        jax.distributed.shutdown()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    except Exception as exc:
+        _abort(
+            f"os._exit({status!r}): its clean-up failed ({type(exc).__name__}: {exc})",
+            None,
+            status if isinstance(status, int) and status else 1,
+        )
 
 
 def _meet_at_exit() -> None:

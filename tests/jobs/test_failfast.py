@@ -125,6 +125,22 @@ def test_os_exit_0_at_the_end_waits_for_the_others_work():
     assert "MPI_Abort ends the job" not in proc.stderr + proc.stdout
 
 
+@util.same_under_every_mpi
+def test_os_exit_ends_the_job_where_its_clean_up_fails():
+    """JAX's shutdown raising in rank 1's os._exit (after the ranks met at the
+    exit): rank 0 would wait at JAX's shutdown barrier for minutes, unless the
+    launcher killed it; the job ends with MPI_Abort, naming why, non-zero (1, or
+    9 where Hydra reports rank 0's SIGKILL first)."""
+    proc, took = launch("os_exit0_cleanup_fails")
+    assert proc.returncode != 0, show(proc)
+    said = HEADER.format(
+        what="os._exit(0): its clean-up failed (RuntimeError: the coordination "
+        "service is gone (injected))"
+    )
+    assert first_line(proc).startswith(said), show(proc)
+    assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end"
+
+
 @util.same_under_every_jax
 @util.same_under_every_mpi
 def test_a_forked_child_s_os_exit_is_not_the_rank_s():
