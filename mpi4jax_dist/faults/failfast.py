@@ -218,7 +218,7 @@ def _os_exit(status):
             f"in {wait_s:g} s (the launcher would have ended them with this rank, "
             f"with status {status!r})",
             None,
-            status if isinstance(status, int) and status else 1,
+            _failed_status(status),
         )
     _leave(status)
     _state.original_os_exit(status)
@@ -244,8 +244,14 @@ def _leave(status) -> None:
         _abort(
             f"os._exit({status!r}): its clean-up failed ({type(exc).__name__}: {exc})",
             None,
-            status if isinstance(status, int) and status else 1,
+            _failed_status(status),
         )
+
+
+def _failed_status(status) -> int:
+    """The status a job that ``os._exit(status)`` could not end cleanly ends with:
+    ``status`` where it is a non-zero int, else 1."""
+    return status if isinstance(status, int) and status else 1
 
 
 def _meet_at_exit() -> None:
