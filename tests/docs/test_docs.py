@@ -23,7 +23,8 @@ README_MAX_LINES = 250
 # What a page a user reads must not say: commit hashes, the project's own work
 # sessions and machine. (Benchmarks name their machine by its description.)
 _LOG_TALK = [
-    (re.compile(r"(?<![\w./-])[0-9a-f]{7,40}(?![\w/-])"), "a commit hash"),
+    # (A retired benchmark's command names its last tree, ``<commit>:benchmarks``.)
+    (re.compile(r"(?<![\w./-])[0-9a-f]{7,40}(?![\w/-]|:benchmarks)"), "a commit hash"),
     (
         re.compile(
             r"\b(this|an earlier|a previous|the previous|a later|the next|last) "
@@ -85,6 +86,7 @@ def test_log_talk_is_found():
         "an unexplained guess",
     }
     assert log_talk("67108864 bytes, 2026-12-02, jax 0.10.2, sr.json\n") == []
+    assert log_talk("git archive d58ce44:benchmarks | tar -x -C old\n") == []
 
 
 def test_every_page_is_in_the_index():
