@@ -87,19 +87,6 @@ def test_overlap_benchmark_and_scale_model(tmp_path, capsys):
     assert "Graham et al." in capsys.readouterr().out
 
 
-def test_iallreduce_copies_benchmark_prints_one_row_per_size():
-    proc = util.run_mpi(
-        util.ROOT / "benchmarks" / "iallreduce_copies.py",
-        2,
-        *("--sizes", "4,64KiB", "--samples", "2"),
-        timeout=180,
-    )
-    rows = [line.split() for line in proc.stdout.splitlines() if line[:1] == " "]
-    rows = [r for r in rows if r[0].isdigit()]
-    assert [r[0] for r in rows] == ["4", "65536"], proc.stdout
-    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
-
-
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and value == value and abs(value) < 1e300
 
