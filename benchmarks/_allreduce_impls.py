@@ -1,8 +1,8 @@
 """The allreduce implementations the benchmarks compare, and their checked pattern.
 
 ``allreduce.py`` times every record of :data:`IMPLS` and checks its results;
-``memory.py`` measures their peak memory, a job per case; ``loop_rate.py``,
-``token_reuse.py`` and ``bare_mpi4py.py --compare`` run single records. A record is
+``memory.py`` measures their peak memory, a job per case; ``loop_rate.py`` and
+``bare_mpi4py.py --compare`` run single records. A record is
 one class, registered under the name ``--impls`` takes; :class:`Allreduce` documents
 the interface. Each rank loads :func:`pattern`, whose sum :func:`expected` differs
 between indices and between ranks (made and checked by XLA for 2^31 elements and
@@ -608,7 +608,7 @@ class Gspmd(GlobalJax):
 DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
 
 
-# Not a record of IMPLS: the floor of allreduce.py's and token_reuse.py's dispatch rows.
+# Not a record of IMPLS: the floor of allreduce.py's dispatch rows.
 class JitPlusOne(Mpi4jax):
     """``jax.jit(lambda v: v + 1)``: one jitted call with no effect, JAX's C++
     dispatch path."""

@@ -245,25 +245,6 @@ def test_closing_lines_say_wrong_values(world):
     ]
 
 
-def test_token_reuse_benchmark_restores_jax(world):
-    """benchmarks/token_reuse.py times each case with JAX's token input as
-    installed and patched, checks the patched results (a wrong one exits 1), and
-    leaves JAX's method as it found it."""
-    from jax._src import dispatch
-
-    stock = dispatch.RuntimeTokenSet.get_token_input
-    bench = util.load_benchmark("token_reuse")
-    rows = bench.main(["--calls", "3", "--samples", "2"])
-    assert [r["impl"] for r in rows] == [
-        "jit(v + 1)",
-        "alone on COMM_SELF",
-        "mpi4jax",
-        "mpi4jax_dist",
-    ]
-    assert all(r["stock_median_s"] > 0 and r["reused_median_s"] > 0 for r in rows)
-    assert dispatch.RuntimeTokenSet.get_token_input is stock
-
-
 def test_loop_rate_runs_for_its_seconds(world):
     """benchmarks/loop_rate.py, the steady load docs/benchmarks.rst profiles."""
     row = util.load_benchmark("loop_rate").main(["mpi4jax_dist", "4096", "0.2"])
