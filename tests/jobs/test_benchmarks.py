@@ -2,7 +2,6 @@
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -181,23 +180,6 @@ def test_sr_step_example_matches_jax_scipy():
     for line in lines:
         assert "converged True" in line, proc.stdout
         assert float(line.rsplit("= ", 1)[1]) < 1e-8, proc.stdout
-
-
-def test_first_compile_benchmark_times_every_case():
-    """benchmarks/first_compile.py at a tiny size: one fresh 2-rank job per case."""
-    proc = subprocess.run(
-        [sys.executable, str(util.ROOT / "benchmarks" / "first_compile.py")]
-        + ["--params", "32", "--samples", "8", "--repeat", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    rows = {r[0]: r for r in rows if r and r[0] in ("jax_cg", "dropin", "solve_normal")}
-    assert set(rows) == {"jax_cg", "dropin", "solve_normal"}, proc.stdout
-    assert all(float(r[3]) > 0 for r in rows.values()), proc.stdout
-    assert rows["jax_cg"][4] == "1.00", proc.stdout
 
 
 def test_allreduce_table_alone_on_stdout():
