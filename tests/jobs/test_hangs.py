@@ -724,12 +724,12 @@ def test_summarize_without_files_says_how_to_get_them(tmp_path):
 
 @util.same_under_every_jax
 def test_the_watchdog_wakes_at_most_about_once_a_second(tmp_path):
-    """benchmarks/idle.py's count of the watchdog thread's wake-ups while the job
+    """tests/scripts/idle.py's count of the watchdog thread's wake-ups while the job
     sleeps: about 60 a minute (it polled every 20 ms, 3,000 a minute, before)."""
     out = tmp_path / "idle.json"
     env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "60"})
     util.run_mpi(
-        util.ROOT / "benchmarks" / "idle.py",
+        util.ROOT / "tests" / "scripts" / "idle.py",
         2,
         *("--seconds", "4", "--json", out),
         env=env,

@@ -1,7 +1,11 @@
 """What an idle rank costs: each thread's wake-ups and CPU time per minute while the
 program sleeps, in a bootstrapped job (Linux: read from /proc).
 
-    mpiexec -n 2 python benchmarks/idle.py [--seconds 60] [--json PATH]
+    mpiexec -n 2 python tests/scripts/idle.py [--seconds 60] [--json PATH]
+
+The instrument of tests/jobs/test_hangs.py's watchdog test, and of the figure in
+docs/benchmarks-scale.rst, *What the fault handling costs* (a settled question, so
+it left benchmarks/).
 
 Run it with and without ``MPI4JAX_DIST_COLLECTIVE_TIMEOUT`` or
 ``MPI4JAX_DIST_HANG_TIMEOUT`` to see what the package's watchdog adds. Every rank
