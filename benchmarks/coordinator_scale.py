@@ -67,7 +67,7 @@ GPU process without ``JAX_PLATFORMS``. Each platform's figures are kept under
 ``<platform>.<key>``, their sums under the plain keys. A GPU process's local topology
 is an estimate (no GPU here): about 40 B and 70 B per GPU
 (``mpi4jax_dist.launch.limits.GPU_LOCAL_TOPOLOGY_BYTES``).
-``benchmarks/topology_model.py`` fits a model to these runs.
+``tests/unit/test_topology_model.py`` fits the package's model to these runs.
 
 File limits: ``--soft-limit N`` lowers this process's soft RLIMIT_NOFILE to N before
 anything starts. With ``--protection on`` the run then calls the package's

@@ -46,8 +46,8 @@ def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
     assert "mpi4jax_dist/single" in capsys.readouterr().out
 
 
-def test_overlap_benchmark_and_scale_model(tmp_path, capsys):
-    """overlap.py's tables (2 ranks, tiny), and the scale model read from them."""
+def test_overlap_benchmark(tmp_path):
+    """overlap.py's tables (2 ranks, tiny)."""
     out = tmp_path / "overlap.json"
     proc = util.run_mpi(
         util.ROOT / "benchmarks" / "overlap.py",
@@ -75,15 +75,6 @@ def test_overlap_benchmark_and_scale_model(tmp_path, capsys):
     assert [r["work"] for r in progress] == ["matvec", "stencil", "stencil+test"]
     assert [r["test_done"] is None for r in progress] == [True, True, False]
     assert "cores of each rank" in proc.stdout
-    model = util.load_benchmark("scale_model").main([str(out), "--procs", "1000"])
-    checked = [r for r in model if "measured_us" in r]
-    assert {(r["variant"], r["latency_us"]) for r in checked} == {
-        ("single", 40),
-        ("pipelined_nb", 40),
-    }
-    predicted = [r for r in model if "procs" in r]
-    assert len(predicted) == 2 and all(r["single"] > 0 for r in predicted)
-    assert "Graham et al." in capsys.readouterr().out
 
 
 def _finite(value) -> bool:

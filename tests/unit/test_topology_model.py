@@ -1,10 +1,13 @@
 """The topology-exchange model behind ``initialize()``'s timeouts and the
 diagnostics (``mpi4jax_dist.launch.limits.TOPOLOGY_FIT``): it is the fit of the
-committed emulation runs, and the fit finds known coefficients."""
+committed emulation runs (``benchmarks/coordinator_scale.py --exchange``, in
+docs/benchmarks-scale.rst), and the fit finds known coefficients."""
 
 import glob
 import json
+import statistics
 
+import numpy as np
 import pytest
 import util
 
@@ -13,15 +16,59 @@ from mpi4jax_dist.launch import limits
 pytestmark = util.skip_in_mpi_job
 
 RUNS = sorted(glob.glob(str(util.ROOT / "docs" / "benchmarks" / "topology_exchange-*")))
+#: The terms each phase is fitted with (the phases of ``limits.TOPOLOGY_FIT``).
+FITTED = {
+    "whole": ("per_process_s", "per_pair_s", "per_byte_s"),
+    "put_gather": ("per_process_s", "per_pair_s"),
+}
+
+
+def points(paths: list[str]) -> list[dict]:
+    """One point per setting of the runs, their first platform's exchange (a second
+    one's follows it while the service still holds the first's keys, and is not
+    fitted): P, L and the median seconds."""
+    found = []
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["results"]
+        for row in rows:
+            if not row.get("ok") or not row.get("exchange_platforms"):
+                continue
+            platform = row["exchange_platforms"][0]
+            runs = [r for r in row["runs"] if r.get("ok")]
+
+            def median(key: str, runs=runs, platform=platform) -> float:
+                return statistics.median(r[f"{platform}.{key}"] for r in runs)
+
+            found.append(
+                {
+                    "procs": row["procs"],
+                    "local": row[f"{platform}.exchange_local_bytes"],
+                    "whole_s": median("exchange_s"),
+                    "put_gather_s": median("put_s") + median("gather_s"),
+                }
+            )
+    return found
+
+
+def fit(pts: list[dict], key: str) -> dict[str, float]:
+    """The coefficients of ``key``'s terms by least squares on the relative error
+    (each equation divided by its measured time)."""
+    names = FITTED[key]
+    x = np.array(
+        [[limits.exchange_terms(p["procs"], p["local"])[n] for n in names] for p in pts]
+    )
+    t = np.array([p[f"{key}_s"] for p in pts], float)
+    coef, *_ = np.linalg.lstsq(x / t[:, None], np.ones(len(t)), rcond=None)
+    return dict(zip(names, map(float, coef), strict=True))
 
 
 def test_the_package_model_is_the_fit_of_the_committed_runs():
-    model = util.load_benchmark("topology_model")
     assert RUNS, "no docs/benchmarks/topology_exchange-*.json"
-    points = [p for p in model.points(RUNS) if not p["after"]]
-    assert len(points) >= 20
+    points_ = points(RUNS)
+    assert len(points_) >= 20
     for phase, coefs in limits.TOPOLOGY_FIT.items():
-        fitted = model.fit(points, phase)
+        fitted = fit(points_, phase)
         assert fitted.keys() == coefs.keys(), phase
         for name, value in coefs.items():
             # The package holds 4 significant figures.
@@ -29,18 +76,17 @@ def test_the_package_model_is_the_fit_of_the_committed_runs():
 
 
 def test_the_fit_finds_known_coefficients_and_rejects_others():
-    model = util.load_benchmark("topology_model")
     known = {"per_process_s": 1e-3, "per_pair_s": 2e-7, "per_byte_s": 3e-9}
-    points = []
+    pts = []
     for procs, local in [(64, 88), (512, 88), (4096, 88), (256, 600), (1024, 320)]:
         terms = limits.exchange_terms(procs, local)
         whole = sum(c * terms[n] for n, c in known.items())
-        points.append({"procs": procs, "local": local, "whole_s": whole, "after": []})
-    fitted = model.fit(points, "whole")
+        pts.append({"procs": procs, "local": local, "whole_s": whole})
+    fitted = fit(pts, "whole")
     assert fitted == pytest.approx(known, rel=1e-6)
     # One point measured 10 % slow moves the fit: it is not fixed in advance.
-    points[2]["whole_s"] *= 1.1
-    assert model.fit(points, "whole") != pytest.approx(known, rel=1e-3)
+    pts[2]["whole_s"] *= 1.1
+    assert fit(pts, "whole") != pytest.approx(known, rel=1e-3)
 
 
 def test_payload_is_what_the_emulation_sends():
@@ -51,38 +97,3 @@ def test_payload_is_what_the_emulation_sends():
         built = len(b"".join(bench.frame(bytes(local)) for _ in range(procs)))
         assert limits.global_topology_bytes(procs, local) == built
         assert limits.exchange_payload(procs, local) == procs * local + procs * built
-
-
-def test_scenarios_one_process_per_node_and_jax_platforms_save():
-    """The scenario table's arithmetic: JAX_PLATFORMS=cuda drops the CPU exchange,
-    one process per 4-GPU node a quarter of the processes."""
-    model = util.load_benchmark("topology_model")
-    fit = limits.TOPOLOGY_FIT
-    per_gpu, only_cuda, per_node = (
-        model.scenario(name, per, platforms, 100_000, fit)
-        for name, per, platforms in model.SCENARIOS[:3]
-    )
-    assert per_gpu["procs"] == only_cuda["procs"] == 100_000
-    assert per_node["procs"] == 25_000
-    cpu = per_gpu["platforms"]["cpu"]["whole_s"]
-    assert per_gpu["whole_s"] == pytest.approx(only_cuda["whole_s"] + cpu)
-    assert per_node["platforms"]["cuda"]["local_bytes"] == 40 + 4 * 70
-    assert not only_cuda["cuda_within_xla_limit"]
-
-
-def test_the_model_script_runs_on_the_committed_runs(tmp_path, capsys):
-    model = util.load_benchmark("topology_model")
-    out = tmp_path / "model.json"
-    result = model.main([*RUNS, "--gpus", "10000,100000", "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert (
-        "# fit of whole over" in printed and "1 per GPU, JAX_PLATFORMS=cuda" in printed
-    )
-    assert len(result["scenarios"]) == 2 * len(model.SCENARIOS)
-    saved = json.loads(out.read_text())
-    assert saved["results"]["fit"] == result["fit"] and "versions" in saved["meta"]
-    # At 10^5 GPUs one process per GPU does not fit XLA's 5 minutes by the model;
-    # one per 8-GPU node does.
-    at_1e5 = {s["scenario"]: s for s in result["scenarios"] if s["gpus"] == 100_000}
-    assert not at_1e5["1 per GPU, JAX_PLATFORMS=cuda"]["cuda_within_xla_limit"]
-    assert at_1e5["1 per 8-GPU node, =cuda"]["cuda_within_xla_limit"]
