@@ -20,12 +20,11 @@ Measured per run:
 
 - ``connect``: from the start of the first ``connect()`` until the last one has
   returned. ``connect()`` registers the client and is a barrier over all P, so this
-  is the time to register the whole job. ``tcp all``: until the service side held P
-  established connections (a sampler thread reads /proc/net/tcp{,6} every
-  ``--sample-ms``; off by default: one read costs about 25 ms of kernel time at
-  4,096 clients, and sampling every 100 ms slowed the burst's connect from 3.3 s
-  to 8.3 s here). ``issued``: until the last client's ``connect()`` was called
-  (waking 4,096 threads is not free).
+  is the time to register the whole job. ``issued``: until the last client's
+  ``connect()`` was called (waking 4,096 threads is not free). (Sampling
+  /proc/net/tcp while clients connect is no cheaper way: one read costs about 25 ms
+  of kernel time at 4,096 clients, and sampling every 100 ms slowed the burst's
+  connect from 3.3 s to 8.3 s.)
 - ``shutdown``: every client's ``shutdown()`` (also a barrier over all P), then the
   service's.
 - ``fds``: this process's open files (``/proc/self/fd``) at the peak, after connect;
@@ -133,31 +132,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
-
-
-def established(port: int) -> int | None:
-    """Return how many ESTABLISHED TCP sockets have local port ``port`` (accepted
-    or still queued); the sampler's cheap count. None when unreadable."""
-    wanted = f":{port:04X} "
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                text = f.read()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-        start = 0
-        while (start := text.find(wanted, start)) >= 0:
-            # "local_address rem_address st": the local one is followed by the
-            # remote one, then the state; a remote match is followed by the state.
-            line_start = text.rfind("\n", 0, start) + 1
-            fields = text[line_start : text.find("\n", start)].split(None, 4)
-            if fields[1].endswith(wanted.strip()) and fields[3] == TCP_ESTABLISHED:
-                count += 1
-            start += len(wanted)
-    return count
 
 
 def service_sockets(port: int) -> dict[str, int] | None:
@@ -329,25 +303,8 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     for t in threads:
         t.start()
 
-    # The sampler: service-side established connections over time.
-    peak = {"established": 0, "tcp_s": None}
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            count = established(port)
-            if count is not None:
-                peak["established"] = max(peak["established"], count)
-                if peak["tcp_s"] is None and count >= procs:
-                    peak["tcp_s"] = time.perf_counter() - t0[0]
-            stop.wait(sample_s)
-
-    sample_s = config.get("sample_ms", 0) / 1e3
-    sampler = threading.Thread(target=sample, daemon=True)
     t0[0] = time.perf_counter()
     start.set()
-    if sample_s:
-        sampler.start()
     last_issue = ((procs - 1) // waves) * gap if waves else 0.0
     give_up = t0[0] + last_issue + init_timeout + CONNECT_GRACE_S
     waiting = []
@@ -360,14 +317,12 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     t1 = max(done)
     row["connect_s"] = t1 - t0[0]
     row["issued_s"] = max(issued) - t0[0]
-    row["tcp_s"] = peak["tcp_s"]
     row["fds"] = open_files()
     row["fds_before"] = fds0
     counts = service_sockets(port) or {}
     row["service_conns"] = counts.get("accepted")
     row["service_queued"] = counts.get("queued")
     row["service_fds"] = counts["accepted"] + counts["listening"] if counts else None
-    row["tcp_peak"] = peak["established"]
     row["rss_before_mib"] = mib(rss0)
     try:  # at the open-file limit even /proc/self/status cannot be opened
         rss1, hwm = _harness.rss_bytes()
@@ -378,7 +333,6 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     row["fatal_callbacks"] = len(fatal)
     net1 = netstat()
     row["tcp_counters"] = {k: net1[k] - net0.get(k, 0) for k in net1}
-    stop.set()
     if errors:
         first = min(errors)
         row.update(
@@ -771,7 +725,6 @@ TABLE = _harness.Table(
         _harness.Column("connect_max_s", "connect", "max s", 8, _s),
         _harness.Column("ratio", "ratio", "to burst", 8, ".2f"),
         _harness.Column("issued_s", "issued", "median s", 8, _s),
-        _harness.Column("tcp_s", "tcp all", "median s", 8, _s),
         _harness.Column("shutdown_s", "shutdown", "median s", 8, _s),
         _harness.Column("fds", "fds", "process", 7, "d"),
         _harness.Column("service_fds", "service", "fds", 7, "d"),
@@ -844,7 +797,6 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
     for key in (
         "connect_s",
         "issued_s",
-        "tcp_s",
         "shutdown_s",
         "rss_mib",
         "rss_per_client_kib",
@@ -944,12 +896,6 @@ def main(argv=None) -> list[dict]:
         "--shutdown-timeout", type=int, default=60, help="shutdown barrier [s]"
     )
     parser.add_argument(
-        "--sample-ms",
-        type=float,
-        default=0.0,
-        help="sampling interval of the service's connections [ms]; 0: off",
-    )
-    parser.add_argument(
         "--exchange",
         default="",
         help="after connect, exchange topologies as PJRT's clients do: BYTES (the "
@@ -1010,8 +956,7 @@ def main(argv=None) -> list[dict]:
     )
     print(
         "# connect: first connect() to last return (register barrier); issued: last "
-        "connect() called; tcp all (--sample-ms): "
-        "until the service held P connections; fds: whole process (both ends); "
+        "connect() called; fds: whole process (both ends); "
         "service fds: its established connections + listening socket(s)"
     )
     print(TABLE.header(), flush=True)
@@ -1029,7 +974,6 @@ def main(argv=None) -> list[dict]:
                     "soft_limit": args.soft_limit,
                     "init_timeout": init_timeout,
                     "shutdown_timeout": args.shutdown_timeout,
-                    "sample_ms": args.sample_ms,
                     "exchange": args.exchange,
                     "exchange_timeout": args.exchange_timeout,
                     "gather_threads": args.gather_threads,
