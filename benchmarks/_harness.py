@@ -447,8 +447,27 @@ def commit() -> str | None:
     return sha.stdout.strip() or None
 
 
+#: The variables that set NumPy's and XLA's threads: where the ranks fill the cores,
+#: run the CG benchmarks with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (BLAS
+#: threads otherwise spin against the other ranks); ``meta`` records them.
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "XLA_FLAGS",
+)
+
+
+def threads_line() -> str:
+    """``# OMP_NUM_THREADS=1, ...``: the thread variables, for a header."""
+    return "# " + ", ".join(
+        f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
+    )
+
+
 def meta(comm=None, **extra) -> dict:
-    """Return provenance: machine, versions, commit, UTC time, and extra fields.
+    """Return provenance: machine, versions, commit, UTC time, the thread
+    variables (``threads``) and extra fields.
 
     With ``comm`` (inside an MPI job with JAX initialized) also the MPI library,
     the world size and nodes, JAX's backend, devices and CPU collectives.
@@ -465,6 +484,7 @@ def meta(comm=None, **extra) -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "versions": diagnostics.versions(),
+        "threads": {name: os.environ.get(name) for name in THREAD_VARIABLES},
     }
     info["pages"] = pages()
     if comm is not None:

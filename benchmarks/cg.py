@@ -7,9 +7,9 @@
 Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
 split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
 with a known random ``x_true``. Problem B: the stochastic-reconfiguration normal
-equations ``(J^T J / Ns + eps I) x = f`` with a synthetic Jacobian (``S`` samples
-split across ranks, ``P`` parameters, column scales ``1/sqrt(1+j)``), ``f = J^T e /
-Ns``, checked against a dense SciPy solve (Woodbury form) on rank 0.
+equations ``(J^T J / Ns + eps I) x = f`` with a synthetic Jacobian (``_sr.py``'s,
+``S`` samples split across ranks, ``P`` parameters, column scales ``1/sqrt(1+j)``),
+checked against a dense SciPy solve (Woodbury form) on rank 0.
 
 Methods (``--backends``, default all): every variant (``--variants``) of
 :mod:`mpi4jax_dist.cg` with each of its backends (``mpi4jax``, ``psum``); the floor
@@ -41,10 +41,6 @@ reductions with the same mechanism (mpi4jax.allreduce, psum in shard_map, or mpi
 Allreduce), over t/iter: an estimate of the latency, without the waiting for slower
 ranks that a real iteration adds. Those one-reduction times are printed too.
 
-Problem B also times the two forms of this rank's share of ``J^T J v`` alone,
-``(J @ v) @ J`` (what ``mpi4jax_dist.cg`` computes) and ``J.T @ (J @ v)`` (what the
-references compute, as users write it), and prints their ratio.
-
 Where the ranks fill the cores, run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``:
 NumPy's BLAS threads otherwise spin against the other ranks and the floor's dot
 products slow down several-fold (the header and the JSON record these variables).
@@ -63,6 +59,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 from _poisson import Poisson  # noqa: E402  (problem A)
+from _sr import Jacobian, jax_scipy_cg  # noqa: E402  (problem B)
 
 FLOOR = "mpi4py+numpy"
 JAX_SCIPY = "jax.scipy"
@@ -77,75 +74,6 @@ METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays
 METHODS.register(HAND, "jax.scipy.sparse.linalg.cg over mpi4jax.allreduce (B only)")
 REDUCE_LOOP = 200  # default reductions per timed loop for the share estimate
 B_DESIGN = 1  # shape B: the matvec's allreduce; the dot products are local
-THREAD_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "XLA_FLAGS",
-)
-
-
-# ---------------------------------------------------------------------------------
-# Problem B: SR normal equations with a synthetic Jacobian
-
-
-class Jacobian:
-    """``(J^T J / Ns + eps I) x = f``: this rank's ``samples / size`` rows of J."""
-
-    def __init__(self, samples: int, params: int, eps: float, comm, seed: int = 1):
-        from mpi4py import MPI
-
-        if samples % comm.size:
-            raise ValueError(
-                f"--samples {samples} must be a multiple of the {comm.size} ranks."
-            )
-        self.samples, self.params, self.eps, self.comm = samples, params, eps, comm
-        self.seed = seed
-        rows = samples // comm.size
-        self.J, e = self.rows(comm.rank * rows, (comm.rank + 1) * rows)
-        self.f = np.empty(params)
-        comm.Allreduce(self.J.T @ e / samples, self.f, op=MPI.SUM)
-        self.size = params
-
-    def rows(self, start: int, stop: int):
-        """Rows ``start:stop`` of J and of the per-sample weights ``e``."""
-        scale = 1 / np.sqrt(1 + np.arange(self.params))
-        gens = [np.random.default_rng([self.seed, i]) for i in range(start, stop)]
-        J = np.stack([g.standard_normal(self.params) for g in gens]) * scale
-        e = np.array([g.standard_normal() for g in gens])
-        return J, e
-
-    def reference(self) -> np.ndarray:
-        """SciPy's solution on rank 0 (Woodbury form), broadcast to every rank."""
-        import scipy.linalg
-
-        x = None
-        if self.comm.rank == 0:
-            J, _ = self.rows(0, self.samples)
-            ns, eps = self.samples, self.eps
-            if ns < self.params:
-                # (eps + J^T J/Ns)^-1 = (I - J^T (Ns eps + J J^T)^-1 J) / eps
-                K = J @ J.T + ns * eps * np.eye(ns)
-                x = (
-                    self.f - J.T @ scipy.linalg.solve(K, J @ self.f, assume_a="pos")
-                ) / eps
-            else:
-                A = J.T @ J / ns + eps * np.eye(self.params)
-                x = scipy.linalg.solve(A, self.f, assume_a="pos")
-        return self.comm.bcast(x, root=0)
-
-    def numpy_matvec(self, comm=None):
-        """The floor's matvec: ``J^T J v`` summed over ranks by mpi4py on ``comm``
-        (default the problem's)."""
-        from mpi4py import MPI
-
-        comm, J, out = comm or self.comm, self.J, np.empty(self.params)
-
-        def matvec(v):
-            comm.Allreduce(J.T @ (J @ v), out, op=MPI.SUM)
-            return out / self.samples + self.eps * v
-
-        return matvec
 
 
 # ---------------------------------------------------------------------------------
@@ -206,31 +134,16 @@ def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
     return x, k, comm.reductions - before, np.sqrt(rr / (bb if bb > 0 else 1.0))
 
 
-def compiled_solver_loop(jitted, args):
-    """Return the reductions of the CG loop of ``mpi4jax_dist.cg``'s solve, as
-    ``jitted`` compiles it for ``args`` (the solver called inside a ``jit``; the
-    loop is the one marked by the solver's named scope), or None where it is not
-    found. Compiles a program of its own: for the benchmark's figure only."""
-    import _hlo
-
-    from mpi4jax_dist.solvers.core import LOOP_SCOPE, REPLACE_SCOPE
-
-    text = jitted.lower(*args).compile().as_text()
-    try:
-        return _hlo.loop_reductions(text, LOOP_SCOPE, REPLACE_SCOPE)
-    except LookupError:
-        return None
-
-
-def compiled_loop(jitted, args):
-    """Return the reductions of the one while loop that ``jitted`` compiles to for
-    ``args`` (None when there is not exactly one); compiles it, so that the next call
-    finds the executable in jit's cache."""
+def compiled_loop(jitted, args, *scopes):
+    """Return the reductions of the CG loop that ``jitted`` compiles to for ``args``
+    (``_hlo.loop_reductions``: the loop in the named ``scopes``, else the one while
+    loop), or None where it is not found. Compiles it, so that the next call finds
+    the executable in jit's cache."""
     import _hlo
 
     text = jitted.lower(*args).compile().as_text()
     try:
-        return _hlo.loop_reductions(text)
+        return _hlo.loop_reductions(text, *scopes)
     except LookupError:
         return None
 
@@ -488,8 +401,10 @@ class Bench:
         counted in (``info.reductions`` counts the traced one, before XLA could
         combine psums: in the JSON as ``reductions_counted_traced``)."""
         from mpi4jax_dist import to_local
+        from mpi4jax_dist.solvers.core import LOOP_SCOPE, REPLACE_SCOPE
 
-        loop = compiled_solver_loop(*program)
+        # The solver called inside a jit: its loop, marked by its named scope.
+        loop = compiled_loop(*program, LOOP_SCOPE, REPLACE_SCOPE)
 
         def finish(samples, output):
             x, info = output
@@ -661,9 +576,7 @@ class Bench:
     def problem_b(self):
         import jax
         import jax.numpy as jnp
-        import mpi4jax
         from jax.sharding import NamedSharding, PartitionSpec
-        from mpi4py import MPI
 
         from mpi4jax_dist import cg, to_global, to_local
 
@@ -685,25 +598,19 @@ class Bench:
             f"{self.maxiter}"
         )
         J_local, f = jnp.asarray(prob.J), jnp.asarray(prob.f)
-        self.matvec_forms(J_local)
         if self.wants(FLOOR):
             self.add_floor("B", prob, check, dots_global=False)
         J_global = to_global(J_local, mesh)
-        cases = [(v, None) for v in args.variants]
-        if "classic" in args.variants:
-            cases.append(("classic", "float32"))
         for backend in (b for b in cg.BACKENDS if self.wants(b)):
             J = J_local if backend == "mpi4jax" else J_global
-            for variant, narrow in cases:
+            for variant in args.variants:
                 solver = cg.make_normal_solver(
                     backend=backend,
                     variant=variant,
-                    reduce_dtype=narrow,
                     comm=comm,
                     mesh=mesh,
                     replace_every=args.replace_every,
                 )
-                payload = np.dtype(narrow or np.float64)
                 solve = functools.partial(solver, J, f, eps, tol=tol, maxiter=maxiter)
                 program = jax.jit(
                     lambda J, f, solver=solver: solver(
@@ -713,17 +620,14 @@ class Bench:
                 self.add_ours(
                     "B",
                     backend,
-                    variant + ("/f32red" if narrow else ""),
+                    variant,
                     solve,
                     check,
                     B_DESIGN,
-                    payload.itemsize * P,
-                    payload,
+                    8 * P,
+                    np.float64,
                     (program, (J, f)),
-                    extra={
-                        "reduce_dtype": payload.name,
-                        "replace_every": solver.replace_every,
-                    },
+                    extra={"replace_every": solver.replace_every},
                 )
 
         if self.wants(JAX_SCIPY):
@@ -755,28 +659,12 @@ class Bench:
             )
 
         if self.wants(HAND):
-
-            def make_hand(counter):
-                def matvec(J, v):
-                    if counter is not None:
-                        jax.debug.callback(counter)
-                    return (
-                        mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm) / Ns
-                        + eps * v
-                    )
-
-                return jax.jit(
-                    lambda J, f: jax.scipy.sparse.linalg.cg(
-                        lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
-                    )[0]
-                )
-
             # Every rank counts its own matvecs here; rank 0's count is broadcast.
             self.add_jax_cg(
                 "B",
                 HAND,
-                make_hand,
-                (J_local, f),
+                functools.partial(jax_scipy_cg, Ns, comm, tol, maxiter),
+                (J_local, f, jnp.zeros(P), jnp.asarray(eps)),
                 check,
                 B_DESIGN,
                 8 * P,
@@ -785,33 +673,6 @@ class Bench:
             )
         self.measure()
         self.reduction_times("B")
-
-    def matvec_forms(self, J_local):
-        """Time this rank's ``J^T J v`` in both forms, alone, and print the ratio."""
-        import jax
-        import jax.numpy as jnp
-
-        forms = {
-            "(J @ v) @ J": jax.jit(lambda J, v: (J @ v) @ J),
-            "J.T @ (J @ v)": jax.jit(lambda J, v: J.T @ (J @ v)),
-        }
-        v = jnp.ones(J_local.shape[1], J_local.dtype)
-        cases = [functools.partial(form, J_local, v) for form in forms.values()]
-        samples = max(4 * self.args.repeat, 20)  # cheap: one matvec each
-        times = _harness.time_rounds(cases, self.comm, samples)
-        median = {
-            name: statistics.median(t) for name, t in zip(forms, times, strict=True)
-        }
-        ratio = median["J.T @ (J @ v)"] / median["(J @ v) @ J"]
-        self.notes["matvec_forms_s"] = median
-        self.notes["matvec_forms_ratio"] = ratio
-        rows, cols = J_local.shape
-        self.say(
-            f"# B: this rank's J^T J v ({rows} x {cols} J), median of {samples}: "
-            f"(J @ v) @ J {median['(J @ v) @ J'] * 1e3:.3g} ms (mpi4jax_dist.cg), "
-            f"J.T @ (J @ v) {median['J.T @ (J @ v)'] * 1e3:.3g} ms (the "
-            f"references): {ratio:.2f}x"
-        )
 
     # Helpers --------------------------------------------------------------------
 
@@ -837,10 +698,7 @@ class Bench:
                 base = mine.get("classic")
                 parts = []
                 for variant, row in mine.items():
-                    if base is not None and variant not in (
-                        "classic",
-                        "classic/f32red",
-                    ):
+                    if base is not None and variant != "classic":
                         row["speedup_vs_classic"] = base["t_iter_s"] / row["t_iter_s"]
                         row["solve_speedup_vs_classic"] = (
                             base["t_solve_s"] / row["t_solve_s"]
@@ -874,7 +732,6 @@ def metadata(args, comm, notes) -> dict:
 
     meta = _harness.meta(
         comm,
-        threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
         args=vars(args),
         timing="median over --repeat solves (round-robin) of the slowest rank's "
         "wall time, compilation and one warm-up solve excluded; t_iter_s = that / "
@@ -998,10 +855,7 @@ def main(argv=None) -> list[dict]:
             f"({jax.default_backend()}, CPU collectives "
             f"{_compat.cpu_collectives()}), float64, no preconditioner; "
             f"replace_every {args.replace_every} (pipelined)",
-            "# "
-            + ", ".join(
-                f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
-            ),
+            _harness.threads_line(),
             f"# t/iter: median over {args.repeat} rounds of the slowest rank's solve "
             f"wall, compile excluded, / iterations; methods timed round-robin",
             "# red/it counted: from what ran (the compiled loop body x iterations; "

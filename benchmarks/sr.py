@@ -1,12 +1,11 @@
 """The stochastic-reconfiguration (SR) solve as VMC codes write it: three routes.
 
     mpiexec -n 2 python benchmarks/sr.py [--params 1824,9245,50000]
-        [--walkers 256,1024] [--max-j-mib 64] [--eps 1e-3] [--eps-vector]
-        [--cond 1.7e7] [--spectrum exp|power] [--decay 1] [--tol 1e-5]
-        [--maxiter 200]
+        [--walkers 256,1024] [--max-j-mib 64] [--eps 1e-3] [--cond 1.7e7]
+        [--tol 1e-5] [--maxiter 200]
         [--routes jax.scipy,dropin,solve_normal,cholesky] [--variants ...]
         [--repeat 3] [--latencies 0,10,30,100,300,1000]
-        [--latency-params 1824,9245] [--bandwidth-gbs 25] [--max-s-gib 4]
+        [--latency-params 1824,9245] [--max-s-gib 4]
         [--no-conditioning] [--cond-params 2000] [--cond-walkers 500]
         [--json PATH]
 
@@ -14,19 +13,12 @@
     python benchmarks/sr.py --memory [--procs 2] [--params 1824,9245,50000]
         [--memory-params 9245,16384,23170] [--factor-max 16384] [--json PATH]
 
-The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern): the
-``N_p`` parameters are replicated on every rank, the walkers are split over the
-ranks, rank ``r`` holds its rows ``J_r`` (``walkers x N_p``) of the Jacobian, and
-the update solves ``(J^T J / N + eps) x = f`` with ``f = J^T e / N`` (``N`` all
-walkers, ``e`` the per-walker local energies, centred), float64, ``tol=1e-5``,
-``atol=0``, ``maxiter=200``, ``x0`` zero. ``J_r`` is synthetic with a realistic
-spectrum: Gaussian rows times column scales that make the eigenvalues of ``S``
-(rank at most ``min(N, N_p)``) fall exponentially from ``lambda_max`` to about
-``eps`` over the rank (``--spectrum exp``; ``power``: ``(1 + j)^-decay``, which
-CG solves in about 70 iterations here), rescaled so that ``(lambda_max(S) + eps) /
-eps`` is ``--cond`` (1.7e7 by default, the user's deuteron): as in their runs CG
-stops at ``maxiter`` without converging. ``eps`` is a scalar, or with
-``--eps-vector`` a per-parameter vector ``eps (0.5 + u_j)``.
+The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern), made
+by ``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, ``(J^T J / N
++ eps) x = f``, float64, ``tol=1e-5``, ``atol=0``, ``maxiter=200``, ``x0`` zero,
+``eps`` a scalar, the eigenvalues of ``S`` falling exponentially so that ``(lambda_max
++ eps) / eps`` is ``--cond`` (1.7e7, the user's deuteron): as in their runs CG stops
+at ``maxiter`` without converging.
 
 Routes, every one inside ``jax.jit``, one row each per ``(N_p, walkers)``:
 
@@ -36,8 +28,7 @@ Routes, every one inside ``jax.jit``, one row each per ``(N_p, walkers)``:
 ``dropin/<variant>`` (b)
     the same ``A`` and call, one line changed: ``mpi4jax_dist.cg(A, f, ...,
     variant=...)`` for every variant (vectors replicated: one reduction per
-    iteration, ``A``'s). Skipped, and said so, where ``mpi4jax_dist.cg`` is not
-    callable (before the drop-in).
+    iteration, ``A``'s).
 ``solve_normal`` (b)
     ``mpi4jax_dist.cg.solve_normal(J_r, f, eps, variant="classic")``, which forms
     the matvec itself as ``(J v) J`` (faster than ``J.T @ (J @ v)`` on CPU).
@@ -92,12 +83,9 @@ Latency study. The time a route would take where one allreduce costs ``L`` more
 
 Crossover: the ``L`` above which ``(c)`` is faster than ``(a)``, the drop-in
 (classic) and solve_normal, from the model: ``L* = (t_c - t_cg) / (n_cg - n_c)``
-with ``n_c`` the MPI calls of S's allreduce (``L* 1 call``: ``n_c = 1``, as with
-``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES=0``; ``w/ BW``: ``t_c - t_cg`` plus ``2 (b_c
-- n_cg b_cg) / BW``, ``2 b / BW`` a ring allreduce's traffic per rank at
-``--bandwidth-gbs``); 0 where ``(c)`` is faster already, ``never`` where S goes
-in more MPI calls than CG makes allreduces. Where ``(c)`` was skipped
-for its size, its time is extrapolated from the largest ``N_p`` it ran at (same
+with ``n_c`` the MPI calls of S's allreduce; 0 where ``(c)`` is faster already,
+``never`` where S goes in more MPI calls than CG makes allreduces. Where ``(c)`` was
+skipped for its size, its time is extrapolated from the largest ``N_p`` it ran at (same
 walkers): form ``~ N_p^2``, allreduce ``~ N_p^2``, factor ``~ N_p^3``; such rows
 say ``extrapolated``. The compute times are this machine's (CPU, one core per
 rank); on a GPU every term shrinks, the latency does not.
@@ -125,15 +113,11 @@ scratch), also at ``--memory-params`` (S of 0.64, 2 and 4 GiB). For ``(c)`` the
 rise after form + allreduce (``rise_S``, in S) and the peak over factor+solve
 (``rise_all``; only up to ``--factor-max`` parameters: a Cholesky of 23,170 takes
 minutes a core here). A case whose predicted peak over all ranks would exceed 85%
-of MemAvailable is skipped, with the reason printed. Measured here (2 ranks,
-MPICH, jax 0.10.2, CPU): rise_S 1.0 in place (plus half a 64 MiB chunk of MPI
-scratch: 1.5 at 25 MiB, 1.02 at 4 GiB) against 2.5 out of place (S's sum beside
-S, and MPI's scratch, half a message on 2 ranks); rise_all 3.0 for both:
-``cho_factor`` + ``cho_solve`` needs two S-sized temporaries even with S donated
-(XLA copies S into LAPACK's column-major layout and masks the factor's upper
-triangle into another buffer; ``memory_analysis()`` temp = 2 S; also with
-``lax.linalg.cholesky(symmetrize_input=False)`` or on ``S.T``), so the
-factorization, not the allreduce, sets (c)'s peak.
+of MemAvailable is skipped, with the reason printed. The rises: docs/benchmarks.rst,
+*The stochastic-reconfiguration solve*; (c)'s factorization, not its allreduce, sets
+its peak: ``cho_factor`` + ``cho_solve`` need two S-sized temporaries even with S
+donated (XLA copies S into LAPACK's column-major layout and masks the factor's upper
+triangle into another buffer).
 
 Run with ``OMP_NUM_THREADS=1`` where the ranks fill the cores (as benchmarks/cg.py
 says); the header records it.
@@ -155,6 +139,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import _latency  # noqa: E402
+from _sr import Jacobian, jax_scipy_cg, user_matvec  # noqa: E402
 
 DEFAULT_PARAMS = "1824,9245,50000"
 DEFAULT_WALKERS = "256,1024"
@@ -165,7 +150,6 @@ DROPIN = "dropin"
 NORMAL = "solve_normal"
 CHOL = "cholesky"
 CHOL_OOP = "cholesky/oop"
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS")
 
 ROUTES = _harness.Registry("SR route")
 ROUTES.register(ROUTE_A, "(a) jax.scipy.sparse.linalg.cg, mpi4jax.allreduce in A")
@@ -179,150 +163,26 @@ def cg_module():
     return importlib.import_module("mpi4jax_dist.cg")
 
 
-def dropin():
-    """``mpi4jax_dist.cg`` where it is the drop-in (callable), else None."""
-    import mpi4jax_dist
-
-    solver = getattr(mpi4jax_dist, "cg", None)
-    return solver if callable(solver) else None
-
-
-# ---------------------------------------------------------------------------------
-# The problem
-
-
-def column_scales(params, samples, args):
-    """The scales of J's columns, which set S's spectrum (S's rank is at most
-    ``min(samples, params)``): ``exp``: eigenvalues falling by ``--cond`` over
-    the rank, from lambda_max to about eps (VMC's SR matrices span many decades;
-    CG then stops at maxiter, as in the user's runs); ``power``: eigenvalues
-    ``~ (1 + j)^-decay`` (benchmarks/cg.py's problem B for decay 1)."""
-    j = np.arange(params)
-    if args.spectrum == "power":
-        return (1.0 + j) ** (-args.decay / 2)
-    rank = max(min(samples, params) - 1, 1)
-    return 10.0 ** (-0.5 * math.log10(args.cond) * np.minimum(j, rank) / rank)
-
-
-class Problem:
-    """This rank's ``walkers x params`` rows of J, ``f`` and ``eps``, in NumPy."""
-
-    def __init__(self, params, walkers, comm, args, seed=0):
-        from mpi4py import MPI
-
-        self.params, self.walkers, self.comm = params, walkers, comm
-        self.N = walkers * comm.size
-        rng = np.random.default_rng([seed, params, walkers, comm.rank])
-        J = rng.standard_normal((walkers, params))
-        J *= column_scales(params, self.N, args)
-        e = rng.standard_normal(walkers)
-        shared = np.random.default_rng([seed, params])
-        if args.eps_vector:
-            self.eps = args.eps * (0.5 + shared.uniform(size=params))
-        else:
-            self.eps = float(args.eps)
-        # Rescale J: lambda_max(J^T J / N) = (cond - 1) * min(eps), by power
-        # iteration (the gap is wide: the column scales fall as a power law).
-        v = shared.standard_normal(params)
-        lam = 1.0
-        for _ in range(40):
-            w = J.T @ (J @ v)
-            comm.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
-            lam = np.linalg.norm(w) / self.N
-            v = w / np.linalg.norm(w)
-        target = (args.cond - 1) * float(np.min(self.eps))
-        J *= math.sqrt(target / lam)
-        self.J = J
-        self.lambda_max = target
-        self.f = J.T @ (e - e.mean()) / self.N
-        comm.Allreduce(MPI.IN_PLACE, self.f, op=MPI.SUM)
-        self.f_norm = float(np.linalg.norm(self.f))
-
-    @property
-    def j_bytes(self) -> int:
-        return self.J.nbytes
-
-    @property
-    def s_bytes(self) -> int:
-        return 8 * self.params**2
-
-    def apply(self, x):
-        """``(J^T J / N + eps) x`` in NumPy, summed by mpi4py."""
-        from mpi4py import MPI
-
-        y = self.J.T @ (self.J @ x)
-        self.comm.Allreduce(MPI.IN_PLACE, y, op=MPI.SUM)
-        return y / self.N + self.eps * x
-
-    def residual(self, x) -> float:
-        x = np.asarray(x, dtype=np.float64)
-        return float(np.linalg.norm(self.f - self.apply(x)) / self.f_norm)
-
-    def device(self):
-        """``(J, f, x0, eps)`` as JAX arrays."""
-        import jax.numpy as jnp
-
-        return (
-            jnp.asarray(self.J),
-            jnp.asarray(self.f),
-            jnp.zeros(self.params),
-            jnp.asarray(self.eps),
-        )
-
-
 # ---------------------------------------------------------------------------------
 # The routes, as jitted functions of (J, f, x0, eps)
 
 
-def make_A(J, eps, N, comm, counter=None, nonblocking=False):
-    """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
-
-    ``counter``: a ``jax.debug.callback`` per call. ``nonblocking``: the sum by
-    ``mpi4jax_dist.iallreduce(...).wait()``, which a simulated
-    latency holds (the latency study's ``+iallreduce`` rows).
-    """
-    import jax
-    import mpi4jax
-    from mpi4py import MPI
-
-    import mpi4jax_dist
-
-    def A(v):
-        if counter is not None:
-            jax.debug.callback(counter)
-        part = J.T @ (J @ v)
-        if nonblocking:
-            total = mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm).wait()
-        else:
-            total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
-        return total / N + eps * v
-
-    return A
-
-
-def route_a(N, comm, tol, maxiter, counter=None, nonblocking=False):
-    """(a): ``jax.scipy.sparse.linalg.cg`` as the user calls it, in one jit."""
-    import jax
-
-    def solve(J, f, x0, eps):
-        A = make_A(J, eps, N, comm, counter, nonblocking)
-        x, _ = jax.scipy.sparse.linalg.cg(
-            A, f, x0=x0, tol=tol, atol=0.0, maxiter=maxiter
-        )
-        return x
-
-    return jax.jit(solve)
+def problem(params, walkers, comm, args, seed=0) -> Jacobian:
+    """The SR problem of ``params`` parameters, ``walkers`` per rank."""
+    return Jacobian(
+        walkers * comm.size, params, args.eps, comm, cond=args.cond, seed=seed
+    )
 
 
 def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None, **kw):
     """(b): the one changed line, ``mpi4jax_dist.cg(A, f, ...)``, in one jit."""
     import jax
 
-    cg = dropin()
+    import mpi4jax_dist
 
     def solve(J, f, x0, eps):
-        A = make_A(J, eps, N, comm, counter, kw.get("nonblocking", False))
-        return cg(
+        A = user_matvec(J, eps, N, comm, counter, kw.get("nonblocking", False))
+        return mpi4jax_dist.cg(
             A,
             f,
             x0=x0,
@@ -501,8 +361,6 @@ CROSS_TABLE = _harness.Table(
         _harness.Column("t_chol_s", "t_chol", "ms", 9, ".1f", 1e3),
         _harness.Column("n_chol", "n_chol", "mpi", 6),
         _harness.Column("crossover_us", "L*", "us", 9, ".1f"),
-        _harness.Column("crossover_one_call_us", "L* 1 call", "us", 9, ".1f"),
-        _harness.Column("crossover_bw_us", "L* w/ BW", "us", 9, ".1f"),
         _harness.Column("chol_how", "t_chol", "", 12, left=True),
     ]
 )
@@ -579,16 +437,11 @@ class Bench:
         self.say(
             f"# routes: (J^T J/N + eps) x = f, float64, tol {args.tol:g}, atol 0, "
             f"maxiter {args.maxiter}, x0 zero, eps {args.eps:g}"
-            f"{' x (0.5 + u_j) (vector)' if args.eps_vector else ' (scalar)'}, "
+            ", "
             f"cond {args.cond:.3g}, {comm.size} ranks; median of {args.repeat} "
             f"rounds, slowest rank",
             *skipped,
         )
-        if DROPIN in args.routes and dropin() is None:
-            self.say(
-                "# dropin: skipped, mpi4jax_dist.cg is not callable in this "
-                "checkout (no drop-in yet)"
-            )
         self.say(ROUTE_TABLE.header())
         for params, walkers in run:
             self.one_size(params, walkers)
@@ -597,20 +450,20 @@ class Bench:
         import jax
 
         args, comm = self.args, self.comm
-        prob = Problem(params, walkers, comm, args)
+        prob = problem(params, walkers, comm, args)
         dev = prob.device()
-        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        N, tol, maxiter = prob.samples, args.tol, args.maxiter
         base = {"section": "routes", "params": params, "walkers": walkers}
         cases, finish = [], []
         vec_bytes = 8 * params
 
         if ROUTE_A in args.routes:
-            solve = route_a(N, comm, tol, maxiter)
+            solve = jax_scipy_cg(N, comm, tol, maxiter)
             per_loop = loop_allreduces(solve, dev)
 
             def done_a(output, per_loop=per_loop, dev_=dev):
                 calls = count_calls(
-                    lambda c: route_a(N, comm, tol, maxiter, counter=c), dev_, comm
+                    lambda c: jax_scipy_cg(N, comm, tol, maxiter, counter=c), dev_, comm
                 )
                 k = calls - 1
                 return {
@@ -625,7 +478,7 @@ class Bench:
             cases.append(functools.partial(solve, *dev))
             finish.append(done_a)
 
-        if DROPIN in args.routes and dropin() is not None:
+        if DROPIN in args.routes:
             for variant in args.variants:
                 solve = route_dropin(N, comm, tol, maxiter, variant, args.replace_every)
 
@@ -790,15 +643,15 @@ class Bench:
         import jax
 
         args, comm = self.args, self.comm
-        prob = Problem(params, walkers, comm, args)
+        prob = problem(params, walkers, comm, args)
         dev = prob.device()
-        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        N, tol, maxiter = prob.samples, args.tol, args.maxiter
         makers = {}
         if ROUTE_A in args.routes:
             makers[ROUTE_A + "+iallreduce"] = functools.partial(
-                route_a, N, comm, tol, maxiter, nonblocking=True
+                jax_scipy_cg, N, comm, tol, maxiter, nonblocking=True
             )
-        if DROPIN in args.routes and dropin() is not None:
+        if DROPIN in args.routes:
             makers[f"{DROPIN}/classic+iallreduce"] = functools.partial(
                 route_dropin,
                 N,
@@ -856,20 +709,12 @@ class Bench:
 
     def crossovers(self):
         """L* where (c) becomes faster than (a) and the drop-in, per size."""
-        args = self.args
-        bw = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None
         rows = [r for r in self.results if r["section"] == "routes"]
         chol = {(r["params"], r["walkers"]): r for r in rows if r["route"] == CHOL}
         self.say(
             "",
             "# crossover: (c) cholesky faster than CG once one allreduce costs more "
-            "than L* (model: t + n L"
-            + (
-                f"; w/ BW: + 2 bytes / {args.bandwidth_gbs:g} GB/s per allreduce"
-                if bw
-                else ""
-            )
-            + "); t from the routes table",
+            "than L* (model: t + n L); t from the routes table",
             CROSS_TABLE.header(),
         )
         for (params, walkers), group in _group(rows):
@@ -886,11 +731,6 @@ class Bench:
                 n_cg, n_c = cg_row["allreduces"], c["mpi_calls"]
                 t_cg, t_c = cg_row["t_solve_s"], c["t_solve_s"]
                 cross = crossing(t_c - t_cg, n_cg - n_c)
-                cross_one = crossing(t_c - t_cg, n_cg - 1)
-                cross_bw = None
-                if bw:
-                    extra = 2 * (c["bytes_per_allreduce"] - n_cg * 8 * params) / bw
-                    cross_bw = crossing(t_c - t_cg + extra, n_cg - n_c)
                 out = {
                     "section": "crossover",
                     "params": params,
@@ -901,8 +741,6 @@ class Bench:
                     "t_chol_s": t_c,
                     "n_chol": n_c,
                     "crossover_us": cross,
-                    "crossover_one_call_us": cross_one,
-                    "crossover_bw_us": cross_bw,
                     "chol_how": how,
                 }
                 if how == "extrapolated":
@@ -935,9 +773,9 @@ class Bench:
 
         args, comm = self.args, self.comm
         params, walkers = args.cond_params, args.cond_walkers
-        prob = Problem(params, walkers, comm, args, seed=7)
+        prob = problem(params, walkers, comm, args, seed=7)
         dev = prob.device()
-        N, tol, maxiter = prob.N, args.tol, args.maxiter
+        N, tol, maxiter = prob.samples, args.tol, args.maxiter
         # The dense solution and the condition number, on rank 0.
         Js = comm.gather(prob.J, root=0)
         exact = cond = None
@@ -957,9 +795,9 @@ class Bench:
             f"classic (jax.scipy's where there is no drop-in)",
             COND_TABLE.header(),
         )
-        cases = [(ROUTE_A, None, route_a(N, comm, tol, maxiter))]
+        cases = [(ROUTE_A, None, jax_scipy_cg(N, comm, tol, maxiter))]
         record = cg_module().VARIANT_RECORDS
-        if DROPIN in args.routes and dropin() is not None:
+        if DROPIN in args.routes:
             for variant in args.variants:
                 for every in (50, 0) if record[variant].replaces else (0,):
                     cases.append(
@@ -988,7 +826,7 @@ class Bench:
             else:
                 x = out
                 calls = count_calls(
-                    lambda c: route_a(N, comm, tol, maxiter, counter=c), dev, comm
+                    lambda c: jax_scipy_cg(N, comm, tol, maxiter, counter=c), dev, comm
                 )
                 row["iterations"] = calls - 1
             x = np.asarray(x, dtype=np.float64)
@@ -1079,22 +917,19 @@ def run_memory_case(spec: str, args) -> None:
     comm = MPI.COMM_WORLD
     route, params, walkers = spec.split(":")
     params, walkers = int(params), int(walkers)
-    prob = Problem(params, walkers, comm, args)
+    prob = problem(params, walkers, comm, args)
     dev = prob.device()
-    N, tol, maxiter = prob.N, args.tol, args.maxiter
+    N, tol, maxiter = prob.samples, args.tol, args.maxiter
     staged = route in (CHOL, CHOL_OOP)
     if staged:
         solve = Cholesky(N, comm, in_place=route == CHOL)
         solve.compile(dev[0], dev[1], dev[3])
     else:
         if route == ROUTE_A:
-            jitted = route_a(N, comm, tol, maxiter)
+            jitted = jax_scipy_cg(N, comm, tol, maxiter)
         elif route == NORMAL:
             jitted = route_normal(comm, tol, maxiter)
         else:
-            if dropin() is None:
-                _harness.report(status="no drop-in")
-                return
             jitted = route_dropin(N, comm, tol, maxiter, "classic", 50)
         # One solve first (solve_normal compiles on its first call): the measured
         # one is the steady state, as in a VMC run.
@@ -1210,7 +1045,6 @@ def memory_main(args) -> list[dict]:
         args=vars(args),
         malloc_mmap_threshold=env.get("MALLOC_MMAP_THRESHOLD_"),
         mpiexec=_harness.find_mpiexec(),
-        threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
     )
     _harness.say(
         None,
@@ -1229,17 +1063,12 @@ def memory_main(args) -> list[dict]:
         repr(args.eps),
         "--cond",
         repr(args.cond),
-        "--decay",
-        repr(args.decay),
-        "--spectrum",
-        args.spectrum,
         "--tol",
         repr(args.tol),
         "--maxiter",
         str(args.maxiter),
         "--factor-max",
         str(args.factor_max),
-        *(["--eps-vector"] if args.eps_vector else []),
     ]
     for route, params, walkers in memory_cases(args):
         row = {
@@ -1290,7 +1119,7 @@ def memory_main(args) -> list[dict]:
         (r["mpi_library"] for r in results if r.get("mpi_library")), None
     )
     _harness.save(args, meta, results)
-    bad = [r for r in results if r["status"] not in ("ok", "skipped", "no drop-in")]
+    bad = [r for r in results if r["status"] not in ("ok", "skipped")]
     for row in bad:
         print(
             f"FAILED: {row['route']} at N_p {row['params']}: {row['status']}\n"
@@ -1330,16 +1159,7 @@ def parse(argv):
         help="skip a walker count (not the smallest) whose J_r is larger",
     )
     parser.add_argument("--eps", type=float, default=1e-3)
-    parser.add_argument("--eps-vector", action="store_true")
     parser.add_argument("--cond", type=float, default=1.7e7)
-    parser.add_argument(
-        "--spectrum",
-        choices=("exp", "power"),
-        default="exp",
-        help="S's eigenvalues: exp (from lambda_max down to about eps over the "
-        "rank) or power ((1 + j)^-decay)",
-    )
-    parser.add_argument("--decay", type=float, default=1.0, help="of --spectrum power")
     parser.add_argument("--tol", type=float, default=1e-5)
     parser.add_argument("--maxiter", type=int, default=200)
     parser.add_argument(
@@ -1361,12 +1181,6 @@ def parse(argv):
         type=_ints,
         default=None,
         help="N_p of the measured latency rows (default the first two --params)",
-    )
-    parser.add_argument(
-        "--bandwidth-gbs",
-        type=float,
-        default=25.0,
-        help="GB/s per rank for the crossover's bandwidth term (0: none)",
     )
     parser.add_argument("--max-s-gib", type=float, default=4.0)
     parser.add_argument("--no-conditioning", action="store_true")
@@ -1423,10 +1237,8 @@ def main(argv=None) -> list[dict]:
         start = time.perf_counter()
         bench.say(
             f"# SR solve, {comm.size} ranks, jax {jax.__version__} "
-            f"({jax.default_backend()}), "
-            + ", ".join(
-                f"{name}={os.environ.get(name, '(unset)')}" for name in THREAD_VARIABLES
-            )
+            f"({jax.default_backend()})",
+            _harness.threads_line(),
         )
         bench.routes()
         if args.latencies:
@@ -1438,7 +1250,6 @@ def main(argv=None) -> list[dict]:
         meta = _harness.meta(
             comm,
             args=vars(args),
-            threads={name: os.environ.get(name) for name in THREAD_VARIABLES},
             seconds=elapsed,
             command=" ".join(sys.argv),
             timing="median over --repeat rounds (round-robin) of the slowest rank's "

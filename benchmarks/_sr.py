@@ -1,0 +1,174 @@
+"""The stochastic-reconfiguration (SR) problem the CG benchmarks solve, and the
+user's route to it (``cg.py``'s problem B, ``sr.py``).
+
+A variational Monte Carlo code's SR step keeps the ``params`` parameters on every
+rank and splits the ``samples`` walkers over the ranks: rank ``r`` holds its rows
+``J_r`` of the Jacobian, and the update solves ``(J^T J / N + eps) x = f`` with ``f =
+J^T e / N`` (``N`` all walkers, ``e`` a standard normal weight per walker), float64.
+Row ``i`` of ``J`` and ``e_i`` come from a generator seeded with ``(seed, i)``, so
+that any rank can make any rows (rank 0 makes them all for a dense reference). The
+columns are scaled so that ``S = J^T J / N`` has a realistic spectrum:
+
+- ``cond=None`` (``cg.py``): eigenvalues ``~ 1 / (1 + j)``, column scales ``1 /
+  sqrt(1 + j)``;
+- ``cond=C`` (``sr.py``): eigenvalues falling exponentially over the rank (at most
+  ``min(N, params)``) from ``lambda_max`` to about ``eps``, ``J`` rescaled (by
+  power iteration) so that ``(lambda_max + eps) / eps = C``: at VMC's conditioning
+  CG stops at ``maxiter`` without converging, as in their runs.
+
+The user's route, :func:`jax_scipy_cg`: ``jax.scipy.sparse.linalg.cg`` with ``A(v) =
+mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v`` (:func:`user_matvec`), in one
+``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class Jacobian:
+    """``(J^T J / N + eps) x = f``: this rank's ``samples / size`` rows of ``J``."""
+
+    def __init__(self, samples, params, eps, comm, *, cond=None, seed=1):
+        from mpi4py import MPI
+
+        if samples % comm.size:
+            raise ValueError(
+                f"--samples {samples} must be a multiple of the {comm.size} ranks."
+            )
+        self.samples, self.params, self.eps, self.comm = samples, params, eps, comm
+        self.seed, self.cond, self.factor = seed, cond, 1.0
+        self.walkers = samples // comm.size
+        start = comm.rank * self.walkers
+        self.J, e = self.rows(start, start + self.walkers)
+        if cond is not None:
+            # lambda_max(J^T J / N) = (cond - 1) eps, by power iteration (the gap
+            # is wide: the column scales fall exponentially).
+            v = np.random.default_rng([seed, params]).standard_normal(params)
+            lam = 1.0
+            for _ in range(40):
+                w = self.J.T @ (self.J @ v)
+                comm.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+                lam = np.linalg.norm(w) / samples
+                v = w / np.linalg.norm(w)
+            self.factor = math.sqrt((cond - 1) * eps / lam)
+            self.J *= self.factor
+        self.f = np.empty(params)
+        comm.Allreduce(self.J.T @ e / samples, self.f, op=MPI.SUM)
+        self.f_norm = float(np.linalg.norm(self.f))
+        self.size = params
+
+    def scales(self) -> np.ndarray:
+        """The scales of J's columns, which set S's spectrum."""
+        j = np.arange(self.params)
+        if self.cond is None:
+            return 1 / np.sqrt(1 + j)
+        rank = max(min(self.samples, self.params) - 1, 1)
+        return 10.0 ** (-0.5 * math.log10(self.cond) * np.minimum(j, rank) / rank)
+
+    def rows(self, start: int, stop: int):
+        """Rows ``start:stop`` of J and of the per-sample weights ``e``."""
+        gens = [np.random.default_rng([self.seed, i]) for i in range(start, stop)]
+        J = np.stack([g.standard_normal(self.params) for g in gens])
+        J *= self.scales() * self.factor
+        e = np.array([g.standard_normal() for g in gens])
+        return J, e
+
+    @property
+    def j_bytes(self) -> int:
+        return self.J.nbytes
+
+    @property
+    def s_bytes(self) -> int:
+        return 8 * self.params**2
+
+    def reference(self) -> np.ndarray:
+        """SciPy's solution on rank 0 (Woodbury form), broadcast to every rank."""
+        import scipy.linalg
+
+        x = None
+        if self.comm.rank == 0:
+            J, _ = self.rows(0, self.samples)
+            ns, eps = self.samples, self.eps
+            if ns < self.params:
+                # (eps + J^T J/Ns)^-1 = (I - J^T (Ns eps + J J^T)^-1 J) / eps
+                K = J @ J.T + ns * eps * np.eye(ns)
+                x = (
+                    self.f - J.T @ scipy.linalg.solve(K, J @ self.f, assume_a="pos")
+                ) / eps
+            else:
+                A = J.T @ J / ns + eps * np.eye(self.params)
+                x = scipy.linalg.solve(A, self.f, assume_a="pos")
+        return self.comm.bcast(x, root=0)
+
+    def numpy_matvec(self, comm=None):
+        """``v -> (J^T J / N + eps) v`` in NumPy, summed over ranks by mpi4py on
+        ``comm`` (default the problem's)."""
+        from mpi4py import MPI
+
+        comm, J, out = comm or self.comm, self.J, np.empty(self.params)
+
+        def matvec(v):
+            comm.Allreduce(J.T @ (J @ v), out, op=MPI.SUM)
+            return out / self.samples + self.eps * v
+
+        return matvec
+
+    def residual(self, x) -> float:
+        """The true relative residual ``||f - A x|| / ||f||``."""
+        x = np.asarray(x, dtype=np.float64)
+        return float(np.linalg.norm(self.f - self.numpy_matvec()(x)) / self.f_norm)
+
+    def device(self):
+        """``(J, f, x0, eps)`` as JAX arrays, ``x0`` zero."""
+        import jax.numpy as jnp
+
+        return (
+            jnp.asarray(self.J),
+            jnp.asarray(self.f),
+            jnp.zeros(self.params),
+            jnp.asarray(self.eps),
+        )
+
+
+def user_matvec(J, eps, N, comm, counter=None, nonblocking=False):
+    """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
+
+    ``counter``: called through ``jax.debug.callback`` once per call (on rank 0:
+    one for the initial residual, one per iteration). ``nonblocking``: the sum by
+    ``mpi4jax_dist.iallreduce(...).wait()``, which a simulated latency holds.
+    """
+    import jax
+    import mpi4jax
+    from mpi4py import MPI
+
+    import mpi4jax_dist
+
+    def A(v):
+        if counter is not None:
+            jax.debug.callback(counter)
+        part = J.T @ (J @ v)
+        if nonblocking:
+            total = mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm).wait()
+        else:
+            total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
+        return total / N + eps * v
+
+    return A
+
+
+def jax_scipy_cg(N, comm, tol, maxiter, counter=None, nonblocking=False):
+    """The user's solve, a jitted function of ``(J, f, x0, eps)``:
+    ``jax.scipy.sparse.linalg.cg`` with :func:`user_matvec`, ``atol=0``."""
+    import jax
+
+    def solve(J, f, x0, eps):
+        A = user_matvec(J, eps, N, comm, counter, nonblocking)
+        x, _ = jax.scipy.sparse.linalg.cg(
+            A, f, x0=x0, tol=tol, atol=0.0, maxiter=maxiter
+        )
+        return x
+
+    return jax.jit(solve)
