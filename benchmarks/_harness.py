@@ -25,7 +25,7 @@ and the OSU micro-benchmarks are:
   the ``RESULT {json}`` lines they print.
 - :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`settle` and
   :func:`memory_job_env`: what a job that measures memory reads, waits for and
-  runs with (``memory.py``, ``sr.py --memory``).
+  runs with (``memory.py``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,11 @@ def block(output):
 
 
 def time_rounds(
-    cases: Sequence[Callable[[], object]], comm, samples: int, warmup: int = 1
+    cases: Sequence[Callable[[], object]],
+    comm,
+    samples: int,
+    warmup: int = 1,
+    outputs: list | None = None,
 ) -> list[list[float]]:
     """Time every case ``samples`` times, round-robin; the one timing loop.
 
@@ -122,22 +126,26 @@ def time_rounds(
         comm: the communicator whose slowest rank counts (every rank calls this).
         samples: timed rounds.
         warmup: untimed runs of each case first (compilation, first touch).
+        outputs: a list that gets each case's output of its last run.
 
     Returns:
         Per case, per round, the slowest rank's seconds.
     """
     from mpi4py import MPI
 
-    for case in cases:
+    last = [None] * len(cases)
+    for index, case in enumerate(cases):
         for _ in range(warmup):
-            block(case())
+            last[index] = block(case())
     local = np.zeros((len(cases), samples))
     for round_ in range(samples):
         for index, case in enumerate(cases):
             comm.Barrier()
             start = time.perf_counter()
-            block(case())
+            last[index] = block(case())
             local[index, round_] = time.perf_counter() - start
+    if outputs is not None:
+        outputs[:] = last
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
     return slowest.tolist()

@@ -319,17 +319,9 @@ class Bench:
     def measure(self):
         """Time the queued methods round-robin (``_harness.time_rounds``), then
         record them in order, each with the output of its last run."""
-        outputs = [None] * len(self.queue)
-
-        def keep(index, run):
-            def case():
-                outputs[index] = run()
-                return outputs[index]
-
-            return case
-
-        cases = [keep(i, run) for i, (run, _) in enumerate(self.queue)]
-        times = _harness.time_rounds(cases, self.comm, self.args.repeat)
+        outputs = []
+        cases = [run for run, _ in self.queue]
+        times = _harness.time_rounds(cases, self.comm, self.args.repeat, 1, outputs)
         for (_, finish), samples, output in zip(
             self.queue, times, outputs, strict=True
         ):

@@ -9,10 +9,6 @@
         [--no-conditioning] [--cond-params 2000] [--cond-walkers 500]
         [--json PATH]
 
-    # peak memory, one fresh mpiexec job per case (run it without mpiexec):
-    python benchmarks/sr.py --memory [--procs 2] [--params 1824,9245,50000]
-        [--memory-params 9245,16384,23170] [--factor-max 16384] [--json PATH]
-
 The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern), made
 by ``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, ``(J^T J / N
 + eps) x = f``, float64, ``tol=1e-5``, ``atol=0``, ``maxiter=200``, ``x0`` zero,
@@ -67,28 +63,25 @@ Accuracy, recomputed in NumPy for every route alike: the true relative residual
 ``(a)``'s answer.
 
 Latency study. The time a route would take where one allreduce costs ``L`` more
-(1,000-2,000 GPUs pay 10-1,000 us), two ways:
-
-- measured (``--latency-params``, the smallest walker count): every reduction
-  held until ``L`` us after its post by a PMPI interposer (``pmpi_latency.c``,
-  preloaded by the benchmark itself, :mod:`_latency`), for ``solve_normal`` and
-  for ``(a)`` and the drop-in (classic) with ``A``'s ``mpi4jax.allreduce``
-  replaced by ``mpi4jax_dist.iallreduce(...).wait()`` (rows ``+iallreduce``). A
-  reduction held until ``L`` after its post costs ``max(L, t_reduce)``, not
-  ``t_reduce + L``;
-- modelled: ``t_solve(L) = t_solve + n L`` from the measured ``t_solve`` (no
-  latency) with ``n`` the allreduces per solve (``all``; for ``(c)`` its MPI
-  calls). The measured rows check the model (``model/meas``: the model from the
-  row's own 0 us time, over the measured time, at the largest ``L``).
+(1,000-2,000 GPUs pay 10-1,000 us), by the model ``t_solve(L) = t_solve + n L``
+(``n`` the allreduces per solve, ``all``; for ``(c)`` its MPI calls), checked by
+measured rows (``--latency-params``, the smallest walker count): every reduction
+held until ``L`` us after its post by a PMPI interposer (``pmpi_latency.c``,
+preloaded by the benchmark itself, :mod:`_latency`), for ``solve_normal`` and for
+``(a)`` and the drop-in (classic) with ``A``'s ``mpi4jax.allreduce`` replaced by
+``mpi4jax_dist.iallreduce(...).wait()`` (rows ``+iallreduce``; a reduction held
+until ``L`` after its post costs ``max(L, t_reduce)``, not ``t_reduce + L``).
+``model/meas``: the model from the row's own 0 us time, over the measured time, at
+the largest ``L``.
 
 Crossover: the ``L`` above which ``(c)`` is faster than ``(a)``, the drop-in
 (classic) and solve_normal, from the model: ``L* = (t_c - t_cg) / (n_cg - n_c)``
 with ``n_c`` the MPI calls of S's allreduce; 0 where ``(c)`` is faster already,
-``never`` where S goes in more MPI calls than CG makes allreduces. Where ``(c)`` was
-skipped for its size, its time is extrapolated from the largest ``N_p`` it ran at (same
-walkers): form ``~ N_p^2``, allreduce ``~ N_p^2``, factor ``~ N_p^3``; such rows
-say ``extrapolated``. The compute times are this machine's (CPU, one core per
-rank); on a GPU every term shrinks, the latency does not.
+``never`` where S goes in more MPI calls than CG makes allreduces. Where ``(c)``
+was skipped for its size, its time is extrapolated from the largest ``N_p`` it ran
+at (same walkers): form ``~ N_p^2``, allreduce ``~ N_p^2``, factor ``~ N_p^3``;
+such rows say ``extrapolated``. The compute times are this machine's (CPU, one core
+per rank); on a GPU every term shrinks, the latency does not.
 
 Conditioning study (off with ``--no-conditioning``): ``--cond-params`` parameters,
 ``--cond-walkers`` per rank (fewer walkers than parameters: S singular, ``eps``
@@ -100,24 +93,12 @@ recurrence's, ``f^T x`` (the energy change the update predicts, to first order),
 each against the drop-in classic's (relative difference), and against the dense
 solution's.
 
-Memory (``--memory``, not under mpiexec): every case in a fresh ``mpiexec`` job
-(``_harness.run_job``, glibc's mmap threshold fixed as in ``memory.py``): the
-set-up (J, f; a CG route compiled and run once; (c)'s form and factor compiled
-ahead of time, its allreduce compiled by a call on zeros) settles, the peak RSS
-is reset, then one solve; rise = peak RSS - RSS before, the largest rank.
-Cases: ``(a)``, the drop-in (classic) and solve_normal at ``--params`` (smallest
-walkers), and
-``(c)`` with the in-place ``mpi4jax_dist.allreduce`` (``cholesky``) and with
-``mpi4jax.allreduce`` (``cholesky/oop``, out of place: S, its sum, and MPI's
-scratch), also at ``--memory-params`` (S of 0.64, 2 and 4 GiB). For ``(c)`` the
-rise after form + allreduce (``rise_S``, in S) and the peak over factor+solve
-(``rise_all``; only up to ``--factor-max`` parameters: a Cholesky of 23,170 takes
-minutes a core here). A case whose predicted peak over all ranks would exceed 85%
-of MemAvailable is skipped, with the reason printed. The rises: docs/benchmarks.rst,
-*The stochastic-reconfiguration solve*; (c)'s factorization, not its allreduce, sets
-its peak: ``cho_factor`` + ``cho_solve`` need two S-sized temporaries even with S
-donated (XLA copies S into LAPACK's column-major layout and masks the factor's upper
-triangle into another buffer).
+Peak memory (settled; ``docs/benchmarks/sr_memory.json``, recorded by the ``--memory``
+mode this script had, docs/benchmarks.rst says how to run it again): the in-place sum
+holds S once, out of place S, its sum and MPI's scratch; ``cho_factor`` +
+``cho_solve`` need two S-sized temporaries more even with S donated (XLA copies S
+into LAPACK's column-major layout and masks the factor's upper triangle into
+another buffer), so (c)'s factorization, not its allreduce, sets its peak.
 
 Run with ``OMP_NUM_THREADS=1`` where the ranks fill the cores (as benchmarks/cg.py
 says); the header records it.
@@ -144,12 +125,10 @@ from _sr import Jacobian, jax_scipy_cg, user_matvec  # noqa: E402
 DEFAULT_PARAMS = "1824,9245,50000"
 DEFAULT_WALKERS = "256,1024"
 DEFAULT_LATENCIES = "0,10,30,100,300,1000"
-DEFAULT_MEMORY_PARAMS = "9245,16384,23170"
 ROUTE_A = "jax.scipy"
 DROPIN = "dropin"
 NORMAL = "solve_normal"
 CHOL = "cholesky"
-CHOL_OOP = "cholesky/oop"
 
 ROUTES = _harness.Registry("SR route")
 ROUTES.register(ROUTE_A, "(a) jax.scipy.sparse.linalg.cg, mpi4jax.allreduce in A")
@@ -206,26 +185,20 @@ def route_normal(comm, tol, maxiter, variant="classic", replace_every=50):
 
 class Cholesky:
     """(c): three jitted stages; ``reduce`` in place (``mpi4jax_dist.allreduce``,
-    donated) or out of place (``mpi4jax.allreduce``, the user's old route)."""
+    donated)."""
 
-    def __init__(self, N, comm, in_place=True):
+    def __init__(self, N, comm):
         import jax
         import jax.numpy as jnp
-        import mpi4jax
         from mpi4py import MPI
 
         import mpi4jax_dist
 
-        self.in_place = in_place
         # (J / N)^T J: one S-sized result, no scaled copy of S.
         self.form = jax.jit(lambda J: (J / N).T @ J)
-        if in_place:
-            self.reduce = jax.jit(
-                lambda S: mpi4jax_dist.allreduce(S, MPI.SUM, comm=comm),
-                donate_argnums=0,
-            )
-        else:
-            self.reduce = jax.jit(lambda S: mpi4jax.allreduce(S, op=MPI.SUM, comm=comm))
+        self.reduce = jax.jit(
+            lambda S: mpi4jax_dist.allreduce(S, MPI.SUM, comm=comm), donate_argnums=0
+        )
 
         def factor_solve(S, f, eps):
             # The factor is returned (and dropped by the caller) so that the
@@ -252,24 +225,18 @@ class Cholesky:
         self.factor = self.factor.lower(spec, f, eps).compile()
         jax.block_until_ready(self.reduce(jnp.zeros((P, P), J.dtype)))
 
-    def __call__(self, J, f, x0, eps, stages=None):
-        """Solve; ``stages(name)`` is called after each stage, done."""
+    def __call__(self, J, f, x0, eps):
+        """Solve, timing each stage."""
         import jax
 
         marks = [time.perf_counter()]
         S = jax.block_until_ready(self.form(J))
         marks.append(time.perf_counter())
-        if stages:
-            stages("form")
         S = jax.block_until_ready(self.reduce(S))
         marks.append(time.perf_counter())
-        if stages:
-            stages("allreduce")
         x, factor = jax.block_until_ready(self.factor(S, f, eps))
         del S, factor
         marks.append(time.perf_counter())
-        if stages:
-            stages("factor")
         for name, start, stop in zip(
             self.stage_times, marks[:-1], marks[1:], strict=True
         ):
@@ -340,7 +307,6 @@ def latency_table(latencies):
             _harness.Column("params", "N_p", "", 6),
             _harness.Column("walkers", "walkers", "/rank", 7),
             _harness.Column("route", "route", "", 26, left=True),
-            _harness.Column("how", "how", "", 8, left=True),
             _harness.Column("n", "allred", "/solve", 6),
             *(
                 _harness.Column(f"t_{lat:g}us", f"{lat:g}us", "ms", 8, ".1f", 1e3)
@@ -381,23 +347,6 @@ COND_TABLE = _harness.Table(
         _harness.Column("x_vs_exact", "|dx|/|x|", "exact", 8, ".1e"),
     ]
 )
-
-MEMORY_TABLE = _harness.Table(
-    [
-        _harness.Column("params", "N_p", "", 6),
-        _harness.Column("walkers", "walkers", "/rank", 7),
-        _harness.Column("route", "route", "", 18, left=True),
-        _harness.Column("s_bytes", "S", "", 9, _harness.human_bytes),
-        _harness.Column("j_bytes", "J_r", "", 9, _harness.human_bytes),
-        _harness.Column("rise_bytes", "rise", "MiB", 8, ".1f", 1 / 2**20),
-        _harness.Column("rise_s", "rise_S", "x S", 6, ".2f"),
-        _harness.Column("rise_all_s", "rise_all", "x S", 8, ".2f"),
-        _harness.Column("rise_j", "rise", "x J_r", 6, ".2f"),
-        _harness.Column("t_call_s", "t_call", "s", 7, ".2f"),
-        _harness.Column("status", "check", "", 10, left=True),
-    ]
-)
-
 
 # ---------------------------------------------------------------------------------
 # The routes study
@@ -547,18 +496,8 @@ class Bench:
                 cases.append(functools.partial(chol, *dev))
                 finish.append(done_c)
 
-        outputs = [None] * len(cases)
-
-        def keep(index, case):
-            def run():
-                outputs[index] = case()
-                return outputs[index]
-
-            return run
-
-        times = _harness.time_rounds(
-            [keep(i, c) for i, c in enumerate(cases)], comm, args.repeat
-        )
+        outputs = []
+        times = _harness.time_rounds(cases, comm, args.repeat, 1, outputs)
         rows = [done(out) for done, out in zip(finish, outputs, strict=True)]
         x_a = None
         for row, samples in zip(rows, times, strict=True):
@@ -601,8 +540,7 @@ class Bench:
     # Latency ---------------------------------------------------------------------
 
     def latency(self):
-        """Measured simulated-latency rows, the model for every routes row, and
-        the crossovers."""
+        """Measured simulated-latency rows, and the crossovers."""
         args = self.args
         lats = args.latencies
         table = latency_table(lats)
@@ -610,26 +548,11 @@ class Bench:
             "",
             f"# latency: t_solve where one allreduce costs L more. measured: "
             f"every reduction held until L after its post by a PMPI interposer "
-            f"(max(L, t_reduce)), {min(args.walkers)} walkers/rank; model: t_solve "
-            f"(routes table) + allred/solve x L (cholesky: its MPI calls); "
-            f"model/meas: the model from the measured row's own 0 us time, at the "
-            f"largest L",
+            f"(max(L, t_reduce)), {min(args.walkers)} walkers/rank; model/meas: the "
+            f"model t + allred/solve x L from the row's own 0 us time, over the "
+            f"measured time, at the largest L",
             table.header(),
         )
-        for row in [r for r in self.results if r["section"] == "routes"]:
-            n = row["mpi_calls"] if row["route"] == CHOL else row["allreduces"]
-            model = {
-                "section": "latency_model",
-                "params": row["params"],
-                "walkers": row["walkers"],
-                "route": row["route"],
-                "how": "model",
-                "n": n,
-            }
-            for lat in lats:
-                model[f"t_{lat:g}us"] = row["t_solve_s"] + n * lat * 1e-6
-            self.results.append(model)
-            self.say(table.row(model))
         if lats and args.latency_params:
             walkers = min(args.walkers)
             for params in args.latency_params:
@@ -670,7 +593,6 @@ class Bench:
                 "params": params,
                 "walkers": walkers,
                 "route": name,
-                "how": "measured",
             }
             for name in makers
         }
@@ -901,237 +823,6 @@ def info_fields(info) -> dict:
 
 
 # ---------------------------------------------------------------------------------
-# Memory: one case per fresh job
-
-
-def run_memory_case(spec: str, args) -> None:
-    """In a job: one solve of ``route:params:walkers``; rank 0 reports the rise."""
-    import jax
-
-    import mpi4jax_dist
-
-    jax.config.update("jax_enable_x64", True)
-    mpi4jax_dist.initialize()
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    route, params, walkers = spec.split(":")
-    params, walkers = int(params), int(walkers)
-    prob = problem(params, walkers, comm, args)
-    dev = prob.device()
-    N, tol, maxiter = prob.samples, args.tol, args.maxiter
-    staged = route in (CHOL, CHOL_OOP)
-    if staged:
-        solve = Cholesky(N, comm, in_place=route == CHOL)
-        solve.compile(dev[0], dev[1], dev[3])
-    else:
-        if route == ROUTE_A:
-            jitted = jax_scipy_cg(N, comm, tol, maxiter)
-        elif route == NORMAL:
-            jitted = route_normal(comm, tol, maxiter)
-        else:
-            jitted = route_dropin(N, comm, tol, maxiter, "classic", 50)
-        # One solve first (solve_normal compiles on its first call): the measured
-        # one is the steady state, as in a VMC run.
-        jax.block_until_ready(jitted(*dev))
-        solve = jitted
-    factor_too = params <= args.factor_max
-    marks = {}
-
-    def stages(name):
-        marks[name] = _harness.rss_bytes()[1]
-
-    del prob.J  # the check needs none; only J on the device stays
-    _harness.settle()
-    comm.Barrier()
-    reset = _harness.reset_peak_rss()
-    base = _harness.rss_bytes()[0]
-    start = time.perf_counter()
-    if staged and not factor_too:
-        S = jax.block_until_ready(solve.form(dev[0]))
-        S = jax.block_until_ready(solve.reduce(S))
-        stages("allreduce")
-        del S
-    elif staged:
-        solve(*dev, stages=stages)
-    else:
-        jax.block_until_ready(solve(*dev))
-    elapsed = time.perf_counter() - start
-    peak = _harness.rss_bytes()[1]
-    mine = {
-        "rise": peak - base,
-        "rise_s": marks.get("allreduce", peak) - base if staged else None,
-        "t": elapsed,
-        "reset": reset,
-    }
-    everyone = comm.gather(mine)
-    if comm.rank == 0:
-        from mpi4jax_dist import _mpi
-
-        _harness.report(
-            rise_bytes=max(r["rise"] for r in everyone),
-            rise_per_rank=[r["rise"] for r in everyone],
-            rise_s_bytes=(max(r["rise_s"] for r in everyone) if staged else None),
-            factor=factor_too if staged else None,
-            t_call_s=max(r["t"] for r in everyone),
-            peak_reset=all(r["reset"] for r in everyone),
-            mpi_library=_mpi.mpi_library(),
-        )
-
-
-def memory_cases(args):
-    """``(route, params, walkers, skip reason or None)`` in order."""
-    walkers = min(args.walkers)
-    cases = []
-    for params in args.params:
-        for route in (ROUTE_A, DROPIN, NORMAL):
-            if route in args.routes:
-                cases.append((route, params, walkers))
-        for route in (CHOL, CHOL_OOP):
-            if CHOL in args.routes:
-                cases.append((route, params, walkers))
-    for params in args.memory_params:
-        if params in args.params:
-            continue
-        for route in (CHOL, CHOL_OOP):
-            cases.append((route, params, walkers))
-    return cases
-
-
-def available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def memory_skip(route, params, walkers, args) -> str | None:
-    """Why a case is not run, or None."""
-    if route not in (CHOL, CHOL_OOP):
-        return None
-    s = 8 * params**2
-    if s / 2**30 > args.max_s_gib:
-        return f"S {s / 2**30:.1f} GiB > --max-s-gib {args.max_s_gib:g}"
-    # S once (in place) or S, its sum and MPI's scratch (out of place); the
-    # factor stage 3.2 S (measured: XLA copies S to LAPACK's column-major layout
-    # and masks the factor's upper triangle into a third buffer).
-    k = max(1.1 if route == CHOL else 2.6, 3.3 if params <= args.factor_max else 0)
-    need = args.procs * (k * s + 8 * params * walkers + 0.6 * 2**30)
-    free = available_bytes()
-    if free is not None and need > 0.85 * free:
-        return (
-            f"predicted peak {need / 2**30:.1f} GiB on {args.procs} ranks > 85% of "
-            f"MemAvailable {free / 2**30:.1f} GiB"
-        )
-    return None
-
-
-def memory_main(args) -> list[dict]:
-
-    from mpi4jax_dist.launch import detect
-
-    if detect.detect(os.environ) is not None:
-        sys.exit(
-            "sr.py --memory starts its own mpiexec jobs: run it as `python "
-            "benchmarks/sr.py --memory`, not under mpiexec"
-        )
-    env = _harness.memory_job_env()
-    meta = _harness.meta(
-        procs=args.procs,
-        args=vars(args),
-        malloc_mmap_threshold=env.get("MALLOC_MMAP_THRESHOLD_"),
-        mpiexec=_harness.find_mpiexec(),
-    )
-    _harness.say(
-        None,
-        f"# SR peak memory, one fresh mpiexec job per case, {args.procs} ranks, "
-        f"float64, smallest walker count; rise = peak RSS above the RSS after "
-        f"set-up (J, f, compiled route), largest rank",
-        "# rise_S: after form + allreduce (S held once: 1, twice: 2+); rise_all: "
-        f"the whole solve, factor+solve included (- where N_p > --factor-max "
-        f"{args.factor_max}: not run); CG routes: one solve before the measured one",
-        MEMORY_TABLE.header(),
-    )
-    results = []
-    here = os.path.abspath(__file__)
-    common = [
-        "--eps",
-        repr(args.eps),
-        "--cond",
-        repr(args.cond),
-        "--tol",
-        repr(args.tol),
-        "--maxiter",
-        str(args.maxiter),
-        "--factor-max",
-        str(args.factor_max),
-    ]
-    for route, params, walkers in memory_cases(args):
-        row = {
-            "section": "memory",
-            "route": route,
-            "params": params,
-            "walkers": walkers,
-            "s_bytes": 8 * params**2,
-            "j_bytes": 8 * params * walkers,
-            "procs": args.procs,
-        }
-        why = memory_skip(route, params, walkers, args)
-        if why is not None:
-            row["status"] = "skipped"
-            row["why"] = why
-            results.append(row)
-            _harness.say(None, MEMORY_TABLE.row(row) + "  " + why)
-            continue
-        timeout = args.timeout or 180 + 120 * row["s_bytes"] / 2**30
-        job = _harness.run_job(
-            args.procs,
-            [here, "--memory-case", f"{route}:{params}:{walkers}", *common],
-            timeout=timeout,
-            env=env,
-        )
-        row["seconds"] = job.seconds
-        if job.returncode is None:
-            row["status"] = f"timed out ({timeout:g} s)"
-        elif not job.ok or not job.results:
-            row["status"] = f"failed ({job.returncode})"
-        elif job.results[-1].get("status"):
-            row["status"] = job.results[-1]["status"]
-        if "status" in row:
-            row["tail"] = job.tail
-        else:
-            found = job.results[-1]
-            row.update(found)
-            row["status"] = "ok"
-            rise = found["rise_bytes"]
-            if route in (CHOL, CHOL_OOP):
-                row["rise_s"] = found["rise_s_bytes"] / row["s_bytes"]
-                if found["factor"]:
-                    row["rise_all_s"] = rise / row["s_bytes"]
-            row["rise_j"] = rise / row["j_bytes"]
-        results.append(row)
-        _harness.say(None, MEMORY_TABLE.row(row))
-    meta["mpi_library"] = next(
-        (r["mpi_library"] for r in results if r.get("mpi_library")), None
-    )
-    _harness.save(args, meta, results)
-    bad = [r for r in results if r["status"] not in ("ok", "skipped")]
-    for row in bad:
-        print(
-            f"FAILED: {row['route']} at N_p {row['params']}: {row['status']}\n"
-            f"{row.get('tail', '')[-1500:]}",
-            file=sys.stderr,
-        )
-    if bad:
-        raise SystemExit(1)
-    return results
-
-
-# ---------------------------------------------------------------------------------
 # Command line
 
 
@@ -1186,16 +877,6 @@ def parse(argv):
     parser.add_argument("--no-conditioning", action="store_true")
     parser.add_argument("--cond-params", type=int, default=2000)
     parser.add_argument("--cond-walkers", type=int, default=500)
-    parser.add_argument(
-        "--memory", action="store_true", help="the memory study (not under mpiexec)"
-    )
-    parser.add_argument("--procs", type=int, default=2, help="ranks per memory job")
-    parser.add_argument(
-        "--memory-params", type=_ints, default=_ints(DEFAULT_MEMORY_PARAMS)
-    )
-    parser.add_argument("--factor-max", type=int, default=16384)
-    parser.add_argument("--timeout", type=float, default=None)
-    parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -1212,11 +893,6 @@ def parse(argv):
 def main(argv=None) -> list[dict]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parse(argv)
-    if args.memory_case:
-        run_memory_case(args.memory_case, args)
-        return []
-    if args.memory:
-        return memory_main(args)
     import jax
 
     import mpi4jax_dist
@@ -1272,7 +948,7 @@ def _chunk_bytes() -> int:
 def needs_latency(args) -> bool:
     """Whether ``args`` ask for measured latency rows (the interposer)."""
     measured = args.latencies and args.latency_params
-    return bool(measured) and not (args.memory or args.memory_case)
+    return bool(measured)
 
 
 if __name__ == "__main__":

@@ -134,29 +134,6 @@ def test_sr_benchmark_reports_every_route(tmp_path):
     assert all(_finite(r["fx_vs_classic"]) for r in cond.values())
 
 
-def test_sr_memory_runs_a_fresh_job_per_case(tmp_path):
-    """sr.py --memory: (a) and (c) in place and out of place, each in its own
-    job; the in-place sum holds S once (allocator pages make a 32 KiB S noisy:
-    only that the figures are there is checked)."""
-    out = tmp_path / "sr_memory.json"
-    results = util.load_benchmark("sr").main(
-        [
-            "--memory",
-            *("--params", "64", "--walkers", "32", "--memory-params", "64"),
-            *("--routes", "jax.scipy,cholesky", "--timeout", "120"),
-            *("--json", str(out)),
-        ]
-    )
-    assert [(r["route"], r["status"]) for r in results] == [
-        ("jax.scipy", "ok"),
-        ("cholesky", "ok"),
-        ("cholesky/oop", "ok"),
-    ], results
-    assert all(r["rise_bytes"] is not None and r["t_call_s"] > 0 for r in results)
-    assert all(r["rise_s"] is not None for r in results[1:])
-    assert len(json.loads(out.read_text())["results"]) == 3
-
-
 def test_sr_step_example_matches_jax_scipy():
     """examples/sr_step.py on 2 ranks: the drop-in's update is jax.scipy's."""
     proc = util.run_mpi(util.ROOT / "examples" / "sr_step.py", 2, timeout=120)
