@@ -677,14 +677,13 @@ class Bench:
         return np.sqrt(self.comm.allreduce(float(v @ v), op=MPI.SUM)) / norm
 
     def speedups(self):
-        """Add t/iter and solve-time speedups over classic and over jax.scipy's cg;
-        print them per problem and backend."""
+        """Add t/iter and solve-time speedups over classic; print them per problem
+        and backend."""
         from mpi4jax_dist import cg
 
         lines = []
         for problem in ("A", "B"):
             rows = [r for r in self.results if r["problem"] == problem]
-            reference = next((r for r in rows if r["backend"] == JAX_SCIPY), None)
             for backend in cg.BACKENDS:
                 mine = {r["variant"]: r for r in rows if r["backend"] == backend}
                 base = mine.get("classic")
@@ -703,18 +702,6 @@ class Bench:
                     lines.append(
                         f"# speedup over classic, t/iter (solve): {problem} "
                         f"{backend}: " + ", ".join(parts)
-                    )
-                if reference is not None and mine:
-                    for row in mine.values():
-                        row["t_iter_over_jax_scipy"] = (
-                            row["t_iter_s"] / reference["t_iter_s"]
-                        )
-                    lines.append(
-                        f"# t/iter over jax.scipy's: {problem} {backend}: "
-                        + ", ".join(
-                            f"{v} {r['t_iter_over_jax_scipy']:.2f}"
-                            for v, r in mine.items()
-                        )
                     )
         self.say(*lines)
 
