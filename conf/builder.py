@@ -6,14 +6,15 @@ One build per install, as mpi4jax builds its bridge, into ``mpi4jax_dist/_ffi``:
   (``cpu.cc``, bound with nanobind);
 - ``_cuda``: the CUDA handler (``cuda.cc``), where a CUDA runtime is found
   (:mod:`cudaconfig`): a module of its own, so that ``_cpu`` never needs CUDA;
-- ``_stacks``: a small C module (``stacks.c`` and its ``stacks_*.h``, no
-  nanobind, no XLA) whose thread writes a rank's stacks without Python's GIL and
-  answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
+- ``_stacks``: a small C module (``stacks.c``, ``stacks_*.c`` and their
+  ``stacks.h``; no nanobind, no XLA) whose thread writes a rank's stacks without
+  Python's GIL and answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
 - ``_mpiabi``: not a Python module but a plain C library, the MPIABI wrapper that
   jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI collectives
-  on CPU (``mpiabi.c`` and its ``mpiabi_*.h``). It links against MPI alone
-  (``-Wl,--no-undefined`` checks that) and exports only the ABI's names;
-  :mod:`mpiabi_gen` writes its constants and stubs into the build directory.
+  on CPU (``mpiabi.c``, ``mpiabi_*.c`` and their ``mpiabi.h``). It links against
+  MPI alone (``-Wl,--no-undefined`` checks that) and exports only the ABI's names;
+  :mod:`mpiabi_gen` writes its constants and stubs into the build directory, as
+  ``mpiabi_generated.c``, a source of its own.
 
 All are compiled against the MPI whose wrapper :mod:`mpiconfig` finds, with its
 flags, and the modules against XLA's FFI headers from the jaxlib installed
@@ -65,10 +66,18 @@ FAMILY_NAMED = re.compile(r"_(cpu|cuda|mpiabi)_\w+\..*")
 def extensions() -> list[Extension]:
     """The compiled part, as declared; :class:`BuildExt` adds the flags."""
     headers = sorted(str(FFI / p.name) for p in (ROOT / FFI).glob("*.h"))
-    # The C modules' headers are named for them (stacks_dump.h, mpiabi_types.h);
-    # the others are the C++ modules'.
+    # The C modules' headers and sources are named for them (stacks_dump.h,
+    # mpiabi.h, mpiabi_record.c); the other headers are the C++ modules'.
     own = {
-        kind: [h for h in headers if Path(h).name.startswith(f"{kind}_")]
+        kind: [h for h in headers if re.match(rf"{kind}[._]", Path(h).name)]
+        for kind in ("stacks", "mpiabi")
+    }
+    c_sources = {
+        kind: sorted(
+            str(FFI / p.name)
+            for p in (ROOT / FFI).glob("*.c")
+            if re.fullmatch(rf"{kind}(_\w+)?\.c", p.name)
+        )
         for kind in ("stacks", "mpiabi")
     }
     cc_headers = [h for h in headers if h not in own["stacks"] + own["mpiabi"]]
@@ -83,13 +92,13 @@ def extensions() -> list[Extension]:
     ] + [
         Extension(
             f"{PACKAGE}._stacks",
-            [str(FFI / "stacks.c")],
+            c_sources["stacks"],
             depends=own["stacks"],
             language="c",
         ),
         Extension(
             f"{PACKAGE}._mpiabi",
-            [str(FFI / "mpiabi.c")],
+            c_sources["mpiabi"],
             depends=[
                 *own["mpiabi"],
                 str(FFI / "mpiabi_names.txt"),
@@ -194,7 +203,9 @@ class BuildExt(build_ext):
                 ext.extra_link_args = [*link_args, "-ldl", "-Wl,--no-undefined"]
                 continue
             if kind == "stacks":
-                ext.extra_compile_args = ["-O2", "-Wall", "-Wextra", *others]
+                # Its sources share names (stacks.h) that are the module's alone.
+                ext.extra_compile_args = ["-O2", "-fvisibility=hidden", "-Wall"]
+                ext.extra_compile_args += ["-Wextra", *others]
                 ext.extra_link_args = [*link_args, "-lpthread"]
                 continue
             ext.extra_compile_args = [*cxx, *others]
@@ -266,14 +277,18 @@ class BuildExt(build_ext):
                 ext.extra_objects = [self.nanobind_object, *ext.extra_objects]
         elif ext.name.endswith("._mpiabi"):
             # The wrapper's generated constants and stubs, written into the build
-            # directory (never into the source tree) and included by mpiabi.c.
+            # directory (never into the source tree) and compiled as a source of
+            # their own, against mpiabi.h.
             generated = os.path.abspath(os.path.join(self.build_temp, "mpiabi"))
             try:
-                mpiabi_gen.write(generated)
+                path = str(mpiabi_gen.write(generated))
             except ValueError as err:
                 raise SystemExit(f"mpi4jax_dist: {err}") from None
-            if generated not in ext.include_dirs:
-                ext.include_dirs.append(generated)
+            if path not in ext.sources:
+                ext.sources = [*ext.sources, path]
+            ffi = os.path.abspath(FFI)
+            if ffi not in ext.include_dirs:
+                ext.include_dirs.append(ffi)
         super().build_extension(ext)
 
     def get_outputs(self):
