@@ -5,9 +5,10 @@ of the compiler wrapper it finds (``$MPICC``, the virtual environment's own
 ``mpicc``, mpi4py's, the one on ``PATH``, Cray's ``cc``); where it finds CUDA,
 ``cuda.cc`` into ``_cuda``; the core both link (the communicator registry, the
 record, the timeout, the counts: one a process) into the library ``_core`` beside
-them; and ``mpiabi.c``, a plain C library and not a module, into ``_mpiabi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
-reach that MPI (jaxlib's MPItrampoline loads the library named by
-``MPITRAMPOLINE_LIB``). Beside them it writes a record of the build
+them; and ``mpiabi.c``, a plain C library and not a module, into ``_mpiabi``: the
+MPIABI wrapper through which XLA's MPI collectives on CPU reach that MPI
+(jaxlib's MPItrampoline loads the library named by ``MPITRAMPOLINE_LIB``).
+Beside them it writes a record of the build
 (``_build.cpython-312-x86_64-linux-gnu.json``: this Python's, named as its modules
 are), which names the MPI family they call. One build per install: each
 environment installs its own copy.
