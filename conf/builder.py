@@ -2,18 +2,25 @@
 
 One build per install, as mpi4jax builds its bridge, into ``mpi4jax_dist/_ffi``:
 
+- ``_core``: not a Python module but a shared library, the state a process must
+  have one of (the communicator registry, the record of calls, the agreement of
+  the ranks, the collective timeout, the counts, the MPI lock) and the allreduces
+  over host memory (``SOURCES["core"]``, declared in their headers), which both
+  modules link (below, by ``SOURCES``, why);
 - ``_cpu``: the CPU handlers and the Python module that hands them to JAX
   (``cpu.cc``, bound with nanobind);
-- ``_cuda``: the CUDA handler (``cuda.cc``), where a CUDA runtime is found
-  (:mod:`cudaconfig`): a module of its own, so that ``_cpu`` never needs CUDA;
-- ``_stacks``: a small C module (``stacks.c`` and its ``stacks_*.h``, no
-  nanobind, no XLA) whose thread writes a rank's stacks without Python's GIL and
-  answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
+- ``_cuda``: the CUDA handler (``cuda.cc``, ``cuda_staging.cc``), where a CUDA
+  runtime is found (:mod:`cudaconfig`): a module of its own, so that ``_cpu``
+  never needs CUDA;
+- ``_stacks``: a small C module (``stacks.c``, ``stacks_*.c`` and their
+  ``stacks.h``; no nanobind, no XLA) whose thread writes a rank's stacks without
+  Python's GIL and answers rank 0's requests for them (:mod:`mpi4jax_dist.faults`);
 - ``_mpiabi``: not a Python module but a plain C library, the MPIABI wrapper that
   jaxlib's MPItrampoline loads (``MPITRAMPOLINE_LIB``) for XLA's MPI collectives
-  on CPU (``mpiabi.c`` and its ``mpiabi_*.h``). It links against MPI alone
-  (``-Wl,--no-undefined`` checks that) and exports only the ABI's names;
-  :mod:`mpiabi_gen` writes its constants and stubs into the build directory.
+  on CPU (``mpiabi.c``, ``mpiabi_*.c`` and their ``mpiabi.h``). It links against
+  MPI alone (``-Wl,--no-undefined`` checks that) and exports only the ABI's names;
+  :mod:`mpiabi_gen` writes its constants and stubs into the build directory, as
+  ``mpiabi_generated.c``, a source of its own.
 
 All are compiled against the MPI whose wrapper :mod:`mpiconfig` finds, with its
 flags, and the modules against XLA's FFI headers from the jaxlib installed
@@ -44,7 +51,54 @@ from setuptools import Extension
 from setuptools.command.build_ext import build_ext
 
 PACKAGE = "mpi4jax_dist._ffi"
-KINDS = ("cpu", "cuda", "stacks", "mpiabi")
+KINDS = ("core", "cpu", "cuda", "stacks", "mpiabi")
+# Each one's sources in mpi4jax_dist/_ffi. The core is what a process must have
+# one of (the communicator registry, the record of calls, the agreement of the
+# ranks, the collective timeout, the counts, the MPI lock) and the allreduces
+# over host memory; the modules hold their handlers and bindings. COMMON, the
+# bindings both modules define alike, is compiled once and linked into both, as
+# nanobind's library is (it holds no state).
+#
+# Why the core is a shared library of its own: Python loads each extension
+# with RTLD_LOCAL, so state compiled into both modules is two states in a
+# process that loads both (two registries, records, MPI locks). A library that
+# both link, named by its soname and found beside them through RUNPATH $ORIGIN,
+# is loaded once by the dynamic linker, whichever module comes first. Unlike a
+# table of function pointers in a PyCapsule (numpy's C API), it needs no Python
+# to reach (XLA's handlers and _stacks's thread call it without the GIL) and no
+# table to keep in step with the headers; unlike _cuda linking _cpu, neither
+# module carries the other's handlers. The modules and the core always sit in
+# one folder (an in-place or editable build, a wheel, an sdist's build, a
+# copy-install), and jaxlib's FFI registration takes the handlers' addresses
+# from the modules' capsules as before: those handlers call the one core.
+SOURCES = {
+    "core": [
+        "agreement.cc",
+        "allreduce.cc",
+        "comm_registry.cc",
+        "iallreduce.cc",
+        "mpi_base.cc",
+        "mpi_guard.cc",
+        "op_dtype.cc",
+        "record.cc",
+        "request_table.cc",
+        "stats.cc",
+        "timeout.cc",
+    ],
+    "cpu": ["cpu.cc"],
+    "cuda": ["cuda.cc", "cuda_staging.cc"],
+    "stacks": [
+        "stacks.c",
+        "stacks_answer.c",
+        "stacks_dump.c",
+        "stacks_interrupt.c",
+        "stacks_sources.c",
+        "stacks_text.c",
+    ],
+    # With mpiabi_generated.c, which mpiabi_gen writes at build time.
+    "mpiabi": ["mpiabi.c", "mpiabi_record.c", "mpiabi_world.c"],
+}
+COMMON = "module_common.cc"
 FFI = Path(*PACKAGE.split("."))
 ROOT = Path(__file__).resolve().parent.parent
 # The build's record, named for this Python as its modules are (editable installs
@@ -65,38 +119,28 @@ FAMILY_NAMED = re.compile(r"_(cpu|cuda|mpiabi)_\w+\..*")
 def extensions() -> list[Extension]:
     """The compiled part, as declared; :class:`BuildExt` adds the flags."""
     headers = sorted(str(FFI / p.name) for p in (ROOT / FFI).glob("*.h"))
-    # The C modules' headers are named for them (stacks_dump.h, mpiabi_types.h);
-    # the others are the C++ modules'.
+    # The C modules' headers are named for them (stacks.h, mpiabi.h); the others
+    # are the C++ core's and modules'.
     own = {
-        kind: [h for h in headers if Path(h).name.startswith(f"{kind}_")]
+        kind: [h for h in headers if re.match(rf"{kind}[._]", Path(h).name)]
         for kind in ("stacks", "mpiabi")
     }
     cc_headers = [h for h in headers if h not in own["stacks"] + own["mpiabi"]]
+    depends = {
+        "core": cc_headers,
+        "cpu": [*cc_headers, str(FFI / COMMON)],
+        "cuda": [*cc_headers, str(FFI / COMMON)],
+        "stacks": own["stacks"],
+        "mpiabi": [*own["mpiabi"], str(FFI / "mpiabi_names.txt"), "conf/mpiabi_gen.py"],
+    }
     return [
         Extension(
             f"{PACKAGE}._{kind}",
-            [str(FFI / f"{kind}.cc")],
-            depends=cc_headers,
-            language="c++",
+            [str(FFI / name) for name in SOURCES[kind]],
+            depends=depends[kind],
+            language="c" if kind in ("stacks", "mpiabi") else "c++",
         )
-        for kind in KINDS[:2]
-    ] + [
-        Extension(
-            f"{PACKAGE}._stacks",
-            [str(FFI / "stacks.c")],
-            depends=own["stacks"],
-            language="c",
-        ),
-        Extension(
-            f"{PACKAGE}._mpiabi",
-            [str(FFI / "mpiabi.c")],
-            depends=[
-                *own["mpiabi"],
-                str(FFI / "mpiabi_names.txt"),
-                "conf/mpiabi_gen.py",
-            ],
-            language="c",
-        ),
+        for kind in KINDS
     ]
 
 
@@ -194,11 +238,23 @@ class BuildExt(build_ext):
                 ext.extra_link_args = [*link_args, "-ldl", "-Wl,--no-undefined"]
                 continue
             if kind == "stacks":
-                ext.extra_compile_args = ["-O2", "-Wall", "-Wextra", *others]
+                # Its sources share names (stacks.h) that are the module's alone.
+                ext.extra_compile_args = ["-O2", "-fvisibility=hidden", "-Wall"]
+                ext.extra_compile_args += ["-Wextra", *others]
                 ext.extra_link_args = [*link_args, "-lpthread"]
                 continue
             ext.extra_compile_args = [*cxx, *others]
+            if kind == "core":
+                # Named by its file (its soname) in the modules that link it,
+                # which find it beside them ($ORIGIN); everything resolved at
+                # link time (MPI, C++'s library), never Python.
+                ext.define_macros.append(("MPI4JAX_DIST_BUILDING_CORE", "1"))
+                name = Path(self.get_ext_filename(ext.name)).name
+                ext.extra_link_args = [*link_args, f"-Wl,-soname,{name}"]
+                ext.extra_link_args += ["-Wl,--no-undefined"]
+                continue
             ext.extra_link_args = [*link_args, "-Wl,--gc-sections"]
+            ext.extra_link_args.append("-Wl,-rpath,$ORIGIN")
             if kind == "cuda":
                 ext.extra_compile_args[len(cxx) : len(cxx)] = [
                     flag for d in cuda["include"] for flag in ("-isystem", d)
@@ -213,6 +269,9 @@ class BuildExt(build_ext):
                     # through the rpath.
                     ext.extra_objects = [str(cuda["shared"])]
                     ext.extra_link_args.append(f"-Wl,-rpath,{cuda['shared'].parent}")
+        # module_common.cc's flags: the modules' own (CUDA's headers aside).
+        self.common_flags = [*cxx, *others]
+        self.common_includes = list(includes)
         config = {"mpicc": mpicc, "compile": compile_args, "link": link_args}
         config.update(cxx=cxx, cuda=why if cuda else None, python=sys.version)
         config["nanobind"] = self.nanobind["version"]
@@ -237,9 +296,10 @@ class BuildExt(build_ext):
                 print(f"mpi4jax_dist: removing {path} (not part of this build)")
                 path.unlink()
 
-    def _build_nanobind(self):
-        """Compile nanobind's library once, with its own flags, for the modules to
-        link (where a kept build directory lacks it, or it is older)."""
+    def _build_shared_objects(self):
+        """Compile what both modules link once, each with its own flags:
+        nanobind's library (where a kept build directory lacks it, or it is
+        older) and the bindings they define alike (``module_common.cc``)."""
         out = os.path.join(self.build_temp, "nanobind")
         source = self.nanobind["source"]
         (self.nanobind_object,) = self.compiler.object_filenames(
@@ -253,27 +313,58 @@ class BuildExt(build_ext):
             flags = [*NANOBIND_FLAGS, "-isystem", self.nanobind["include"]]
             flags += ["-isystem", self.nanobind["robin_map"]]
             self.compiler.compile([source], output_dir=out, extra_postargs=flags)
+        (self.common_object,) = self.compiler.compile(
+            [str(FFI / COMMON)],
+            output_dir=os.path.join(self.build_temp, "common"),
+            macros=list(MACROS),
+            include_dirs=self.common_includes,
+            extra_postargs=self.common_flags,
+            depends=next(e for e in self.extensions if e.language == "c++").depends,
+        )
 
     def build_extensions(self):
-        if any(ext.language == "c++" for ext in self.extensions):
+        modules = [e for e in self.extensions if e.language == "c++"]
+        core = [e for e in modules if e.name.endswith("._core")]
+        if modules:
             # Once, before the modules (which build_ext -j builds in parallel).
-            self._build_nanobind()
-        super().build_extensions()
+            self._build_shared_objects()
+        # The core first: the modules link it.
+        for ext in core:
+            self.build_extension(ext)
+        self.core_library = (
+            os.path.abspath(self.get_ext_fullpath(core[0].name)) if core else None
+        )
+        everything, self.extensions = self.extensions, [
+            e for e in self.extensions if e not in core
+        ]
+        try:
+            super().build_extensions()
+        finally:
+            self.extensions = everything
 
     def build_extension(self, ext):
-        if ext.language == "c++":
-            if self.nanobind_object not in ext.extra_objects:
-                ext.extra_objects = [self.nanobind_object, *ext.extra_objects]
+        if ext.language == "c++" and not ext.name.endswith("._core"):
+            # The bindings and nanobind, compiled once, and the core, linked by
+            # its soname and found beside the module ($ORIGIN).
+            shared = [self.common_object, self.nanobind_object, self.core_library]
+            ext.extra_objects = [
+                *shared,
+                *(o for o in ext.extra_objects if o not in shared),
+            ]
         elif ext.name.endswith("._mpiabi"):
             # The wrapper's generated constants and stubs, written into the build
-            # directory (never into the source tree) and included by mpiabi.c.
+            # directory (never into the source tree) and compiled as a source of
+            # their own, against mpiabi.h.
             generated = os.path.abspath(os.path.join(self.build_temp, "mpiabi"))
             try:
-                mpiabi_gen.write(generated)
+                path = str(mpiabi_gen.write(generated))
             except ValueError as err:
                 raise SystemExit(f"mpi4jax_dist: {err}") from None
-            if generated not in ext.include_dirs:
-                ext.include_dirs.append(generated)
+            if path not in ext.sources:
+                ext.sources = [*ext.sources, path]
+            ffi = os.path.abspath(FFI)
+            if ffi not in ext.include_dirs:
+                ext.include_dirs.append(ffi)
         super().build_extension(ext)
 
     def get_outputs(self):

@@ -4,11 +4,13 @@ jaxlib's MPItrampoline resolves several hundred names in the wrapper library
 (``mpi4jax_dist/_ffi/mpiabi.c``, built into ``_mpiabi``). Most of them are
 constants and functions XLA never uses; this module writes them, so that
 ``mpiabi.c`` holds only the hand-written functions. The build (conf/builder.py)
-runs it and writes the result into the build directory, where ``mpiabi.c``
-includes it as ``mpiabi_generated.h``: nothing generated is committed, and the
-name list beside ``mpiabi.c`` is the one source of truth.
+runs it and writes the result into the build directory as ``mpiabi_generated.c``,
+a source of the library of its own, compiled beside ``mpiabi.c``: nothing
+generated is committed, and the name list beside ``mpiabi.c`` is the one source of
+truth.
 
-What it writes, for the native MPI whose ``mpi.h`` ``mpiabi.c`` included first:
+What it writes, for the native MPI whose ``mpi.h`` it includes (with the wrapper's
+``mpiabi.h``):
 
 - a definition of each constant ``MPIABI_<NAME>`` of its ABI type, and
   ``mpiabi_set_constants()``, which ``mpiabi.c`` runs when the library loads (before
@@ -16,6 +18,8 @@ What it writes, for the native MPI whose ``mpi.h`` ``mpiabi.c`` included first:
   ``optional`` ones behind ``#ifdef``, with the null of their type where absent;
 - ``mpi4jax_dist_mpiabi_absent``, the names of the constants this MPI lacked
   (space-separated, empty if none): a string the library exports for diagnostics;
+- ``mpiabi_xla_calls``, the names of the functions XLA calls, for the stubs'
+  message;
 - a stub ``MPIABI_<Name>`` for every function ``mpiabi.c`` does not define, which
   says so on stderr and aborts (``mpiabi_not_implemented`` in ``mpiabi.c``).
 
@@ -34,7 +38,7 @@ from pathlib import Path
 FFI = Path(__file__).resolve().parent.parent / "mpi4jax_dist" / "_ffi"
 NAMES = FFI / "mpiabi_names.txt"
 SOURCE = FFI / "mpiabi.c"
-HEADER = "mpiabi_generated.h"
+GENERATED = "mpiabi_generated.c"
 
 # The handle types and their classes' null handles.
 HANDLES = {
@@ -163,7 +167,7 @@ def implemented(source: str) -> set[str]:
 
 
 def generate(names: str, source: str) -> str:
-    """Return the C that ``mpiabi.c`` includes, from the name list and its source.
+    """Return ``mpiabi_generated.c``, from the name list and ``mpiabi.c``.
 
     Raises:
         ValueError: the name list is malformed, ``mpiabi.c`` defines a function
@@ -190,6 +194,12 @@ def generate(names: str, source: str) -> str:
         " * functions mpiabi.c defines. Do not edit: it is rewritten at every"
         " build. */",
         "",
+        "#include <mpi.h>",
+        "",
+        "#include <stddef.h>",
+        "",
+        '#include "mpiabi.h"',
+        "",
         "/* Deprecated constants (MPI_DUP_FN, ...) are part of the ABI all the"
         " same. */",
         "#pragma GCC diagnostic push",
@@ -210,7 +220,7 @@ def generate(names: str, source: str) -> str:
     lines += [
         "    ;",
         "",
-        "static void mpiabi_set_constants(void) {",
+        "void mpiabi_set_constants(void) {",
     ]
     for c in constants:
         if c.optional:
@@ -230,7 +240,7 @@ def generate(names: str, source: str) -> str:
         f"/* The {len(stubs)} functions mpiabi.c does not implement"
         f" ({len(functions) - len(stubs)} it does). */"
     )
-    lines.append(f'#define MPIABI_XLA_CALLS "{xla_list}"')
+    lines.append(f'const char mpiabi_xla_calls[] = "{xla_list}";')
     for f in stubs:
         lines += [
             f"MPIABI_API int {f.abi_name}(void) {{",
@@ -242,13 +252,13 @@ def generate(names: str, source: str) -> str:
 
 
 def write(directory: str | Path, names: Path = NAMES, source: Path = SOURCE) -> Path:
-    """Write ``mpiabi_generated.h`` into ``directory``; return its path.
+    """Write ``mpiabi_generated.c`` into ``directory``; return its path.
 
     The file is rewritten only when its text changes, so that an unchanged build
     stays up to date.
     """
     text = generate(names.read_text(), source.read_text())
-    path = Path(directory) / HEADER
+    path = Path(directory) / GENERATED
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
@@ -258,14 +268,14 @@ def write(directory: str | Path, names: Path = NAMES, source: Path = SOURCE) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python conf/mpiabi_gen.py",
-        description=f"Write the MPIABI wrapper's constants and stubs ({HEADER}) "
+        description=f"Write the MPIABI wrapper's constants and stubs ({GENERATED}) "
         f"from {NAMES.name} and the functions {SOURCE.name} defines.",
     )
     parser.add_argument(
         "out",
         nargs="?",
-        help=f"the directory to write {HEADER} into (made if need be); "
-        f"without it the header goes to stdout",
+        help=f"the directory to write {GENERATED} into (made if need be); "
+        f"without it the source goes to stdout",
     )
     args = parser.parse_args(argv)
     if args.out is not None:

@@ -3,10 +3,12 @@
 The build (``conf/builder.py``) compiles ``cpu.cc`` into ``_cpu``, against the MPI
 of the compiler wrapper it finds (``$MPICC``, the virtual environment's own
 ``mpicc``, mpi4py's, the one on ``PATH``, Cray's ``cc``); where it finds CUDA,
-``cuda.cc`` into ``_cuda``; and ``mpiabi.c``, a plain C library and not a module,
-into ``_mpiabi``: the MPIABI wrapper through which XLA's MPI collectives on CPU
-reach that MPI (jaxlib's MPItrampoline loads the library named by
-``MPITRAMPOLINE_LIB``). Beside them it writes a record of the build
+``cuda.cc`` into ``_cuda``; the core both link (the communicator registry, the
+record, the timeout, the counts: one a process) into the library ``_core`` beside
+them; and ``mpiabi.c``, a plain C library and not a module, into ``_mpiabi``: the
+MPIABI wrapper through which XLA's MPI collectives on CPU reach that MPI
+(jaxlib's MPItrampoline loads the library named by ``MPITRAMPOLINE_LIB``).
+Beside them it writes a record of the build
 (``_build.cpython-312-x86_64-linux-gnu.json``: this Python's, named as its modules
 are), which names the MPI family they call. One build per install: each
 environment installs its own copy.
@@ -59,8 +61,9 @@ def built(kind: str = "cpu") -> dict[str, Path]:
     where there is none.
 
     Args:
-        kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers, or
-            ``"mpiabi"``, the MPIABI wrapper library.
+        kind: ``"cpu"`` or ``"cuda"``, the platform of the handlers,
+            ``"core"``, the library both link, ``"stacks"``, or ``"mpiabi"``,
+            the MPIABI wrapper library.
     """
     try:
         record = json.loads(_RECORD.read_text())

@@ -1,5 +1,14 @@
 // What every MPI call of the handlers needs: the MPI's own header, which
-// large-count calls it has, and its errors as XLA FFI errors.
+// large-count calls it has, and its errors as XLA FFI errors; and what the
+// core exports.
+//
+// The core (the communicator registry, the record of calls, the agreement of
+// the ranks, the collective timeout, the counts, the MPI lock, and the
+// allreduces over host memory) is one shared library, _core, that both Python
+// modules (_cpu, _cuda) link: a process has one of each, whichever modules it
+// loads (conf/builder.py says why a library of its own). What it exports is
+// marked MPI4JAX_DIST_CORE_API; it is built with -fvisibility=hidden like the
+// modules.
 
 #ifndef MPI4JAX_DIST_FFI_MPI_BASE_H_
 #define MPI4JAX_DIST_FFI_MPI_BASE_H_
@@ -29,6 +38,14 @@
 #define MPI4JAX_DIST_ALLREDUCE_C 0
 #endif
 
+// What the core library exports (conf/builder.py builds it with
+// -DMPI4JAX_DIST_BUILDING_CORE); nothing for the modules that link it.
+#if defined(MPI4JAX_DIST_BUILDING_CORE)
+#define MPI4JAX_DIST_CORE_API __attribute__((visibility("default")))
+#else
+#define MPI4JAX_DIST_CORE_API
+#endif
+
 namespace mpi4jax_dist {
 
 namespace ffi = xla::ffi;
@@ -37,50 +54,16 @@ namespace ffi = xla::ffi;
 constexpr const char* kAllreduceName = "mpi4jax_dist.allreduce";
 
 // "MPI_Allreduce failed: <MPI's own words>" for an MPI error code.
-inline ffi::Error MpiError(const char* what, int code,
-                           const char* who = kAllreduceName) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
-    length = 0;
-  }
-  return ffi::Error::Internal(std::string(who) + ": " + what +
-                              " failed with MPI error " + std::to_string(code) +
-                              ": " + std::string(text, length));
-}
+MPI4JAX_DIST_CORE_API ffi::Error MpiError(const char* what, int code,
+                                          const char* who = kAllreduceName);
 
 // MPI must be up (and not yet finalized) before a handler may call it: a
 // clear error instead of MPI's abort.
-inline ffi::Error CheckMpiUsable(const char* who = kAllreduceName) {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (!initialized || finalized) {
-    return ffi::Error(
-        ffi::ErrorCode::kFailedPrecondition,
-        std::string(who) + ": MPI is " +
-            (finalized ? "already finalized" : "not initialized") +
-            "; import mpi4py.MPI before the call and keep MPI up until the "
-            "last one has run.");
-  }
-  return ffi::Error::Success();
-}
+MPI4JAX_DIST_CORE_API ffi::Error CheckMpiUsable(
+    const char* who = kAllreduceName);
 
 // The version of MPI these headers describe, for the import-time check.
-inline std::string HeaderMpiLibrary() {
-#if defined(OMPI_MAJOR_VERSION)
-  return "Open MPI " + std::to_string(OMPI_MAJOR_VERSION) + "." +
-         std::to_string(OMPI_MINOR_VERSION) + "." +
-         std::to_string(OMPI_RELEASE_VERSION);
-#elif defined(I_MPI_VERSION)  // before MPICH: Intel's mpi.h defines both
-  return std::string("Intel(R) MPI Library ") + I_MPI_VERSION;
-#elif defined(MPICH_VERSION)
-  return std::string("MPICH ") + MPICH_VERSION;
-#else
-  return "MPI " + std::to_string(MPI_VERSION) + "." +
-         std::to_string(MPI_SUBVERSION);
-#endif
-}
+MPI4JAX_DIST_CORE_API std::string HeaderMpiLibrary();
 
 }  // namespace mpi4jax_dist
 

@@ -9,7 +9,6 @@
 #include <mutex>
 
 #include "mpi_base.h"
-#include "stats.h"
 
 namespace mpi4jax_dist {
 
@@ -17,33 +16,16 @@ namespace mpi4jax_dist {
 // that MPI is up (CheckMpiUsable): MPI_Query_thread may then be called from any
 // thread. The user's own mpi4py calls do not take the lock: they must not
 // overlap a running jitted program (as with mpi4jax).
-inline bool MpiSerialized() {
-  static const bool serialized = [] {
-    int provided = MPI_THREAD_MULTIPLE;
-    return MPI_Query_thread(&provided) == MPI_SUCCESS &&
-           provided < MPI_THREAD_MULTIPLE;
-  }();
-  return serialized;
-}
+MPI4JAX_DIST_CORE_API bool MpiSerialized();
 
 // Holds the MPI lock for its scope where MPI is serialized; nothing otherwise.
 // Lock order: a table's own mutex (RequestTable, CommRegistry) may be held when
 // this is taken, never the other way round.
-class MpiGuard {
+class MPI4JAX_DIST_CORE_API MpiGuard {
  public:
-  MpiGuard() : lock_(Mutex(), std::defer_lock) {
-    if (MpiSerialized()) {
-      lock_.lock();
-      GetStats().locked_sections.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
+  MpiGuard();
 
  private:
-  // Never destroyed: MPI may be called from atexit handlers.
-  static std::mutex& Mutex() {
-    static std::mutex* mutex = new std::mutex();
-    return *mutex;
-  }
   std::unique_lock<std::mutex> lock_;
 };
 

@@ -7,7 +7,7 @@
  * with dlsym. This is that library, built by conf/builder.py into _mpiabi against
  * the MPI mpi4py loads.
  *
- * The ABI's types are MPItrampoline's (mpiabi_types.h): constants are variables
+ * The ABI's types are MPItrampoline's (mpiabi.h): constants are variables
  * MPIABI_<NAME> that MPItrampoline reads once. Here each constant holds the
  * native value cast to its ABI type, so a handle translates by a cast both ways,
  * and the sentinels (MPI_STATUS_IGNORE, MPI_IN_PLACE, MPI_BOTTOM, ...) are the
@@ -15,12 +15,12 @@
  *
  * This file holds the functions implemented by hand: everything XLA calls (the
  * functions tagged "xla" in mpiabi_names.txt; the build fails without one) and a few
- * more that are cheap and useful. conf/mpiabi_gen.py writes the rest, included as
- * mpiabi_generated.h: the constants and a stub for every other function, which
- * says it is not implemented and aborts. A function here is exported when its
- * definition starts a line with "MPIABI_API <type> MPIABI_<Name>(": that is how
- * the generator knows it needs no stub. The calls that can wait on other ranks
- * are written into the record of XLA's calls (mpiabi_record.h), which the hang
+ * more that are cheap and useful. conf/mpiabi_gen.py writes the rest into
+ * mpiabi_generated.c, compiled beside it: the constants and a stub for every
+ * other function, which says it is not implemented and aborts. A function here
+ * is exported when its definition starts a line with "MPIABI_API <type>
+ * MPIABI_<Name>(": that is how the generator knows it needs no stub. The calls that can wait on other ranks
+ * are written into the record of XLA's calls (mpiabi_record.c), which the hang
  * reports quote.
  *
  * Where XLA's use of MPI clashes with a process where mpi4py owns MPI (the reason
@@ -36,7 +36,7 @@
  * - MPI_Is_thread_main says yes on every thread when MPI provides
  *   MPI_THREAD_MULTIPLE (see there).
  * - MPI_COMM_WORLD, wherever XLA passes it, is a private duplicate of the world
- *   once mpi4jax_dist has handed one over (mpiabi_world.h).
+ *   once mpi4jax_dist has handed one over (mpiabi_world.c).
  */
 
 #define _GNU_SOURCE /* dladdr */
@@ -47,10 +47,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
-#include "mpiabi_record.h"
-#include "mpiabi_types.h"
-#include "mpiabi_world.h"
+#include "mpiabi.h"
 
 /* Handles: the ABI value is the native one cast to uintptr_t; XLA's world is
  * its duplicate (comm_in). */
@@ -59,6 +58,29 @@
 #define OP(h) ((MPI_Op)(h))
 #define REQUEST(h) ((MPI_Request)(h))
 #define ABI(h) ((uintptr_t)(h))
+
+/* Return the native status to hand MPI for the ABI status `abi`: MPI_STATUS_IGNORE
+ * as it is, else `native`, filled from `abi` so that the fields MPI leaves alone
+ * (MPI_ERROR, in single-completion calls) keep their values. */
+static MPI_Status *status_in(const MPIABI_Status *abi, MPI_Status *native) {
+  if (abi == (const MPIABI_Status *)MPI_STATUS_IGNORE)
+    return MPI_STATUS_IGNORE;
+  memcpy(native, &abi->mpi_status, sizeof *native);
+  native->MPI_SOURCE = abi->MPI_SOURCE;
+  native->MPI_TAG = abi->MPI_TAG;
+  native->MPI_ERROR = abi->MPI_ERROR;
+  return native;
+}
+
+/* Copy a native status back into the ABI status (nothing for an ignored one). */
+static void status_out(const MPI_Status *native, MPIABI_Status *abi) {
+  if (native == MPI_STATUS_IGNORE)
+    return;
+  memcpy(&abi->mpi_status, native, sizeof *native);
+  abi->MPI_SOURCE = native->MPI_SOURCE;
+  abi->MPI_TAG = native->MPI_TAG;
+  abi->MPI_ERROR = native->MPI_ERROR;
+}
 
 /* ---- What MPItrampoline checks first ---- */
 
@@ -74,8 +96,6 @@ MPIABI_API const int mpiwrapper_version_patch = 0;
 
 /* MPItrampoline calls this once; jaxlib's has no Fortran interface to feed. */
 MPIABI_API void mpiwrapper_export_fortran_constants_(void) {}
-
-static _Noreturn void mpiabi_not_implemented(const char *name);
 
 /* ---- Initialization and the environment ---- */
 
@@ -507,9 +527,7 @@ MPIABI_API int MPIXABI_Query_ze_support(void) {
   return query_support("MPIX_Query_ze_support");
 }
 
-/* ---- The constants and the stubs (conf/mpiabi_gen.py) ---- */
-
-#include "mpiabi_generated.h"
+/* ---- The constants and the stubs (mpiabi_generated.c, conf/mpiabi_gen.py) ---- */
 
 /* Runs when the library is loaded, before dlopen returns to MPItrampoline, which
  * then reads the constants. Set at run time, not by initializers: some native
@@ -519,11 +537,11 @@ __attribute__((constructor)) static void mpiabi_load(void) {
   mpiabi_set_constants();
 }
 
-static _Noreturn void mpiabi_not_implemented(const char *name) {
+_Noreturn void mpiabi_not_implemented(const char *name) {
   fprintf(stderr,
           "mpi4jax_dist MPIABI wrapper: %s is not implemented (XLA calls only "
           "%s; the wrapper implements those and a few more)\n",
-          name, MPIABI_XLA_CALLS);
+          name, mpiabi_xla_calls);
   fflush(stderr);
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);

@@ -7,21 +7,22 @@ long C call holds: this module's thread, plain C, drains it instead, and
 writes each dump to MPI4JAX_DIST_HANG_DIR/rank-N.txt (or to stderr as
 [rank N] lines) with a header and, once per place, the source line each frame
 stands at as its file reads at that moment, for --hangs (stacks_dump.h,
-stacks_sources.h).
+stacks_sources.c).
 
 With answer() the thread also answers the reporting rank's requests for the
 stacks on the watchdog's communicator when the rank's Python cannot
-(stacks_answer.h): it looks for them every `poll_ms` milliseconds and never
+(stacks_answer.c): it looks for them every `poll_ms` milliseconds and never
 else; without answer() it wakes only for a dump.
 
 With watch_interrupts() it also sees SIGINT (Ctrl-C) come, and where Python
 does not act on it within a grace (the rank waits in C) writes the stacks and
-ends the job (stacks_interrupt.h).
+ends the job (stacks_interrupt.c).
 
-One translation unit: the headers above are this module's alone, included here
-after _GNU_SOURCE and Python.h. */
+This file holds the module and its thread; the pieces above are sources of
+their own (stacks_dump.c, stacks_sources.c, stacks_answer.c,
+stacks_interrupt.c, stacks_text.c) over one header of the module's, stacks.h. */
 
-#define _GNU_SOURCE /* pipe2, pthread_setname_np, mkostemp, getline */
+#define _GNU_SOURCE /* pipe2, pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -37,10 +38,7 @@ after _GNU_SOURCE and Python.h. */
 #include <time.h>
 #include <unistd.h>
 
-#include "stacks_answer.h"
-#include "stacks_dump.h"
-#include "stacks_interrupt.h"
-#include "stacks_text.h"
+#include "stacks.h"
 
 static struct {
   pthread_mutex_t mu; /* one dump at a time; guards the MPI calls */

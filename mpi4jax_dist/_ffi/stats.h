@@ -1,5 +1,6 @@
-// What the handlers did, counted where it runs: each module's stats(), which
-// mpi4jax_dist.op_counts() (ops/counts.py), a public diagnostic, sums.
+// What the handlers did, counted where it runs: the core's counts, one set a
+// process, which each module's stats() reads and mpi4jax_dist.op_counts()
+// (ops/counts.py), a public diagnostic, returns.
 
 #ifndef MPI4JAX_DIST_FFI_STATS_H_
 #define MPI4JAX_DIST_FFI_STATS_H_
@@ -9,11 +10,13 @@
 #include <utility>
 #include <vector>
 
+#include "mpi_base.h"
+
 namespace mpi4jax_dist {
 
 // What the handlers did: a count of what ran, not of what was asked for.
 // Relaxed atomics: handlers run on XLA's worker threads.
-struct Stats {
+struct MPI4JAX_DIST_CORE_API Stats {
   std::atomic<int64_t> handler_calls{0};
   // Handler calls where XLA gave one buffer for operand and result (in place).
   std::atomic<int64_t> same_buffer_calls{0};
@@ -27,47 +30,24 @@ struct Stats {
   // 0 under MPI_THREAD_MULTIPLE.
   std::atomic<int64_t> locked_sections{0};
 
-  void Reset() {
-    handler_calls = 0;
-    same_buffer_calls = 0;
-    mpi_calls = 0;
-    large_count_calls = 0;
-    max_call_count = 0;
-    locked_sections = 0;
-  }
+  // Set every count to zero.
+  void Reset();
 };
 
-inline Stats& GetStats() {
-  static Stats stats;
-  return stats;
-}
+// The counts of this process (the core's: one for every module).
+MPI4JAX_DIST_CORE_API Stats& GetStats();
 
 // Name and value of each count, as every module's stats() names them.
 using StatsItems = std::vector<std::pair<const char*, int64_t>>;
 
-inline StatsItems GetStatsItems() {
-  const Stats& s = GetStats();
-  return {
-      {"handler_calls", s.handler_calls.load()},
-      {"same_buffer_calls", s.same_buffer_calls.load()},
-      {"mpi_calls", s.mpi_calls.load()},
-      {"large_count_calls", s.large_count_calls.load()},
-      {"max_call_count", s.max_call_count.load()},
-      {"locked_sections", s.locked_sections.load()},
-  };
-}
+MPI4JAX_DIST_CORE_API StatsItems GetStatsItems();
 
 // Count a handler call, and whether XLA gave it one buffer (in place).
-inline void CountHandlerCall(const void* operand, const void* result) {
-  Stats& stats = GetStats();
-  stats.handler_calls.fetch_add(1, std::memory_order_relaxed);
-  if (operand == result) {
-    stats.same_buffer_calls.fetch_add(1, std::memory_order_relaxed);
-  }
-}
+MPI4JAX_DIST_CORE_API void CountHandlerCall(const void* operand,
+                                            const void* result);
 
 // What the non-blocking handlers did (op_counts' iallreduce_* keys).
-struct RequestStats {
+struct MPI4JAX_DIST_CORE_API RequestStats {
   std::atomic<int64_t> starts{0};
   std::atomic<int64_t> large_count_starts{0};
   std::atomic<int64_t> waits{0};
@@ -88,38 +68,13 @@ struct RequestStats {
   std::atomic<int64_t> tests_done{0};
   std::atomic<int64_t> max_pending{0};
 
-  void Reset() {
-    starts = 0;
-    large_count_starts = 0;
-    waits = 0;
-    done_before_wait = 0;
-    wait_slack_ns = 0;
-    wait_blocked_ns = 0;
-    tests = 0;
-    tests_done = 0;
-    max_pending = 0;
-  }
+  // Set every count to zero.
+  void Reset();
 };
 
-inline RequestStats& GetRequestStats() {
-  static RequestStats stats;
-  return stats;
-}
+MPI4JAX_DIST_CORE_API RequestStats& GetRequestStats();
 
-inline StatsItems GetRequestStatsItems() {
-  const RequestStats& r = GetRequestStats();
-  return {
-      {"iallreduce_starts", r.starts.load()},
-      {"iallreduce_large_count_starts", r.large_count_starts.load()},
-      {"iallreduce_waits", r.waits.load()},
-      {"iallreduce_done_before_wait", r.done_before_wait.load()},
-      {"iallreduce_wait_slack_ns", r.wait_slack_ns.load()},
-      {"iallreduce_wait_blocked_ns", r.wait_blocked_ns.load()},
-      {"iallreduce_tests", r.tests.load()},
-      {"iallreduce_tests_done", r.tests_done.load()},
-      {"iallreduce_max_pending", r.max_pending.load()},
-  };
-}
+MPI4JAX_DIST_CORE_API StatsItems GetRequestStatsItems();
 
 }  // namespace mpi4jax_dist
 

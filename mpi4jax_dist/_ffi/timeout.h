@@ -8,27 +8,17 @@
 #define MPI4JAX_DIST_FFI_TIMEOUT_H_
 
 #include <atomic>
-#include <chrono>
-#include <csignal>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "mpi_base.h"
-#include "mpi_guard.h"
 
 namespace mpi4jax_dist {
 
 // Nanoseconds on the steady clock: the collective timeout's deadlines and the
 // wait's counts of time.
-inline int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+MPI4JAX_DIST_CORE_API int64_t SteadyNs();
 
 // What Python set (set_collective_timeout): the timeout (0: off), whether its
 // watchdog thread runs (it needs MPI_THREAD_MULTIPLE), and whether SIGUSR1
@@ -39,11 +29,10 @@ struct TimeoutSettings {
   std::atomic<bool> stacks_on_signal{false};
 };
 
-inline TimeoutSettings& GetTimeoutSettings() {
-  static TimeoutSettings settings;
-  return settings;
-}
+MPI4JAX_DIST_CORE_API TimeoutSettings& GetTimeoutSettings();
 
+// How long past its alarm a timed-out call waits for the watchdog to end the
+// job before it ends it itself.
 constexpr int64_t kAlarmGraceS = 60;
 
 // The call this thread is in (XLA runs a handler on one thread from entry to
@@ -58,21 +47,11 @@ struct CallContext {
   bool alarmed = false;
 };
 
-inline CallContext& CurrentCall() {
-  thread_local CallContext context;
-  return context;
-}
+MPI4JAX_DIST_CORE_API CallContext& CurrentCall();
 
 // Start the deadline of the call this thread enters now.
-inline void EnterCall(const char* who, int64_t comm_id, int64_t call) {
-  CallContext& context = CurrentCall();
-  const int64_t timeout = GetTimeoutSettings().timeout_ns.load();
-  context.who = who;
-  context.comm_id = comm_id;
-  context.call = call;
-  context.deadline_ns = timeout > 0 ? SteadyNs() + timeout : 0;
-  context.alarmed = false;
-}
+MPI4JAX_DIST_CORE_API void EnterCall(const char* who, int64_t comm_id,
+                                     int64_t call);
 
 // The first timed-out call of this process, for the watchdog.
 struct Alarm {
@@ -84,118 +63,18 @@ struct Alarm {
   double waited_s = 0;
 };
 
-inline Alarm& GetAlarm() {
-  static Alarm* alarm = new Alarm();  // never destroyed, as the MPI lock
-  return *alarm;
-}
-
-inline int WorldRank() {
-  int rank = -1;
-  MpiGuard guard;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-// No watchdog, or none that ended the job in time: say so and end the job.
-[[noreturn]] inline void AbortTimedOut(const CallContext& context,
-                                       const char* why) {
-  const double timeout_s = GetTimeoutSettings().timeout_ns.load() / 1e9;
-  if (GetTimeoutSettings().stacks_on_signal.load()) {
-    // Python's faulthandler dumps this process's stacks into a pipe, which
-    // the _stacks module's C thread writes out (stacks.c): it needs a moment.
-    std::raise(SIGUSR1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  }
-  std::fprintf(stderr,
-               "mpi4jax_dist: rank %d: %s (call %lld on communicator id %lld) "
-               "waited %g s (MPI4JAX_DIST_COLLECTIVE_TIMEOUT); %s; MPI_Abort "
-               "ends the job.\n",
-               WorldRank(), context.who, static_cast<long long>(context.call),
-               static_cast<long long>(context.comm_id), timeout_s, why);
-  std::fflush(stderr);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::_Exit(1);
-}
-
-// Past the deadline: raise the alarm once (or end the job where no watchdog
-// will); kAlarmGraceS later, end the job here.
-inline void CheckDeadline(CallContext& context) {
-  if (context.deadline_ns == 0) return;
-  const int64_t now = SteadyNs();
-  if (now <= context.deadline_ns) return;
-  const TimeoutSettings& settings = GetTimeoutSettings();
-  if (!context.alarmed) {
-    context.alarmed = true;
-    if (!settings.watchdog.load()) {
-      AbortTimedOut(context,
-                    "no watchdog asks the other ranks (it needs "
-                    "MPI_THREAD_MULTIPLE and more than one rank)");
-    }
-    Alarm& alarm = GetAlarm();
-    std::lock_guard<std::mutex> lock(alarm.mu);
-    if (!alarm.raised) {
-      alarm.raised = true;
-      alarm.who = context.who;
-      alarm.comm_id = context.comm_id;
-      alarm.call = context.call;
-      alarm.waited_s =
-          (now - context.deadline_ns) / 1e9 + settings.timeout_ns.load() / 1e9;
-    }
-    return;
-  }
-  if (now > context.deadline_ns + kAlarmGraceS * 1000000000LL) {
-    AbortTimedOut(context, "the watchdog did not end the job in time");
-  }
-}
+MPI4JAX_DIST_CORE_API Alarm& GetAlarm();
 
 // Complete `request`: MPI_Wait without a timeout; with one, MPI_Test polled
 // (each test under the MPI lock where MPI is serialized) and the deadline
-// checked every 64 tests.
-inline int WaitRequest(MPI_Request* request) {
-  CallContext& context = CurrentCall();
-  if (context.deadline_ns == 0) {
-    MpiGuard guard;
-    return MPI_Wait(request, MPI_STATUS_IGNORE);
-  }
-  for (uint32_t i = 1;; ++i) {
-    int done = 0, rc = MPI_SUCCESS;
-    {
-      MpiGuard guard;
-      rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
-    }
-    if (rc != MPI_SUCCESS || done) return rc;
-    if (i % 64 == 0) CheckDeadline(context);
-    // Past the deadline this call only waits for the watchdog to end the job:
-    // leave it MPI and the core, which its report's messages need (a tight
-    // MPI_Test loop kept a rank's watchdog from answering rank 0 for 10 s).
-    if (context.alarmed) {
-      std::this_thread::sleep_for(std::chrono::microseconds(500));
-    }
-  }
-}
+// checked every 64 tests. Past the deadline the call raises the alarm, and
+// where no watchdog ends the job in time, ends it (MPI_Abort).
+MPI4JAX_DIST_CORE_API int WaitRequest(MPI_Request* request);
 
 // Complete one of `n` requests, as WaitRequest does one: MPI_Waitany, or
 // under the collective timeout MPI_Testany polled. *index says which.
-inline int WaitAnyRequest(int n, MPI_Request* requests, int* index) {
-  CallContext& context = CurrentCall();
-  if (context.deadline_ns == 0) {
-    MpiGuard guard;
-    return MPI_Waitany(n, requests, index, MPI_STATUS_IGNORE);
-  }
-  for (uint32_t i = 1;; ++i) {
-    int done = 0, rc = MPI_SUCCESS;
-    {
-      MpiGuard guard;
-      rc = MPI_Testany(n, requests, index, &done, MPI_STATUS_IGNORE);
-    }
-    if (rc != MPI_SUCCESS || done) return rc;
-    if (i % 64 == 0) CheckDeadline(context);
-    if (context.alarmed) {
-      std::this_thread::sleep_for(std::chrono::microseconds(500));
-    }
-  }
-}
+MPI4JAX_DIST_CORE_API int WaitAnyRequest(int n, MPI_Request* requests,
+                                         int* index);
 
 }  // namespace mpi4jax_dist
 

@@ -34,6 +34,13 @@ def modules() -> list:
         return list(_modules)
 
 
+def _core():
+    """A loaded extension module to read the record through, or None: every
+    module reads the same one, the core's (``_core``, one a process)."""
+    with _lock:
+        return _modules[0] if _modules else None
+
+
 def note_comm(comm) -> None:
     """Remember a communicator the compiled ops were given (an ``ops.common.Comm``),
     so that a timeout's report can name it and find its count on every rank."""
@@ -126,14 +133,16 @@ class Call(NamedTuple):
 
 def calls() -> list[Call]:
     """The package's collectives this process is in (entered, not yet returned),
-    oldest first, from every loaded extension's record."""
-    return [Call(*entry) for module in modules() for entry in module.calls()]
+    oldest first, from the record the loaded extensions share."""
+    module = _core()
+    return [] if module is None else [Call(*entry) for entry in module.calls()]
 
 
 def events() -> int:
     """The calls entered, waited for and ended so far in this process: what the
     watchdog counts as the collectives making progress."""
-    return sum(module.record_events()[0] for module in modules())
+    module = _core()
+    return 0 if module is None else module.record_events()[0]
 
 
 def reported_elsewhere(exc: BaseException) -> bool:
@@ -159,7 +168,7 @@ def local_alarm(world_size: int) -> dict | None:
         if alarm is None:
             continue
         who, comm_id, call, waited_s = alarm
-        comm = _comm_of(module, comm_id)
+        comm = _comm_of(comm_id)
         group = group_of(comm, world_size) if comm is not None else None
         return {
             "kind": "alarm",
@@ -172,9 +181,10 @@ def local_alarm(world_size: int) -> dict | None:
     return None
 
 
-def _comm_of(module, comm_id: int):
+def _comm_of(comm_id: int):
+    """The noted communicator of the core's id ``comm_id``, or None."""
     for comm in _noted_comms():
-        if comm.registered_id(module) == comm_id:
+        if comm.key == comm_id:
             return comm
     return None
 
@@ -225,15 +235,10 @@ def count_of(group) -> int | None:
             matches.append(comm)
     if place >= len(matches):
         return 0
-    comm = matches[place]
-    total = 0
-    for module in modules():
-        comm_id = comm.registered_id(module)
-        if comm_id is not None:
-            counts = module.call_counts()
-            if 0 < comm_id <= len(counts):
-                total += counts[comm_id - 1]
-    return total
+    module = _core()
+    counts = [] if module is None else module.call_counts()
+    comm_id = matches[place].key
+    return counts[comm_id - 1] if 0 < comm_id <= len(counts) else 0
 
 
 def _describe(comm) -> str:

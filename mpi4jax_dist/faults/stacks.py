@@ -6,7 +6,7 @@ and hang timeouts' reports, ``--hangs``).
 A summary quotes the source lines it is given, and reads no file a stack names:
 a frame's file is whatever its code's ``co_filename`` says (a FIFO, ``/dev/zero``)
 and a stacks file anyone could have written. This process's own frames are quoted
-by :func:`quote`, which reads a file as ``_ffi/stacks_sources.h`` does: a regular
+by :func:`quote`, which reads a file as ``_ffi/stacks_sources.c`` does: a regular
 file only, bounded."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _TIMES = re.compile(r"^# host .* signal (\S+) written (\S+) reason ")
 # the writer did not read the file (not a regular file, too large).
 _SOURCE = re.compile(r"^# line (.*):(\d+): (.*)$")
 _UNREAD = re.compile(r"^# no line (.*):(\d+): (.*)$")
-# How far into a file quote() looks for a line (as _ffi/stacks_sources.h does).
+# How far into a file quote() looks for a line (as _ffi/stacks_sources.c does).
 MAX_SOURCE_BYTES = 16 << 20
 # Paths of code that is not the user's: what a stack's summary looks past.
 _LIBRARY = re.compile(
@@ -149,7 +149,7 @@ def quote(frames) -> list[str]:
 def source_line(path: str, line: int) -> str:
     """Line ``line`` (from 1) of ``path``, stripped; "" where there is none.
 
-    Read as ``_ffi/stacks_sources.h`` reads it, for a frame's file is whatever its
+    Read as ``_ffi/stacks_sources.c`` reads it, for a frame's file is whatever its
     code's ``co_filename`` says: only where ``path`` is a regular file (a link to
     one too), opened without blocking, and never past its size as ``fstat`` gives
     it (0 for /proc's files) nor past ``MAX_SOURCE_BYTES``; no cache (linecache's

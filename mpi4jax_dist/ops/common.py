@@ -310,7 +310,8 @@ class Comm:
         self.handle = int(comm.py2f())
         cpu = extension()
         self.key = cpu.register_comm(self.handle)
-        # The id in each platform's extension (its own registry), by module name.
+        # The id each platform's extension compiles, by module name: the same,
+        # as both read the one registry of the core (_core).
         self._ids = {cpu.__name__: self.key}
         hangs.note_comm(self)  # for a collective timeout's report
 
@@ -321,13 +322,6 @@ class Comm:
         if module.__name__ not in self._ids:
             self._ids[module.__name__] = module.register_comm(self.handle)
         return self._ids[module.__name__]
-
-    def registered_id(self, module) -> int | None:
-        """The communicator's id in ``module`` (the CPU or CUDA extension), or
-        None where it was never registered there. Unlike :meth:`id_in` it
-        registers nothing: what a report reads to know which communicator an id
-        of ``module``'s records names (:mod:`mpi4jax_dist.faults.record`)."""
-        return self._ids.get(module.__name__)
 
     def __hash__(self):
         return hash(("mpi4jax_dist.Comm", self.key))

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from .. import _ffi
 
-# Counts that are a largest value seen, not a number of events: across the CPU
-# and CUDA extensions the largest is kept, the others are summed.
-_LARGEST = ("max_call_count", "iallreduce_max_pending")
-
 
 def op_counts(*, reset: bool = False) -> dict[str, int]:
     """Return what the package's compiled ``allreduce`` and ``iallreduce`` did in
@@ -42,12 +38,12 @@ def op_counts(*, reset: bool = False) -> dict[str, int]:
     """
     modules = _ffi.loaded_extensions() or [_ffi.load()]
     counts: dict[str, int] = {}
+    # The counts are the core's, one set a process that every module reads
+    # (conf/builder.py): each module adds only the names it alone has (the CUDA
+    # module's staging counts, the CPU module's iallreduce_*).
     for module in modules:
-        for name, value in module.stats().items():
-            if name in _LARGEST:
-                counts[name] = max(counts.get(name, 0), int(value))
-            else:
-                counts[name] = counts.get(name, 0) + int(value)
-        if reset:
+        counts.update((name, int(value)) for name, value in module.stats().items())
+    if reset:
+        for module in modules:
             module.reset_stats()
     return counts

@@ -1,8 +1,9 @@
 // The CUDA allreduce's device-side path (ReduceDeviceBuffer in
-// mpi4jax_dist/_ffi/cuda_staging.h) over a CUDA runtime made of host threads,
+// mpi4jax_dist/_ffi/cuda_staging.cc) over a CUDA runtime made of host threads,
 // as a Python module:
-// tests/gpu/test_cuda_fake.py builds it and runs tests/scripts/cuda_fake_job.py
-// under mpiexec on the CPU, where there is no GPU.
+// tests/gpu/test_cuda_fake.py builds it with cuda_staging.cc, links it to the
+// install's core (_core), and runs tests/scripts/cuda_fake_job.py under mpiexec
+// on the CPU, where there is no GPU.
 //
 // "Device" memory is host memory the job registers (register_device). A stream
 // is a thread that runs the copies queued on it in order, each after a random
@@ -15,13 +16,18 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "cuda_staging.h"
 #include "stats.h"

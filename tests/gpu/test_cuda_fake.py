@@ -8,9 +8,11 @@ report of a kernel that failed before the call, run against a runtime whose
 a random delay. What it cannot show: the real runtime's and driver's behaviour,
 and the speed (tools/gpu_check.sh runs on a GPU).
 
-The module is compiled here with the compiler and flags the build uses (conf/'s
-functions: the MPI's mpicc, the CUDA headers it would build against), in about
-6 s; the test skips where there are no CUDA headers.
+The module (with ``_ffi/cuda_staging.cc``) is compiled here with the compiler and
+flags the build uses (conf/'s functions: the MPI's mpicc, the CUDA headers it
+would build against), in about 6 s, and linked to the install's core (``_core``,
+the host reductions and the counts), as ``_cuda`` is; the test skips where there
+are no CUDA headers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sysconfig
 import jax.ffi
 import pytest
 import util
+
+from mpi4jax_dist import _ffi
 
 pytestmark = util.skip_in_mpi_job
 
@@ -39,6 +43,10 @@ def fake_module(tmp_path_factory) -> str:
     cuda, why = cudaconfig.find_cuda({k: v for k, v in os.environ.items()})
     if cuda is None:
         pytest.skip(f"no CUDA headers to compile cuda.cc against: {why}")
+    cores = list(_ffi.built("core").values())
+    if not cores:
+        pytest.skip(f"no _core built in {_ffi._HERE} to link the fake module to")
+    (core,) = cores
     flags = mpiconfig.mpicc_flags(mpiconfig.find_mpicc())
     compile_args, link_args = mpiconfig.split_flags(flags)
     out = tmp_path_factory.mktemp("cuda_fake")
@@ -62,8 +70,11 @@ def fake_module(tmp_path_factory) -> str:
         f"-I{sysconfig.get_paths()['include']}",
         *compile_args,
         str(FAKE),
+        str(FFI / "cuda_staging.cc"),
         "-o",
         str(target),
+        str(core),
+        f"-Wl,-rpath,{core.parent}",
         *link_args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

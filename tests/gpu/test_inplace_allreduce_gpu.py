@@ -383,6 +383,48 @@ def test_mpi_cuda_support_none_outside_mpi():
     assert proc.stdout.split() == ["before", "None", "after", "None"], out
 
 
+def test_cpu_and_cuda_modules_share_one_core():
+    """A process that loads both modules has one core (_core): the registry,
+    the record and the counts that a call through the CPU handler writes are
+    those the CUDA module reads, and both hand _stacks the same reader of the
+    record. (Each module kept its own of each before.)"""
+    import ctypes
+
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    cuda = cuda_extension()
+    cpu = _ffi.load()
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        before = cuda.stats()["handler_calls"]
+        y = jax.jit(lambda a: mpi4jax_dist.allreduce(a, comm=comm))(jnp.ones(4))
+        y.block_until_ready()
+        seen = cuda.stats()["handler_calls"] - before
+        counts = cuda.call_counts(), cpu.call_counts()
+        comm_id = cuda.register_comm(comm.py2f())
+    finally:
+        comm.Free()
+    pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    pointer.restype = ctypes.c_void_p
+    pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    readers = {
+        pointer(m.in_flight_reader(), b"mpi4jax_dist.in_flight") for m in (cpu, cuda)
+    }
+    problems = []
+    if seen != 1:
+        problems.append(f"the CUDA module counted {seen} CPU handler calls, not 1")
+    if counts[0] != counts[1] or counts[0][comm_id - 1] != 1:
+        problems.append(f"call_counts: CUDA module {counts[0]}, CPU module {counts[1]}")
+    if len(readers) != 1:
+        problems.append(f"two records: in_flight_reader() at {sorted(readers)}")
+    totals = mpi4jax_dist.op_counts()
+    if totals["handler_calls"] != cpu.stats()["handler_calls"]:
+        problems.append(f"op_counts {totals} counts the one core twice")
+    util.all_ranks(not problems, problems)
+
+
 # ---------------------------------------------------------------------------------
 # The handler on a GPU
 

@@ -344,6 +344,7 @@ def test_build_with_cray_cc(real, stand_ins, tmp_path):
     built = json.loads(record.read_text())
     assert built["family"] == family, built
     assert built["modules"] == {
+        "core": f"_core{suffix}",
         "cpu": cpu.name,
         "stacks": f"_stacks{suffix}",
         "mpiabi": f"_mpiabi{suffix}",

@@ -236,11 +236,13 @@ def test_sdist_has_the_sources_and_wheel_the_extension(dists):
             for line in whl.read(metadata).decode().splitlines()
             if line.startswith("Requires-Dist:")
         ]
-    # One build: the modules, the MPI wrapper, and the record naming their MPI.
+    # One build: the core, the modules, the MPI wrapper, and the record naming
+    # their MPI.
     prefix = "mpi4jax_dist/_ffi/_"
     built = {n[len(prefix) - 1 :].split(".")[0] for n in names if n.startswith(prefix)}
     assert built - {"_cuda", "__init__"} == {
         "_build",
+        "_core",
         "_cpu",
         "_stacks",
         "_mpiabi",

@@ -1,17 +1,25 @@
-/* The MPIABI wrapper's types (mpiabi.c): the ABI's, from MPItrampoline's public
- * mpiabi.h (version 2.9), checked against the native MPI's, and the translation
- * of a status between the two. Handles are uintptr_t, each the native handle
- * cast (MPICH's are ints, Open MPI's pointers); MPIABI_Status is a union big
- * enough for any native MPI_Status, then MPI_SOURCE, MPI_TAG and MPI_ERROR. */
+/* The MPIABI wrapper's declarations (mpiabi.c and the sources beside it, built
+ * into _mpiabi by conf/builder.py): the ABI's types, from MPItrampoline's public
+ * mpiabi.h (version 2.9), checked against the native MPI's, and the functions the
+ * wrapper's sources share, which the library does not export (it is built with
+ * -fvisibility=hidden; MPIABI_API marks what it exports).
+ *
+ * Handles are uintptr_t, each the native handle cast (MPICH's are ints, Open
+ * MPI's pointers); MPIABI_Status is a union big enough for any native
+ * MPI_Status, then MPI_SOURCE, MPI_TAG and MPI_ERROR.
+ *
+ * The sources: mpiabi.c (the functions written by hand, everything XLA calls),
+ * mpiabi_record.c (the record of XLA's calls), mpiabi_world.c (the world XLA
+ * sees), and mpiabi_generated.c, which conf/mpiabi_gen.py writes into the build
+ * directory (the constants and the stubs). */
 
-#ifndef MPI4JAX_DIST_FFI_MPIABI_TYPES_H_
-#define MPI4JAX_DIST_FFI_MPIABI_TYPES_H_
+#ifndef MPI4JAX_DIST_FFI_MPIABI_H_
+#define MPI4JAX_DIST_FFI_MPIABI_H_
 
 #include <mpi.h>
 
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 /* What the library exports: the ABI's names and mpi4jax_dist's own functions. */
 #define MPIABI_API __attribute__((visibility("default")))
@@ -79,27 +87,33 @@ _Static_assert(MPI_MAX_LIBRARY_VERSION_STRING <= 8192,
                "MPIABI_MAX_LIBRARY_VERSION_STRING");
 _Static_assert(MPI_MAX_PROCESSOR_NAME <= 256, "MPIABI_MAX_PROCESSOR_NAME");
 
-/* Return the native status to hand MPI for the ABI status `abi`: MPI_STATUS_IGNORE
- * as it is, else `native`, filled from `abi` so that the fields MPI leaves alone
- * (MPI_ERROR, in single-completion calls) keep their values. */
-static MPI_Status *status_in(const MPIABI_Status *abi, MPI_Status *native) {
-  if (abi == (const MPIABI_Status *)MPI_STATUS_IGNORE)
-    return MPI_STATUS_IGNORE;
-  memcpy(native, &abi->mpi_status, sizeof *native);
-  native->MPI_SOURCE = abi->MPI_SOURCE;
-  native->MPI_TAG = abi->MPI_TAG;
-  native->MPI_ERROR = abi->MPI_ERROR;
-  return native;
-}
+/* ---- Shared by the wrapper's sources, not exported ---- */
 
-/* Copy a native status back into the ABI status (nothing for an ignored one). */
-static void status_out(const MPI_Status *native, MPIABI_Status *abi) {
-  if (native == MPI_STATUS_IGNORE)
-    return;
-  memcpy(&abi->mpi_status, native, sizeof *native);
-  abi->MPI_SOURCE = native->MPI_SOURCE;
-  abi->MPI_TAG = native->MPI_TAG;
-  abi->MPI_ERROR = native->MPI_ERROR;
-}
+/* mpiabi_generated.c: give every constant MPIABI_<NAME> its native value (run
+ * when the library loads, mpiabi.c), and the names of the functions XLA calls,
+ * for the stubs' message. */
+void mpiabi_set_constants(void);
+extern const char mpiabi_xla_calls[];
 
-#endif /* MPI4JAX_DIST_FFI_MPIABI_TYPES_H_ */
+/* mpiabi.c: what a stub of mpiabi_generated.c calls: say so, and abort. */
+_Noreturn void mpiabi_not_implemented(const char *name);
+
+/* mpiabi_world.c: the native communicator for an ABI handle XLA passes in (XLA's
+ * world is its duplicate, once handed over). */
+MPI_Comm comm_in(uintptr_t comm);
+
+/* mpiabi_record.c: the record of XLA's calls that can wait on other ranks. A
+ * collective passes its communicator, numbered there; a point-to-point call
+ * MPI_COMM_NULL and its peer, MPI_Wait neither. record_enter returns the call's
+ * serial, for record_return; record_forget drops a communicator about to be
+ * freed. type_name and op_name name a native datatype and op as the reports do
+ * ("float32", "SUM"). */
+unsigned long long record_enter(const char *call, MPI_Comm comm, int peer,
+                                const char *op, const char *type,
+                                long long count);
+void record_return(unsigned long long serial);
+void record_forget(MPI_Comm comm);
+const char *type_name(MPI_Datatype type);
+const char *op_name(MPI_Op op);
+
+#endif /* MPI4JAX_DIST_FFI_MPIABI_H_ */

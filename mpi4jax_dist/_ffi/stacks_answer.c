@@ -4,13 +4,10 @@
 The reporting rank (rank 0, or its deputy where rank 0's watchdog cannot run)
 asks on the watchdog's communicator (tag `ask`, the dump's reason as text);
 each request raises the signal faulthandler dumps on, and the dump, written as
-the thread writes every dump (stacks_dump.h), goes back to the asker (tag
+the thread writes every dump (stacks_dump.c), goes back to the asker (tag
 `reply`: where it was written, a newline, the calls the extensions' records say
 the rank is in, a newline, the dump). The thread looks for requests every
 `poll_ms` milliseconds (MPI_Improbe, a local call) and never else. */
-
-#ifndef MPI4JAX_DIST_FFI_STACKS_ANSWER_H_
-#define MPI4JAX_DIST_FFI_STACKS_ANSWER_H_
 
 #include <mpi.h>
 
@@ -20,24 +17,12 @@ the rank is in, a newline, the dump). The thread looks for requests every
 #include <stdlib.h>
 #include <time.h>
 
-#include "stacks_dump.h"
-#include "stacks_text.h"
+#include "stacks.h"
 
 /* The MPI calls a look for requests makes. */
 enum { PROBES = 4 };
 
-static struct {
-  /* answer(): the watchdog's communicator, the signal faulthandler dumps on,
-     the tags and the period of the look for requests. */
-  atomic_int on;
-  MPI_Comm comm;
-  int signum, tag_ask, tag_reply, poll_ms;
-  /* set_in_flight(): the readers of the calls the rank is in (the
-     extensions' Record::InFlightText, the MPI wrapper's record of XLA's
-     calls), quoted in a reply for a rank whose Python cannot answer. */
-  size_t (*in_flight[4])(char *out, size_t capacity);
-  atomic_int readers;
-} answers;
+Answers answers;
 
 /* The calls the records say the rank is in, one line ("" for none). */
 static void quote_in_flight(char *calls, size_t capacity) {
@@ -63,7 +48,7 @@ static void quote_in_flight(char *calls, size_t capacity) {
 /* The reporter's requests (rank 0's, or its deputy's), answered (with the
    thread's mutex held, stacks.c): a dump on the signal, written, and sent back
    to the asker. */
-static void answer_requests(void) {
+void answer_requests(void) {
   while (atomic_load(&answers.on)) {
     int found = 0;
     MPI_Message message;
@@ -110,4 +95,3 @@ static void answer_requests(void) {
   }
 }
 
-#endif /* MPI4JAX_DIST_FFI_STACKS_ANSWER_H_ */

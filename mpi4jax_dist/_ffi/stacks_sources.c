@@ -17,9 +17,6 @@
    before. Plain system calls, no stdio: whoever holds a stdio lock may be the
    thread that is stuck. */
 
-#ifndef MPI4JAX_DIST_FFI_STACKS_SOURCES_H_
-#define MPI4JAX_DIST_FFI_STACKS_SOURCES_H_
-
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -29,7 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "stacks_text.h"
+#include "stacks.h"
 
 /* The places a dump's frames stand at, at most (the ones after are left out). */
 enum { MAX_PLACES = 512 };
@@ -113,7 +110,7 @@ static const char *source_line(const char *path, long line, char *out,
 /* `# line PATH:N: TEXT` for each place a frame of the dump stands at (faulthandler's
    `  File "PATH", line N in FUNCTION`), once per place, or `# no line PATH:N: WHY`
    where source_line would not read the file. */
-static void add_source_lines(Text *out, const char *dump) {
+void add_source_lines(Text *out, const char *dump) {
   static const char kFile[] = "File \"", kLine[] = "\", line ";
   struct { const char *path; size_t length; long line; } places[MAX_PLACES];
   int count = 0;
@@ -157,4 +154,3 @@ static void add_source_lines(Text *out, const char *dump) {
   }
 }
 
-#endif /* MPI4JAX_DIST_FFI_STACKS_SOURCES_H_ */

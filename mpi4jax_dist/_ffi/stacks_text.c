@@ -1,9 +1,6 @@
 /* What _stacks (stacks.c) writes with: a growing byte string, and a write of
    all of one to a file descriptor. */
 
-#ifndef MPI4JAX_DIST_FFI_STACKS_TEXT_H_
-#define MPI4JAX_DIST_FFI_STACKS_TEXT_H_
-
 #include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -12,16 +9,9 @@
 #include <string.h>
 #include <unistd.h>
 
-/* The longest reason a dump is written for (a request's text, in bytes). */
-enum { REASON_BYTES = 1024 };
+#include "stacks.h"
 
-/* A growing byte string. */
-typedef struct {
-  char *data;
-  size_t size, capacity;
-} Text;
-
-static void add(Text *t, const char *s, size_t n) {
+void add(Text *t, const char *s, size_t n) {
   if (t->size + n + 1 > t->capacity) {
     size_t capacity = t->capacity ? t->capacity : 4096;
     while (capacity < t->size + n + 1) capacity *= 2;
@@ -35,7 +25,7 @@ static void add(Text *t, const char *s, size_t n) {
   t->data[t->size] = '\0';
 }
 
-static void addf(Text *t, const char *format, ...) {
+void addf(Text *t, const char *format, ...) {
   char buffer[PATH_MAX + 2 * REASON_BYTES];
   va_list args;
   va_start(args, format);
@@ -44,7 +34,7 @@ static void addf(Text *t, const char *format, ...) {
   if (n > 0) add(t, buffer, (size_t)n < sizeof buffer ? (size_t)n : sizeof buffer - 1);
 }
 
-static int write_all(int fd, const char *data, size_t size) {
+int write_all(int fd, const char *data, size_t size) {
   while (size > 0) {
     ssize_t n = write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
@@ -55,4 +45,3 @@ static int write_all(int fd, const char *data, size_t size) {
   return 0;
 }
 
-#endif /* MPI4JAX_DIST_FFI_STACKS_TEXT_H_ */

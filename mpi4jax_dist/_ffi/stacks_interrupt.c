@@ -4,10 +4,7 @@
    main thread runs bytecode again, which a rank waiting in C (an MPI
    collective, a jitted program) never does: where it has not run `grace_s`
    seconds after the signal, the thread writes the rank's stacks (as for
-   SIGUSR1, stacks_dump.h) and one line, and ends the job with MPI_Abort(130). */
-
-#ifndef MPI4JAX_DIST_FFI_STACKS_INTERRUPT_H_
-#define MPI4JAX_DIST_FFI_STACKS_INTERRUPT_H_
+   SIGUSR1, stacks_dump.c) and one line, and ends the job with MPI_Abort(130). */
 
 #include <mpi.h>
 
@@ -20,22 +17,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "stacks_dump.h"
-#include "stacks_text.h"
+#include "stacks.h"
 
-/* watch_interrupts(): the pipe the SIGINT handler writes into (-1: none),
-   Python's handler, the signal faulthandler dumps on, the grace, and whether
-   Python has run since the last SIGINT (a pending call sets it). */
-static struct {
-  int pipe[2];
-  struct sigaction python_handler;
-  int dump_signum;
-  double grace_s;
-  atomic_int python_ran;
-} interrupts = {.pipe = {-1, -1}};
+Interrupts interrupts = {.pipe = {-1, -1}};
 
 /* SIGINT: a byte for the thread, then Python's handler (async-signal-safe). */
-static void on_sigint(int signum, siginfo_t *info, void *context) {
+void on_sigint(int signum, siginfo_t *info, void *context) {
   int saved = errno;
   char byte = 'I';
   (void)!write(interrupts.pipe[1], &byte, 1);
@@ -49,13 +36,13 @@ static void on_sigint(int signum, siginfo_t *info, void *context) {
 }
 
 /* A pending call: the main thread has run bytecode since it was added. */
-static int mark_python_ran(void *unused) {
+int mark_python_ran(void *unused) {
   (void)unused;
   atomic_store(&interrupts.python_ran, 1);
   return 0;
 }
 
-static double now_s(void) {
+double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
@@ -63,7 +50,7 @@ static double now_s(void) {
 
 /* The grace after a SIGINT has passed and Python has not run: the stacks, one
    line, and the end of the job (the thread's mutex held, stacks.c). */
-static void end_interrupted(void) {
+void end_interrupted(void) {
   struct timespec came;
   clock_gettime(CLOCK_REALTIME, &came);
   Text dump = {0};
@@ -91,4 +78,3 @@ static void end_interrupted(void) {
   MPI_Abort(MPI_COMM_WORLD, 128 + SIGINT);
 }
 
-#endif /* MPI4JAX_DIST_FFI_STACKS_INTERRUPT_H_ */

@@ -1,4 +1,4 @@
-/* The world XLA sees, in the MPIABI wrapper (mpiabi.c).
+/* The world XLA sees, in the MPIABI wrapper (mpiabi.h).
  *
  * XLA makes its communicators with MPI_Comm_split(MPI_COMM_WORLD, ...) from its
  * worker threads, lazily, while the program's main thread may be in a collective
@@ -11,14 +11,11 @@
  * mpi4jax_dist's bootstrap), XLA gets the world itself, as MPItrampoline's own
  * wrapper would give it. */
 
-#ifndef MPI4JAX_DIST_FFI_MPIABI_WORLD_H_
-#define MPI4JAX_DIST_FFI_MPIABI_WORLD_H_
-
 #include <mpi.h>
 
 #include <stdint.h>
 
-#include "mpiabi_types.h"
+#include "mpiabi.h"
 
 static MPI_Comm xla_world = MPI_COMM_NULL;
 /* Calls in which XLA passed MPI_COMM_WORLD and got the duplicate: what
@@ -49,7 +46,7 @@ MPIABI_API unsigned long long mpi4jax_dist_mpiabi_world_redirects(void) {
 }
 
 /* The native communicator for an ABI handle XLA passes in. */
-static MPI_Comm comm_in(uintptr_t comm) {
+MPI_Comm comm_in(uintptr_t comm) {
   if ((MPI_Comm)comm == MPI_COMM_WORLD && xla_world != MPI_COMM_NULL) {
     __atomic_fetch_add(&world_redirects, 1, __ATOMIC_RELAXED);
     return xla_world;
@@ -57,4 +54,3 @@ static MPI_Comm comm_in(uintptr_t comm) {
   return (MPI_Comm)comm;
 }
 
-#endif /* MPI4JAX_DIST_FFI_MPIABI_WORLD_H_ */

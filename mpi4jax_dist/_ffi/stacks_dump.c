@@ -2,12 +2,10 @@
    the pipe faulthandler writes into (or dumped on a signal here and read), the
    package's own threads left out, a header put before it (rank, host, pid, when
    the dump came and when it was written, why) and the source lines of its frames
-   after it (stacks_sources.h); written to MPI4JAX_DIST_HANG_DIR/rank-N.txt, or to
+   after it (stacks_sources.c); written to MPI4JAX_DIST_HANG_DIR/rank-N.txt, or to
    stderr as [rank N] lines. */
 
-#ifndef MPI4JAX_DIST_FFI_STACKS_DUMP_H_
-#define MPI4JAX_DIST_FFI_STACKS_DUMP_H_
-
+#define _GNU_SOURCE /* mkostemp */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -21,20 +19,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "stacks_sources.h"
-#include "stacks_text.h"
+#include "stacks.h"
 
 /* A dump is whole once its pipe has been quiet this long. */
 enum { QUIET_MS = 50 };
 
-/* Where the dumps come from and go, as start() set it. */
-static struct {
-  int read_fd; /* the pipe faulthandler writes into (-1: not started) */
-  int rank, size;
-  char dir[PATH_MAX]; /* "": stderr */
-  char host[256];
-  unsigned long main_thread;
-} dumps = {.read_fd = -1};
+Dumps dumps = {.read_fd = -1};
 
 /* 2026-12-05T00:01:02.345+0000 */
 static void format_time(const struct timespec *t, char *out, size_t capacity) {
@@ -48,7 +38,7 @@ static void format_time(const struct timespec *t, char *out, size_t capacity) {
 
 /* Read one dump from the pipe: what is there now and what follows until the
    pipe is quiet. Returns -1 when the pipe is closed or broken. */
-static int read_dump(Text *t) {
+int read_dump(Text *t) {
   char buffer[65536];
   for (;;) {
     ssize_t n = read(dumps.read_fd, buffer, sizeof buffer);
@@ -123,9 +113,9 @@ static void leave_out_own_threads(const char *dump, Text *out) {
    (a file written whole, then renamed over rank-N.txt: a reader sees a whole
    dump or the one before), else on stderr. `whole` receives the header and the
    dump (NULL: not wanted); `where` the directory or "stderr". */
-static void write_dump(const char *whole_dump, const char *reason,
-                       const struct timespec *came, Text *whole, char *where,
-                       size_t where_capacity) {
+void write_dump(const char *whole_dump, const char *reason,
+                const struct timespec *came, Text *whole, char *where,
+                size_t where_capacity) {
   Text kept = {0};
   leave_out_own_threads(whole_dump, &kept);
   const char *dump = kept.data ? kept.data : "";
@@ -209,7 +199,7 @@ static void write_dump(const char *whole_dump, const char *reason,
    read the dump into `dump`. This thread blocks every signal (start): the one
    is let through, so that faulthandler's handler runs here, before raise
    returns. */
-static void dump_on(int signum, Text *dump) {
+void dump_on(int signum, Text *dump) {
   if (signum <= 0) return;
   sigset_t one;
   sigemptyset(&one);
@@ -220,4 +210,3 @@ static void dump_on(int signum, Text *dump) {
   if (raised) read_dump(dump);
 }
 
-#endif /* MPI4JAX_DIST_FFI_STACKS_DUMP_H_ */

@@ -1,4 +1,4 @@
-/* The record of XLA's calls, in the MPIABI wrapper (mpiabi.c).
+/* The record of XLA's calls, in the MPIABI wrapper (mpiabi.h).
  *
  * The hang reports say which collective a rank is in; for XLA's collectives over
  * MPI the Python frame says only "the jitted call", so the wrapper keeps a ring
@@ -10,16 +10,13 @@
  * numbering, under a mutex (XLA's worker threads may call at once). The
  * extensions keep their own record of their collectives (record.h). */
 
-#ifndef MPI4JAX_DIST_FFI_MPIABI_RECORD_H_
-#define MPI4JAX_DIST_FFI_MPIABI_RECORD_H_
-
 #include <mpi.h>
 
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 
-#include "mpiabi_types.h"
+#include "mpiabi.h"
 
 #define RECORD_ENTRIES 64
 #define RECORD_COMMS 64
@@ -53,7 +50,7 @@ static pthread_mutex_t record_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* Forget a communicator about to be freed: MPI may give its handle to the
  * next one made. */
-static void record_forget(MPI_Comm comm) {
+void record_forget(MPI_Comm comm) {
   pthread_mutex_lock(&record_mu);
   for (int i = 0; i < record_known; ++i) {
     if (record_comms[i].comm == comm) {
@@ -87,7 +84,7 @@ static long long record_number(MPI_Comm comm, int *size) {
   return seq;
 }
 
-static const char *type_name(MPI_Datatype type) {
+const char *type_name(MPI_Datatype type) {
   if (type == MPI_FLOAT) return "float32";
   if (type == MPI_DOUBLE) return "float64";
   if (type == MPI_INT8_T) return "int8";
@@ -105,7 +102,7 @@ static const char *type_name(MPI_Datatype type) {
   return "?";
 }
 
-static const char *op_name(MPI_Op op) {
+const char *op_name(MPI_Op op) {
   if (op == MPI_SUM) return "SUM";
   if (op == MPI_PROD) return "PROD";
   if (op == MPI_MIN) return "MIN";
@@ -123,9 +120,9 @@ static const char *op_name(MPI_Op op) {
  * collective passes its communicator, numbered there; a point-to-point call
  * MPI_COMM_NULL and its peer (its numbers would differ between ranks that do
  * not all send), MPI_Wait neither. */
-static unsigned long long record_enter(const char *call, MPI_Comm comm,
-                                       int peer, const char *op,
-                                       const char *type, long long count) {
+unsigned long long record_enter(const char *call, MPI_Comm comm, int peer,
+                                const char *op, const char *type,
+                                long long count) {
   int size = 0;
   const long long seq = comm == MPI_COMM_NULL ? 0 : record_number(comm, &size);
   const unsigned long long serial =
@@ -145,7 +142,7 @@ static unsigned long long record_enter(const char *call, MPI_Comm comm,
 }
 
 /* Mark call `serial` returned, unless a later call took its entry over. */
-static void record_return(unsigned long long serial) {
+void record_return(unsigned long long serial) {
   RecordEntry *e = &record_entries[(serial - 1) % RECORD_ENTRIES];
   if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) == serial)
     __atomic_store_n(&e->state, kReturned, __ATOMIC_RELEASE);
@@ -198,4 +195,3 @@ MPIABI_API size_t mpi4jax_dist_mpiabi_in_flight(char *out, size_t capacity) {
   return used;
 }
 
-#endif /* MPI4JAX_DIST_FFI_MPIABI_RECORD_H_ */
