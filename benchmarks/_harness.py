@@ -795,9 +795,12 @@ def run_job(
     env: dict | None = None,
     mpiexec: str | None = None,
 ) -> JobResult:
-    """Run ``mpiexec -n procs python *argv`` with a time limit; never raises for
-    the job's own failure (a crash or a timeout is reported in the result)."""
-    cmd = [mpiexec or find_mpiexec(), "-n", str(procs), sys.executable, *argv]
+    """Run ``mpiexec -n procs python *argv`` (``python *argv`` alone where
+    ``procs`` is 0) with a time limit; never raises for the job's own failure (a
+    crash or a timeout is reported in the result)."""
+    cmd = [sys.executable, *argv]
+    if procs:
+        cmd = [mpiexec or find_mpiexec(), "-n", str(procs), *cmd]
     environment = dict(os.environ if env is None else env)
     environment.setdefault("JAX_PLATFORMS", "cpu")
     # Its own process group, so that a timeout ends mpiexec, its proxies and the
