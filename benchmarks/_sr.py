@@ -133,39 +133,32 @@ class Jacobian:
         )
 
 
-def user_matvec(J, eps, N, comm, counter=None, nonblocking=False):
+def user_matvec(J, eps, N, comm, counter=None):
     """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
 
     ``counter``: called through ``jax.debug.callback`` once per call (on rank 0:
-    one for the initial residual, one per iteration). ``nonblocking``: the sum by
-    ``mpi4jax_dist.iallreduce(...).wait()``, which a simulated latency holds.
+    one for the initial residual, one per iteration).
     """
     import jax
     import mpi4jax
     from mpi4py import MPI
 
-    import mpi4jax_dist
-
     def A(v):
         if counter is not None:
             jax.debug.callback(counter)
-        part = J.T @ (J @ v)
-        if nonblocking:
-            total = mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm).wait()
-        else:
-            total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
+        total = mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm)
         return total / N + eps * v
 
     return A
 
 
-def jax_scipy_cg(N, comm, tol, maxiter, counter=None, nonblocking=False):
+def jax_scipy_cg(N, comm, tol, maxiter, counter=None):
     """The user's solve, a jitted function of ``(J, f, x0, eps)``:
     ``jax.scipy.sparse.linalg.cg`` with :func:`user_matvec`, ``atol=0``."""
     import jax
 
     def solve(J, f, x0, eps):
-        A = user_matvec(J, eps, N, comm, counter, nonblocking)
+        A = user_matvec(J, eps, N, comm, counter)
         x, _ = jax.scipy.sparse.linalg.cg(
             A, f, x0=x0, tol=tol, atol=0.0, maxiter=maxiter
         )

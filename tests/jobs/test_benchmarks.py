@@ -83,14 +83,13 @@ def _finite(value) -> bool:
 
 def test_sr_benchmark_reports_every_route(tmp_path):
     """sr.py at a tiny size on 2 ranks: every route timed, its allreduces counted,
-    its answer checked; the latency rows, crossovers and conditioning table."""
+    its answer checked."""
     out = tmp_path / "sr.json"
     util.run_mpi(
         util.ROOT / "benchmarks" / "sr.py",
         2,
         *("--params", "64", "--walkers", "32", "--repeat", "1"),
-        *("--latencies", "0,50", "--variants", "classic,pipelined"),
-        *("--cond-params", "64", "--cond-walkers", "16", "--json", str(out)),
+        *("--variants", "classic,pipelined", "--json", str(out)),
         timeout=240,
     )
     saved = json.loads(out.read_text())
@@ -114,24 +113,6 @@ def test_sr_benchmark_reports_every_route(tmp_path):
     a, b = routes["jax.scipy"], routes["dropin/classic"]
     assert a["iterations"] == b["iterations"] > 0
     assert b["allreduces_loop"] == b["iterations"] == a["allreduces_loop"]
-    measured = [r for r in rows if r["section"] == "latency_measured"]
-    assert {r["route"] for r in measured} == {
-        "jax.scipy+iallreduce",
-        "dropin/classic+iallreduce",
-        "solve_normal",
-    }
-    assert all(r["t_50us"] > 0 and r["model_over_measured"] > 0 for r in measured)
-    crossings = [r for r in rows if r["section"] == "crossover"]
-    assert crossings and all(
-        r["crossover_us"] == "never" or r["crossover_us"] >= 0 for r in crossings
-    )
-    cond = {
-        (r["route"], r["replace_every"]): r
-        for r in rows
-        if r["section"] == "conditioning"
-    }
-    assert ("dropin/pipelined", 0) in cond and ("dropin/pipelined", 50) in cond
-    assert all(_finite(r["fx_vs_classic"]) for r in cond.values())
 
 
 def test_sr_step_example_matches_jax_scipy():
