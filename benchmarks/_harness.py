@@ -705,6 +705,15 @@ def plot_lines(
     plt.close(fig)
 
 
+def rise_plot(label: str, group: Callable[[dict], str]):
+    """A ``plot`` for :func:`save`: one panel per ``group(row)``, a bar per
+    implementation, its memory rise in messages (``rise_x``)."""
+    options = dict(key="rise_x", label=label, scale=1.0, group=group, logy=False)
+    return lambda results, path: plot_bars(
+        results, path, bar=lambda r: r["impl"], **options
+    )
+
+
 def plot_bars(
     results: list[dict],
     path: str,
@@ -833,6 +842,52 @@ def run_job(
         if line.startswith(RESULT)
     ]
     return JobResult(code, results, _text(out), _text(err), seconds)
+
+
+def not_under_mpiexec(script: str) -> None:
+    """Exit with a sentence where ``script``, which starts its own jobs, was
+    started under ``mpiexec``."""
+    from mpi4jax_dist.launch import detect
+
+    if detect.detect(os.environ) is not None:
+        sys.exit(
+            f"{script} starts its own mpiexec jobs: run it as `python "
+            f"benchmarks/{script}`, not under mpiexec"
+        )
+
+
+def case_result(job: JobResult, row: dict, timeout: float) -> dict | None:
+    """A one-case job's answer, its last ``RESULT``; or None, with ``row``'s
+    ``status`` (timed out, or crashed with the signal) and the output's ``tail``."""
+    if job.returncode is None:
+        row["status"] = f"timed out ({timeout:g} s)"
+    elif not job.ok or not job.results:
+        row["status"] = crash_status(job.returncode, job.tail)
+    else:
+        return job.results[-1]
+    row["tail"] = job.tail
+    return None
+
+
+def crash_status(returncode: int, output: str = "") -> str:
+    """Return ``crashed (1)``, or with the signal that ended a rank:
+    ``crashed (11, SIGSEGV)``. The signal is Python's ``-N``, else the last
+    ``signal N`` of the job's output (MPICH's mpiexec exits with N and prints
+    "(signal N)", Open MPI's "exited on signal N"), else mpiexec's 128 + N."""
+    import re
+    import signal
+
+    found = re.findall(r"signal:? (\d+)", output, flags=re.IGNORECASE)
+    if returncode < 0:
+        number = -returncode
+    elif found:
+        number = int(found[-1])
+    else:
+        number = returncode - 128
+    try:
+        return f"crashed ({returncode}, {signal.Signals(number).name})"
+    except ValueError:
+        return f"crashed ({returncode})"
 
 
 def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

@@ -315,27 +315,6 @@ def timeout_for(nbytes: int, timeout: float | None) -> float:
     return 120 + 60 * nbytes / 2**30
 
 
-def crash_status(returncode: int, output: str = "") -> str:
-    """Return ``crashed (1)``, or with the signal that ended a rank:
-    ``crashed (11, SIGSEGV)``. The signal is Python's ``-N``, else the last
-    ``signal N`` of the job's output (MPICH's mpiexec exits with N and prints
-    "(signal N)", Open MPI's "exited on signal N"), else mpiexec's 128 + N."""
-    import re
-    import signal
-
-    found = re.findall(r"signal:? (\d+)", output, flags=re.IGNORECASE)
-    if returncode < 0:
-        number = -returncode
-    elif found:
-        number = int(found[-1])
-    else:
-        number = returncode - 128
-    try:
-        return f"crashed ({returncode}, {signal.Signals(number).name})"
-    except ValueError:
-        return f"crashed ({returncode})"
-
-
 def measure(name, nbytes, args, env) -> dict:
     """Run one case in its own job; return its row (a failure is a row too)."""
     itemsize = np.dtype(args.dtype).itemsize
@@ -362,14 +341,9 @@ def measure(name, nbytes, args, env) -> dict:
         "procs": args.procs,
         "seconds": job.seconds,
     }
-    if job.returncode is None:
-        row["status"] = f"timed out ({timeout:g} s)"
-    elif not job.ok or not job.results:
-        row["status"] = crash_status(job.returncode, job.tail)
-    if "status" in row:
-        row["tail"] = job.tail
+    found = _harness.case_result(job, row, timeout)
+    if found is None:
         return row
-    found = job.results[-1]
     row.update(found)
     row["rise_x"] = (
         None if found["rise_bytes"] is None else found["rise_bytes"] / nbytes
@@ -380,20 +354,6 @@ def measure(name, nbytes, args, env) -> dict:
         row["in_place"] = "yes" if found["in_place"] else "no"
     row["status"] = "ok" if found["wrong"] == 0 else f"WRONG {found['wrong']}"
     return row
-
-
-def plot(results: list[dict], path: str, title: str) -> None:
-    """One panel per size: a bar per implementation, its rise in messages."""
-    _harness.plot_bars(
-        results,
-        path,
-        key="rise_x",
-        label=f"{title}: peak RSS rise / message",
-        scale=1.0,
-        group=lambda r: _harness.human_bytes(r["bytes"]),
-        bar=lambda r: r["impl"],
-        logy=False,
-    )
 
 
 def parse_args(argv):
@@ -466,13 +426,7 @@ def main(argv=None) -> list[dict]:
         name, _, nbytes = args.case.partition(":")
         run_case(name, int(nbytes), args.dtype, args.warm)
         return []
-    from mpi4jax_dist.launch import detect
-
-    if detect.detect(os.environ) is not None:
-        sys.exit(
-            "memory.py starts its own mpiexec jobs: run it as `python "
-            "benchmarks/memory.py`, not under mpiexec"
-        )
+    _harness.not_under_mpiexec("memory.py")
     cases = order_cases(
         [(name, nbytes) for nbytes in args.sizes for name in args.impls],
         args.order,
@@ -512,7 +466,10 @@ def main(argv=None) -> list[dict]:
         args,
         meta,
         results,
-        plot=lambda rows, path: plot(rows, path, f"{args.procs} ranks"),
+        _harness.rise_plot(
+            f"{args.procs} ranks: peak RSS rise / message",
+            lambda r: _harness.human_bytes(r["bytes"]),
+        ),
     )
     bad = [r for r in results if r["status"] != "ok"]
     if bad:

@@ -114,10 +114,10 @@ def test_a_crash_is_reported_and_the_run_goes_on(memory, tmp_path, monkeypatch):
 
 
 def test_statuses_and_time_limits(memory):
-    assert memory.crash_status(1) == "crashed (1)"
-    assert memory.crash_status(-9) == "crashed (-9, SIGKILL)"
-    assert memory.crash_status(139) == "crashed (139, SIGSEGV)"
-    assert memory.crash_status(2, "exited on signal 6 (Aborted)") == (
+    assert memory._harness.crash_status(1) == "crashed (1)"
+    assert memory._harness.crash_status(-9) == "crashed (-9, SIGKILL)"
+    assert memory._harness.crash_status(139) == "crashed (139, SIGSEGV)"
+    assert memory._harness.crash_status(2, "exited on signal 6 (Aborted)") == (
         "crashed (2, SIGABRT)"
     )
     assert memory.timeout_for(1 << 20, 30.0) == 30.0
