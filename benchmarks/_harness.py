@@ -332,6 +332,16 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def ints(text: str) -> list[int]:
+    """An argparse type: the integers of ``64,256,1024``."""
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def floats(text: str) -> list[float]:
+    """An argparse type: the numbers of ``0,20,50.5``."""
+    return [float(t) for t in text.split(",") if t.strip()]
+
+
 def human_bytes(n: int) -> str:
     """Return ``n`` bytes as ``4 B``, ``16 KiB``, ``64 MiB``, ``2 GiB``."""
     if n < 1024:

@@ -128,7 +128,9 @@ def plot(results: list[dict], path: str) -> None:
 def main(argv=None) -> list[dict]:
     """Run the jobs; return one row per P and method (medians over jobs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", default="2,4,8", help="comma-separated P values")
+    parser.add_argument(
+        "--procs", type=_harness.ints, default="2,4,8", help="comma-separated P values"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
     parser.add_argument(
         "--methods",
@@ -157,7 +159,7 @@ def main(argv=None) -> list[dict]:
     )
     print(TABLE.header(), flush=True)
     results = []
-    for procs in [int(p) for p in args.procs.split(",")]:
+    for procs in args.procs:
         samples: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeat):
             for method in methods:

@@ -464,13 +464,6 @@ def plot(results: list[dict], path: str) -> None:
     )
 
 
-def parse_ints(text: str, option: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"{option} {text!r}: comma-separated integers") from None
-
-
 def parse_waves(text: str, gap_ms: float) -> list[tuple[int, float]]:
     """Return ``(W, gap in ms)`` from ``0,256,1024/400``: a wave size, with its own
     gap after a slash (else ``gap_ms``); 0 is the burst."""
@@ -495,7 +488,9 @@ def parse_waves(text: str, gap_ms: float) -> list[tuple[int, float]]:
 def main(argv=None) -> list[dict]:
     """Run every setting ``--repeat`` times (round-robin); return one row each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", default="64,256,1024,2048,4096", help="P values")
+    parser.add_argument(
+        "--procs", type=_harness.ints, default="64,256,1024,2048,4096", help="P values"
+    )
     parser.add_argument(
         "--waves",
         default="0,256,1024",
@@ -522,7 +517,6 @@ def main(argv=None) -> list[dict]:
         worker(json.loads(args.worker))
         return []
     try:
-        procs_list = parse_ints(args.procs, "--procs")
         waves_list = parse_waves(args.waves, args.gap_ms)
     except ValueError as err:
         parser.error(str(err))
@@ -550,7 +544,7 @@ def main(argv=None) -> list[dict]:
     )
     print(TABLE.header(), flush=True)
     results = []
-    for procs in procs_list:
+    for procs in args.procs:
         runs: dict[tuple, list[dict]] = {w: [] for w in waves_list}
         for _ in range(args.repeat):
             for waves in waves_list:

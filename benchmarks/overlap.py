@@ -61,8 +61,12 @@ import _poisson  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delays", default="0,20,50,100,200", help="µs, comma-sep.")
-    parser.add_argument("--grids", default="64,256", help="grid sides n")
+    parser.add_argument(
+        "--delays", type=_harness.floats, default="0,20,50,100,200", help="µs"
+    )
+    parser.add_argument(
+        "--grids", type=_harness.ints, default="64,256", help="grid sides n"
+    )
     parser.add_argument(
         "--variants", default=None, help="mpi4jax_dist.cg variants (default all)"
     )
@@ -73,14 +77,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--micro-latencies",
+        type=_harness.floats,
         default="0,50",
         help="simulated reduction latencies (us) of the micro cases, comma-sep.",
     )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    args.delays = [float(d) for d in args.delays.split(",") if d]
-    args.grids = [int(n) for n in args.grids.split(",") if n]
-    args.micro_latencies = [float(d) for d in args.micro_latencies.split(",") if d]
     return args
 
 

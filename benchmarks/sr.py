@@ -479,17 +479,13 @@ def info_fields(info) -> dict:
 # Command line
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=_ints, default=_ints(DEFAULT_PARAMS))
+    parser.add_argument("--params", type=_harness.ints, default=DEFAULT_PARAMS)
     parser.add_argument(
         "--walkers",
-        type=_ints,
-        default=_ints(DEFAULT_WALKERS),
+        type=_harness.ints,
+        default=DEFAULT_WALKERS,
         help="walkers per rank, comma-separated",
     )
     parser.add_argument(
