@@ -977,12 +977,8 @@ def settle(most: float = 2.0) -> None:
         last = now
 
 
-def memory_job_env(malloc_default: bool = False) -> dict:
+def memory_job_env() -> dict:
     """Return the environment of jobs that measure memory: ours, with glibc's mmap
-    threshold fixed (unless ``malloc_default``; benchmarks/memory.py says why).
-    :func:`run_job` puts JAX on the CPU unless the caller chose."""
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if not malloc_default:
-        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    return env
+    threshold fixed (benchmarks/memory.py says why). :func:`run_job` puts JAX on
+    the CPU unless the caller chose."""
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)

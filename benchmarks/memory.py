@@ -2,8 +2,7 @@
 
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
         [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
-        [--dtype float32|float64|int32|int8] [--timeout S] [--warm]
-        [--malloc-default] [--json PATH] [--plot PNG]
+        [--dtype float32|float64|int32|int8] [--timeout S] [--json PATH] [--plot PNG]
 
     # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
     python benchmarks/memory.py --sizes 256MiB,1GiB
@@ -57,29 +56,16 @@ buffer and MPI's scratch), mpi4jax_dist about half a chunk
 mpi4jax_dist_tmp one message more (the result, which holds ``x + z``), and
 mpi4jax_tmp about 2.5 (``x + z``, the result and MPI's scratch).
 
-The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--malloc-default`` leaves
-glibc's own). By default glibc raises its mmap threshold to the size of each large
-block freed (up to 32 MiB on 64 bits); blocks below it then come from the heap and
-may stay resident when freed, to be reused by the next allocation of that size, so
-a call that follows a freed block of its own size looks as if it needed nothing.
-A fixed threshold gives every block from 128 KiB up its own mapping, returned to
-the OS when freed, so the rise is what the call itself touched. Measured here (2
-ranks, MPICH 5, float32, rise in messages for mpi4py / mpi4py_inplace / mpi4jax):
-
-- first call, as measured by default: the same either way (1 MiB 1.88/0.70/1.41
-  fixed vs 1.69/0.89/1.50 glibc's, within the run-to-run spread of 0.2 at 1 MiB;
-  16 MiB 1.51/0.52/1.50 vs 1.52/0.52/1.51; 64 MiB 1.50/0.50/1.50 vs
-  1.50/0.51/1.50): this set-up's freed blocks are temporaries larger than the
-  message, which glibc trims from the top of the heap anyway;
-- after one warm-up call (``--warm``), whose freed MPI scratch and result are
-  exactly the call's sizes: at 16 MiB glibc's default gives mpi4py_inplace 0.00
-  and mpi4jax 1.00 (the scratch reused), the fixed threshold 0.50 and 1.49, as
-  the first call; at 64 MiB, above glibc's 32 MiB cap, both give 0.50 and 1.50.
-
-The threshold therefore costs nothing and keeps the figure from depending on what
-the set-up happened to free. At 1 MiB a constant of about 0.25 MiB (MPI's and
-Python's first-call allocations, page granularity) adds about 0.25 messages, and
-the figures there move by about 0.2 from run to run.
+The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072``. By default glibc raises its
+mmap threshold to the size of each large block freed, and a call that follows a
+freed block of its own size may reuse it and look as if it needed nothing; a fixed
+threshold gives every block from 128 KiB up its own mapping, returned to the OS
+when freed, so the rise is what the call itself touched. That is settled (it costs
+nothing; docs/benchmarks.rst, *Memory*, gives the runs with glibc's default and
+after a warm-up call, whose options, ``--malloc-default`` and ``--warm``, left
+this script). At 1 MiB a constant of about 0.25 MiB (MPI's and Python's
+first-call allocations, page granularity) adds about 0.25 messages, and the
+figures there move by about 0.2 from run to run.
 
 On a GPU (not run here: this machine has none) a JAX implementation is measured by
 its device's ``memory_stats()``: ``bytes_in_use`` before the call is the baseline
@@ -192,10 +178,9 @@ def grow_communicator_pool(comm, count: int = 4) -> None:
         duplicate.Free()
 
 
-def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
+def run_case(name: str, nbytes: int, dtype: str) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
 
-    With ``warm``, one call and a fresh load come first (the steady state).
     Every job imports JAX, which makes the input and checks the result also for
     the mpi4py cases (before the baseline, and after the call).
     """
@@ -229,9 +214,6 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
 
         extension = _ffi.load()
     load_pattern(impl, rank, procs)
-    if warm:
-        impl.call()
-        load_pattern(impl, rank, procs)
     grow_communicator_pool(comm)
     _harness.settle()
     comm.Barrier()
@@ -328,7 +310,6 @@ def measure(name, nbytes, args, env) -> dict:
             f"{name}:{nbytes}",
             "--dtype",
             args.dtype,
-            *(["--warm"] if args.warm else []),
         ],
         timeout=timeout,
         env=env,
@@ -386,17 +367,6 @@ def parse_args(argv):
         help="seconds per job before it is killed and reported as timed out "
         "(default 120 plus 60 per GiB of message)",
     )
-    parser.add_argument(
-        "--malloc-default",
-        action="store_true",
-        help="leave glibc's moving mmap threshold (to see what fixing it changes)",
-    )
-    parser.add_argument(
-        "--warm",
-        action="store_true",
-        help="one call (and a fresh load) before the measured one: the steady "
-        "state, where the previous result is dropped as the next one is made",
-    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # IMPL:BYTES, in a job
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -424,7 +394,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.case:
         name, _, nbytes = args.case.partition(":")
-        run_case(name, int(nbytes), args.dtype, args.warm)
+        run_case(name, int(nbytes), args.dtype)
         return []
     _harness.not_under_mpiexec("memory.py")
     cases = order_cases(
@@ -432,21 +402,19 @@ def main(argv=None) -> list[dict]:
         args.order,
         args.seed,
     )
-    env = _harness.memory_job_env(args.malloc_default)
-    threshold = env.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    env = _harness.memory_job_env()
+    threshold = env["MALLOC_MMAP_THRESHOLD_"]
     meta = _harness.meta(
         procs=args.procs,
         dtype=args.dtype,
         order=args.order,
         seed=args.seed,
-        warm=args.warm,
         malloc_mmap_threshold=threshold,
         mpiexec=_harness.find_mpiexec(),
     )
     _harness.say(
         None,
-        f"# peak memory of one allreduce (call"
-        f"{', after one warm-up call' if args.warm else ''}), {args.procs} ranks, "
+        f"# peak memory of one allreduce (call), {args.procs} ranks, "
         f"{args.dtype}, one fresh mpiexec job per case, order {args.order}, "
         f"MALLOC_MMAP_THRESHOLD_={threshold}",
         "# rise = peak RSS (VmHWM) above the RSS before the call, largest rank; "
