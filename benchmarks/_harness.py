@@ -101,6 +101,23 @@ class Registry:
             )
         return chosen
 
+    def option(self, parser, flag: str, default=None, help: str = "") -> None:
+        """Add ``flag`` to ``parser``: comma-separated names of this registry
+        (``default``, else all of them), a list after parsing (:meth:`choose`)."""
+
+        def names(text: str) -> list[str]:
+            try:
+                return self.choose(text, flag)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+
+        parser.add_argument(
+            flag,
+            type=names,
+            default=",".join(default or self.names()),
+            help=f"comma-separated, from {', '.join(self.names())}{help}",
+        )
+
 
 # ---------------------------------------------------------------------------------
 # Timing

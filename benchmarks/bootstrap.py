@@ -132,11 +132,7 @@ def main(argv=None) -> list[dict]:
         "--procs", type=_harness.ints, default="2,4,8", help="comma-separated P values"
     )
     parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
-    parser.add_argument(
-        "--methods",
-        default=",".join(METHODS.names()),
-        help="comma-separated, from " + ", ".join(METHODS.names()),
-    )
+    METHODS.option(parser, "--methods")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     _harness.add_output_arguments(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -144,10 +140,7 @@ def main(argv=None) -> list[dict]:
     if args.worker:
         worker(args.worker)
         return []
-    try:
-        methods = METHODS.choose(args.methods, "--methods")
-    except ValueError as err:
-        parser.error(str(err))
+    methods = args.methods
 
     print(
         f"# jax.distributed.initialize(), slowest rank, median of {args.repeat} jobs "

@@ -647,17 +647,11 @@ def parse(argv):
         default=None,
         help="iterations cap of problem A (default 10 n^2)",
     )
-    parser.add_argument(
-        "--backends",
-        default=",".join(METHODS.names()),
-        help=f"comma-separated methods (default all): {', '.join(METHODS.names())}",
-    )
-    parser.add_argument(
-        "--variants",
-        default=",".join(cg.VARIANTS),
-        help=f"comma-separated variants of mpi4jax_dist.cg (default all): "
-        f"{', '.join(cg.VARIANTS)}",
-    )
+    METHODS.option(parser, "--backends")
+    variants = _harness.Registry("variant of mpi4jax_dist.cg")
+    for name in cg.VARIANTS:
+        variants.register(name, cg.VARIANT_RECORDS[name])
+    variants.option(parser, "--variants")
     parser.add_argument(
         "--replace-every",
         type=int,
@@ -674,14 +668,6 @@ def parse(argv):
     )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    variants = _harness.Registry("variant")
-    for name in cg.VARIANTS:
-        variants.register(name, cg.VARIANT_RECORDS[name])
-    try:
-        args.backends = METHODS.choose(args.backends, "--backends")
-        args.variants = variants.choose(args.variants, "--variants")
-    except ValueError as exc:
-        parser.error(str(exc))
     if args.replace_every < 0 or args.repeat < 1 or args.reduce_loop < 1:
         parser.error("--replace-every must be >= 0, --repeat and --reduce-loop >= 1")
     return args

@@ -368,22 +368,13 @@ def parse_args(argv):
         action="store_false",
         help=f"leave out {LARGE} int8 elements per rank",
     )
-    parser.add_argument(
-        "--impls",
-        default=",".join(IMPLS.names()),
-        help=f"comma-separated, from {', '.join(IMPLS.names())}",
-    )
+    IMPLS.option(parser, "--impls")
     parser.add_argument(
         "--timeout", type=float, default=600, help="seconds per job before it is killed"
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # IMPL:N:DTYPE, in a job
     _harness.add_output_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        args.impls = IMPLS.choose(args.impls, "--impls")
-    except ValueError as err:
-        parser.error(str(err))
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:

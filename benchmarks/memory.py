@@ -346,11 +346,7 @@ def parse_args(argv):
         default=_harness.parse_sizes(DEFAULT_SIZES),
         help=f"bytes per rank, comma-separated (default {DEFAULT_SIZES})",
     )
-    parser.add_argument(
-        "--impls",
-        default=",".join(IMPLS.names()),
-        help=f"comma-separated, from {', '.join(IMPLS.names())}",
-    )
+    IMPLS.option(parser, "--impls")
     parser.add_argument("--order", choices=ORDERS, default="default")
     parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
     parser.add_argument(
@@ -371,7 +367,6 @@ def parse_args(argv):
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        args.impls = IMPLS.choose(args.impls, "--impls")
         _allreduce_impls.pattern_bound(args.procs, args.dtype)
     except ValueError as err:
         parser.error(str(err))

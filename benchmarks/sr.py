@@ -498,21 +498,13 @@ def parse(argv):
     parser.add_argument("--cond", type=float, default=1.7e7)
     parser.add_argument("--tol", type=float, default=1e-5)
     parser.add_argument("--maxiter", type=int, default=200)
-    parser.add_argument(
-        "--routes",
-        default=",".join(ROUTES.names()),
-        help=f"comma-separated from {', '.join(ROUTES.names())}",
-    )
+    ROUTES.option(parser, "--routes")
     parser.add_argument("--variants", default=None, help="of the drop-in (default all)")
     parser.add_argument("--replace-every", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds")
     parser.add_argument("--max-s-gib", type=float, default=4.0)
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        args.routes = ROUTES.choose(args.routes, "--routes")
-    except ValueError as err:
-        parser.error(str(err))
     if args.repeat < 1 or args.maxiter < 1:
         parser.error("--repeat and --maxiter must be >= 1")
     return args

@@ -226,11 +226,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--limit", type=float, default=200, help="seconds before a job is killed"
     )
-    parser.add_argument(
-        "--cases",
-        default=",".join(DEFAULT_CASES),
-        help="comma-separated, from " + ", ".join(CASES.names()),
-    )
+    CASES.option(parser, "--cases", DEFAULT_CASES)
     parser.add_argument("--runner", choices=("python", "mpi4py"), default="python")
     _harness.add_output_arguments(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -238,10 +234,7 @@ def main(argv=None) -> list[dict]:
     if args.worker:
         worker(args.worker)
         return []
-    try:
-        cases = CASES.choose(args.cases, "--cases")
-    except ValueError as err:
-        parser.error(str(err))
+    cases = args.cases
 
     launch = "python -m mpi4py" if args.runner == "mpi4py" else "python"
     print(
