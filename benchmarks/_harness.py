@@ -635,6 +635,19 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="draw the results here")
 
 
+def parse_or_work(parser: argparse.ArgumentParser, argv, worker):
+    """Add ``--json``/``--plot`` and the hidden ``--worker ARG`` that this script's
+    own jobs are started with, and parse ``argv``. With ``--worker``, run
+    ``worker(ARG)`` and return None (the caller returns); else the arguments."""
+    add_output_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return None
+    return args
+
+
 def save(
     args, meta_: dict, results: list[dict], plot=None, comm=None, extra=None
 ) -> None:

@@ -134,11 +134,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
     METHODS.option(parser, "--methods")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker)
+    args = _harness.parse_or_work(parser, argv, worker)
+    if args is None:
         return []
     methods = args.methods
 

@@ -510,11 +510,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--shutdown-timeout", type=int, default=60, help="shutdown barrier [s]"
     )
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
+    args = _harness.parse_or_work(parser, argv, lambda arg: worker(json.loads(arg)))
+    if args is None:
         return []
     try:
         waves_list = parse_waves(args.waves, args.gap_ms)

@@ -228,11 +228,8 @@ def main(argv=None) -> list[dict]:
     )
     CASES.option(parser, "--cases", DEFAULT_CASES)
     parser.add_argument("--runner", choices=("python", "mpi4py"), default="python")
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker)
+    args = _harness.parse_or_work(parser, argv, worker)
+    if args is None:
         return []
     cases = args.cases
 
