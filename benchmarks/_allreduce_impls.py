@@ -1,10 +1,9 @@
 """The allreduce implementations the benchmarks compare, and their checked pattern.
 
 ``allreduce.py`` times every record of :data:`IMPLS` and checks its results;
-``memory.py`` measures their peak memory, a job per case; ``loop_rate.py`` and
-``bare_mpi4py.py --compare`` run single records. A record is
-one class, registered under the name ``--impls`` takes; :class:`Allreduce` documents
-the interface. Each rank loads :func:`pattern`, whose sum :func:`expected` differs
+``memory.py`` measures their peak memory, a job per case. A record is one class,
+registered under the name ``--impls`` takes; :class:`Allreduce` documents the
+interface. Each rank loads :func:`pattern`, whose sum :func:`expected` differs
 between indices and between ranks (made and checked by XLA for 2^31 elements and
 more: :func:`device_pattern`, :func:`count_wrong_blocks`).
 """

@@ -101,6 +101,23 @@ class Registry:
             )
         return chosen
 
+    def option(self, parser, flag: str, default=None, help: str = "") -> None:
+        """Add ``flag`` to ``parser``: comma-separated names of this registry
+        (``default``, else all of them), a list after parsing (:meth:`choose`)."""
+
+        def names(text: str) -> list[str]:
+            try:
+                return self.choose(text, flag)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+
+        parser.add_argument(
+            flag,
+            type=names,
+            default=",".join(default or self.names()),
+            help=f"comma-separated, from {', '.join(self.names())}{help}",
+        )
+
 
 # ---------------------------------------------------------------------------------
 # Timing
@@ -330,6 +347,16 @@ def parse_sizes(text: str) -> list[int]:
             )
         sizes.append(int(item) * factor)
     return sizes
+
+
+def ints(text: str) -> list[int]:
+    """An argparse type: the integers of ``64,256,1024``."""
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def floats(text: str) -> list[float]:
+    """An argparse type: the numbers of ``0,20,50.5``."""
+    return [float(t) for t in text.split(",") if t.strip()]
 
 
 def human_bytes(n: int) -> str:
@@ -608,6 +635,19 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="draw the results here")
 
 
+def parse_or_work(parser: argparse.ArgumentParser, argv, worker):
+    """Add ``--json``/``--plot`` and the hidden ``--worker ARG`` that this script's
+    own jobs are started with, and parse ``argv``. With ``--worker``, run
+    ``worker(ARG)`` and return None (the caller returns); else the arguments."""
+    add_output_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return None
+    return args
+
+
 def save(
     args, meta_: dict, results: list[dict], plot=None, comm=None, extra=None
 ) -> None:
@@ -705,6 +745,15 @@ def plot_lines(
     plt.close(fig)
 
 
+def rise_plot(label: str, group: Callable[[dict], str]):
+    """A ``plot`` for :func:`save`: one panel per ``group(row)``, a bar per
+    implementation, its memory rise in messages (``rise_x``)."""
+    options = dict(key="rise_x", label=label, scale=1.0, group=group, logy=False)
+    return lambda results, path: plot_bars(
+        results, path, bar=lambda r: r["impl"], **options
+    )
+
+
 def plot_bars(
     results: list[dict],
     path: str,
@@ -795,9 +844,12 @@ def run_job(
     env: dict | None = None,
     mpiexec: str | None = None,
 ) -> JobResult:
-    """Run ``mpiexec -n procs python *argv`` with a time limit; never raises for
-    the job's own failure (a crash or a timeout is reported in the result)."""
-    cmd = [mpiexec or find_mpiexec(), "-n", str(procs), sys.executable, *argv]
+    """Run ``mpiexec -n procs python *argv`` (``python *argv`` alone where
+    ``procs`` is 0) with a time limit; never raises for the job's own failure (a
+    crash or a timeout is reported in the result)."""
+    cmd = [sys.executable, *argv]
+    if procs:
+        cmd = [mpiexec or find_mpiexec(), "-n", str(procs), *cmd]
     environment = dict(os.environ if env is None else env)
     environment.setdefault("JAX_PLATFORMS", "cpu")
     # Its own process group, so that a timeout ends mpiexec, its proxies and the
@@ -830,6 +882,52 @@ def run_job(
         if line.startswith(RESULT)
     ]
     return JobResult(code, results, _text(out), _text(err), seconds)
+
+
+def not_under_mpiexec(script: str) -> None:
+    """Exit with a sentence where ``script``, which starts its own jobs, was
+    started under ``mpiexec``."""
+    from mpi4jax_dist.launch import detect
+
+    if detect.detect(os.environ) is not None:
+        sys.exit(
+            f"{script} starts its own mpiexec jobs: run it as `python "
+            f"benchmarks/{script}`, not under mpiexec"
+        )
+
+
+def case_result(job: JobResult, row: dict, timeout: float) -> dict | None:
+    """A one-case job's answer, its last ``RESULT``; or None, with ``row``'s
+    ``status`` (timed out, or crashed with the signal) and the output's ``tail``."""
+    if job.returncode is None:
+        row["status"] = f"timed out ({timeout:g} s)"
+    elif not job.ok or not job.results:
+        row["status"] = crash_status(job.returncode, job.tail)
+    else:
+        return job.results[-1]
+    row["tail"] = job.tail
+    return None
+
+
+def crash_status(returncode: int, output: str = "") -> str:
+    """Return ``crashed (1)``, or with the signal that ended a rank:
+    ``crashed (11, SIGSEGV)``. The signal is Python's ``-N``, else the last
+    ``signal N`` of the job's output (MPICH's mpiexec exits with N and prints
+    "(signal N)", Open MPI's "exited on signal N"), else mpiexec's 128 + N."""
+    import re
+    import signal
+
+    found = re.findall(r"signal:? (\d+)", output, flags=re.IGNORECASE)
+    if returncode < 0:
+        number = -returncode
+    elif found:
+        number = int(found[-1])
+    else:
+        number = returncode - 128
+    try:
+        return f"crashed ({returncode}, {signal.Signals(number).name})"
+    except ValueError:
+        return f"crashed ({returncode})"
 
 
 def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -909,12 +1007,8 @@ def settle(most: float = 2.0) -> None:
         last = now
 
 
-def memory_job_env(malloc_default: bool = False) -> dict:
+def memory_job_env() -> dict:
     """Return the environment of jobs that measure memory: ours, with glibc's mmap
-    threshold fixed (unless ``malloc_default``; benchmarks/memory.py says why).
-    :func:`run_job` puts JAX on the CPU unless the caller chose."""
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if not malloc_default:
-        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    return env
+    threshold fixed (benchmarks/memory.py says why). :func:`run_job` puts JAX on
+    the CPU unless the caller chose."""
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)

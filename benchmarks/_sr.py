@@ -1,16 +1,16 @@
-"""The stochastic-reconfiguration (SR) problem the CG benchmarks solve, and the
-user's route to it (``cg.py``'s problem B, ``sr.py``).
+"""The stochastic-reconfiguration (SR) problem ``sr.py`` solves (and
+tests/peers/test_cg.py's normal equations), and the user's route to it.
 
 A variational Monte Carlo code's SR step keeps the ``params`` parameters on every
 rank and splits the ``samples`` walkers over the ranks: rank ``r`` holds its rows
 ``J_r`` of the Jacobian, and the update solves ``(J^T J / N + eps) x = f`` with ``f =
 J^T e / N`` (``N`` all walkers, ``e`` a standard normal weight per walker), float64.
 Row ``i`` of ``J`` and ``e_i`` come from a generator seeded with ``(seed, i)``, so
-that any rank can make any rows (rank 0 makes them all for a dense reference). The
+that any rank can make any rows (a test makes them all for a dense answer). The
 columns are scaled so that ``S = J^T J / N`` has a realistic spectrum:
 
-- ``cond=None`` (``cg.py``): eigenvalues ``~ 1 / (1 + j)``, column scales ``1 /
-  sqrt(1 + j)``;
+- ``cond=None`` (the tests; ``cg.py``'s retired problem B): eigenvalues ``~ 1 /
+  (1 + j)``, column scales ``1 / sqrt(1 + j)``;
 - ``cond=C`` (``sr.py``): eigenvalues falling exponentially over the rank (at most
   ``min(N, params)``) from ``lambda_max`` to about ``eps``, ``J`` rescaled (by
   power iteration) so that ``(lambda_max + eps) / eps = C``: at VMC's conditioning
@@ -84,25 +84,6 @@ class Jacobian:
     def s_bytes(self) -> int:
         return 8 * self.params**2
 
-    def reference(self) -> np.ndarray:
-        """SciPy's solution on rank 0 (Woodbury form), broadcast to every rank."""
-        import scipy.linalg
-
-        x = None
-        if self.comm.rank == 0:
-            J, _ = self.rows(0, self.samples)
-            ns, eps = self.samples, self.eps
-            if ns < self.params:
-                # (eps + J^T J/Ns)^-1 = (I - J^T (Ns eps + J J^T)^-1 J) / eps
-                K = J @ J.T + ns * eps * np.eye(ns)
-                x = (
-                    self.f - J.T @ scipy.linalg.solve(K, J @ self.f, assume_a="pos")
-                ) / eps
-            else:
-                A = J.T @ J / ns + eps * np.eye(self.params)
-                x = scipy.linalg.solve(A, self.f, assume_a="pos")
-        return self.comm.bcast(x, root=0)
-
     def numpy_matvec(self, comm=None):
         """``v -> (J^T J / N + eps) v`` in NumPy, summed over ranks by mpi4py on
         ``comm`` (default the problem's)."""
@@ -133,39 +114,32 @@ class Jacobian:
         )
 
 
-def user_matvec(J, eps, N, comm, counter=None, nonblocking=False):
+def user_matvec(J, eps, N, comm, counter=None):
     """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
 
     ``counter``: called through ``jax.debug.callback`` once per call (on rank 0:
-    one for the initial residual, one per iteration). ``nonblocking``: the sum by
-    ``mpi4jax_dist.iallreduce(...).wait()``, which a simulated latency holds.
+    one for the initial residual, one per iteration).
     """
     import jax
     import mpi4jax
     from mpi4py import MPI
 
-    import mpi4jax_dist
-
     def A(v):
         if counter is not None:
             jax.debug.callback(counter)
-        part = J.T @ (J @ v)
-        if nonblocking:
-            total = mpi4jax_dist.iallreduce(part, MPI.SUM, comm=comm).wait()
-        else:
-            total = mpi4jax.allreduce(part, op=MPI.SUM, comm=comm)
+        total = mpi4jax.allreduce(J.T @ (J @ v), op=MPI.SUM, comm=comm)
         return total / N + eps * v
 
     return A
 
 
-def jax_scipy_cg(N, comm, tol, maxiter, counter=None, nonblocking=False):
+def jax_scipy_cg(N, comm, tol, maxiter, counter=None):
     """The user's solve, a jitted function of ``(J, f, x0, eps)``:
     ``jax.scipy.sparse.linalg.cg`` with :func:`user_matvec`, ``atol=0``."""
     import jax
 
     def solve(J, f, x0, eps):
-        A = user_matvec(J, eps, N, comm, counter, nonblocking)
+        A = user_matvec(J, eps, N, comm, counter)
         x, _ = jax.scipy.sparse.linalg.cg(
             A, f, x0=x0, tol=tol, atol=0.0, maxiter=maxiter
         )

@@ -434,11 +434,8 @@ def parse_args(argv):
         "powers of 8",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument(
-        "--impls",
-        default=",".join(DEFAULT_IMPLS),
-        help=f"comma-separated, from {', '.join(IMPLS.names())} (default: all "
-        f"but mpi4jax_dist_unchecked)",
+    IMPLS.option(
+        parser, "--impls", DEFAULT_IMPLS, " (default: all but mpi4jax_dist_unchecked)"
     )
     parser.add_argument("--modes", default=",".join(MODES), help="loop,call")
     parser.add_argument(
@@ -462,10 +459,6 @@ def parse_args(argv):
     for flag, value in (("--iters", args.iters), ("--loop-iters", args.loop_iters)):
         if value < 1:
             parser.error(f"{flag} {value}: expected 1 or more")
-    try:
-        args.impls = IMPLS.choose(args.impls, "--impls")
-    except ValueError as err:
-        parser.error(str(err))
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
         if mode not in MODES:

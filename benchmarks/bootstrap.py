@@ -128,24 +128,16 @@ def plot(results: list[dict], path: str) -> None:
 def main(argv=None) -> list[dict]:
     """Run the jobs; return one row per P and method (medians over jobs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", default="2,4,8", help="comma-separated P values")
-    parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
     parser.add_argument(
-        "--methods",
-        default=",".join(METHODS.names()),
-        help="comma-separated, from " + ", ".join(METHODS.names()),
+        "--procs", type=_harness.ints, default="2,4,8", help="comma-separated P values"
     )
+    parser.add_argument("--repeat", type=int, default=5, help="jobs per method and P")
+    METHODS.option(parser, "--methods")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker)
+    args = _harness.parse_or_work(parser, argv, worker)
+    if args is None:
         return []
-    try:
-        methods = METHODS.choose(args.methods, "--methods")
-    except ValueError as err:
-        parser.error(str(err))
+    methods = args.methods
 
     print(
         f"# jax.distributed.initialize(), slowest rank, median of {args.repeat} jobs "
@@ -157,7 +149,7 @@ def main(argv=None) -> list[dict]:
     )
     print(TABLE.header(), flush=True)
     results = []
-    for procs in [int(p) for p in args.procs.split(",")]:
+    for procs in args.procs:
         samples: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.repeat):
             for method in methods:

@@ -1,23 +1,23 @@
 """Distributed CG: mpi4jax against shard_map/psum, classic against one reduction.
 
-    mpiexec -n N python benchmarks/cg.py [--problems A,B] [--n GRID] [--tol T]
-        [--samples S --params P] [--backends ...] [--variants ...]
-        [--replace-every K] [--repeat R] [--json PATH] [--plot PATH.png]
+    mpiexec -n N python benchmarks/cg.py [--n GRID] [--tol T] [--maxiter K]
+        [--backends ...] [--variants ...] [--replace-every K] [--repeat R]
+        [--json PATH] [--plot PATH.png]
 
 Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
 split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
-with a known random ``x_true``. Problem B: the stochastic-reconfiguration normal
-equations ``(J^T J / Ns + eps I) x = f`` with a synthetic Jacobian (``_sr.py``'s,
-``S`` samples split across ranks, ``P`` parameters, column scales ``1/sqrt(1+j)``),
-checked against a dense SciPy solve (Woodbury form) on rank 0.
+with a known random ``x_true``. (Problem B, the stochastic-reconfiguration normal
+equations, is settled and retired from this script: one reduction per iteration in
+every variant, so none gains; docs/benchmarks.rst cites its rows, run by the script
+as it last was, from ``git archive 9d20368:benchmarks``, as ``--problems B``.
+``sr.py`` times that solve as users write it.)
 
 Methods (``--backends``, default all): every variant (``--variants``) of
 :mod:`mpi4jax_dist.cg` with each of its backends (``mpi4jax``, ``psum``); the floor
 ``mpi4py+numpy`` (classic CG in NumPy over mpi4py); the reference ``jax.scipy``
 (``jax.scipy.sparse.linalg.cg`` on global arrays sharded over ``global_mesh()``,
-what a JAX user tries first: XLA inserts the collectives); and for B
-``mpi4jax+jax.scipy`` (the hand-written ``mpi4jax.allreduce(J.T @ (J @ x))`` inside
-``jax.scipy.sparse.linalg.cg``). All in float64, no preconditioner.
+what a JAX user tries first: XLA inserts the collectives). All in float64, no
+preconditioner.
 
 Timing (``_harness.time_rounds``): every method of a problem runs once untimed
 (compilation, warm-up); then ``--repeat`` rounds time each method once in turn
@@ -59,11 +59,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 from _poisson import Poisson  # noqa: E402  (problem A)
-from _sr import Jacobian, jax_scipy_cg  # noqa: E402  (problem B)
 
 FLOOR = "mpi4py+numpy"
 JAX_SCIPY = "jax.scipy"
-HAND = "mpi4jax+jax.scipy"
 #: The methods --backends chooses from; mpi4jax_dist.cg's backends run every
 #: --variants, the others classic CG (their own).
 METHODS = _harness.Registry("CG method")
@@ -71,9 +69,7 @@ METHODS.register(FLOOR, "classic CG in NumPy, reductions by mpi4py")
 METHODS.register("mpi4jax", "mpi4jax_dist.cg, backend mpi4jax")
 METHODS.register("psum", "mpi4jax_dist.cg, backend psum")
 METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays")
-METHODS.register(HAND, "jax.scipy.sparse.linalg.cg over mpi4jax.allreduce (B only)")
 REDUCE_LOOP = 200  # default reductions per timed loop for the share estimate
-B_DESIGN = 1  # shape B: the matvec's allreduce; the dot products are local
 
 
 # ---------------------------------------------------------------------------------
@@ -103,7 +99,7 @@ class CountingComm:
         return getattr(self._comm, name)
 
 
-def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
+def numpy_cg(matvec, b, comm, tol, maxiter):
     """The floor: classic unpreconditioned CG.
 
     ``matvec`` and the dot products reduce through ``comm``, a :class:`CountingComm`.
@@ -114,8 +110,6 @@ def numpy_cg(matvec, b, comm, tol, maxiter, dots_global):
     from mpi4py import MPI
 
     def dot(a, c):
-        if not dots_global:
-            return float(a @ c)
         return comm.allreduce(float(a @ c), op=MPI.SUM)
 
     x, r = np.zeros_like(b), b.copy()
@@ -344,16 +338,15 @@ class Bench:
             )
         self.timer.cache.clear()
 
-    # The kinds of methods, shared by both problems ---------------------------------
+    # The kinds of methods ----------------------------------------------------------
 
-    def add_floor(self, problem, prob, check, dots_global):
-        b = prob.b if problem == "A" else prob.f
-        tol, maxiter, comm = self.tol, self.maxiter, self.comm
+    def add_floor(self, problem, prob, check):
+        b, tol, maxiter, comm = prob.b, self.tol, self.maxiter, self.comm
 
         def run():
             counting = CountingComm(comm)
             matvec = prob.numpy_matvec(counting)
-            return numpy_cg(matvec, b, counting, tol, maxiter, dots_global)
+            return numpy_cg(matvec, b, counting, tol, maxiter)
 
         def finish(samples, output):
             x, k, reductions, recurrence = output
@@ -365,10 +358,10 @@ class Bench:
                 iterations=k,
                 x_local=x,
                 check=check,
-                design=2 if dots_global else B_DESIGN,
+                design=2,
                 counted=reductions,
                 mechanism="mpi4py",
-                bytes_per_iter=16 if dots_global else 8 * prob.size,
+                bytes_per_iter=16,
                 payload_dtype=np.float64,
                 recurrence=recurrence,
             )
@@ -501,7 +494,7 @@ class Bench:
             f"rank, tol {self.tol:g}, maxiter {self.maxiter}"
         )
         if self.wants(FLOOR):
-            self.add_floor("A", prob, check, dots_global=True)
+            self.add_floor("A", prob, check)
         b_local = jnp.asarray(prob.b)
         b_global = to_global(b_local, mesh)
         for backend in (b for b in cg.BACKENDS if self.wants(b)):
@@ -565,107 +558,6 @@ class Bench:
         self.measure()
         self.reduction_times("A")
 
-    def problem_b(self):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from mpi4jax_dist import cg, to_global, to_local
-
-        args, comm, mesh = self.args, self.comm, self.mesh
-        prob = Jacobian(args.samples, args.params, args.eps, comm)
-        self.tol, self.maxiter = tol, maxiter = args.tol_b, args.maxiter_b
-        x_ref = prob.reference()
-        check_matvec = prob.numpy_matvec()
-        f_norm, ref_norm = np.linalg.norm(prob.f), np.linalg.norm(x_ref)
-
-        def check(x):
-            r = prob.f - check_matvec(x)
-            return np.linalg.norm(r) / f_norm, np.linalg.norm(x - x_ref) / ref_norm
-
-        P, Ns, eps = args.params, args.samples, args.eps
-        self.say(
-            f"# B: (J^T J/Ns + eps I) x = f, Ns {Ns} samples ({Ns // comm.size} "
-            f"per rank) x {P} params, eps {eps:g}, tol {self.tol:g}, maxiter "
-            f"{self.maxiter}"
-        )
-        J_local, f = jnp.asarray(prob.J), jnp.asarray(prob.f)
-        if self.wants(FLOOR):
-            self.add_floor("B", prob, check, dots_global=False)
-        J_global = to_global(J_local, mesh)
-        for backend in (b for b in cg.BACKENDS if self.wants(b)):
-            J = J_local if backend == "mpi4jax" else J_global
-            for variant in args.variants:
-                solver = cg.make_normal_solver(
-                    backend=backend,
-                    variant=variant,
-                    comm=comm,
-                    mesh=mesh,
-                    replace_every=args.replace_every,
-                )
-                solve = functools.partial(solver, J, f, eps, tol=tol, maxiter=maxiter)
-                program = jax.jit(
-                    lambda J, f, solver=solver: solver(
-                        J, f, eps, tol=tol, maxiter=maxiter
-                    )
-                )
-                self.add_ours(
-                    "B",
-                    backend,
-                    variant,
-                    solve,
-                    check,
-                    B_DESIGN,
-                    8 * P,
-                    np.float64,
-                    (program, (J, f)),
-                    extra={"replace_every": solver.replace_every},
-                )
-
-        if self.wants(JAX_SCIPY):
-            replicated = NamedSharding(mesh, PartitionSpec())
-
-            def make_global(counter):
-                def matvec(J, v):
-                    if counter is not None:
-                        jax.debug.callback(counter)
-                    return J.T @ (J @ v) / Ns + eps * v
-
-                return jax.jit(
-                    lambda J, f: jax.scipy.sparse.linalg.cg(
-                        lambda v: matvec(J, v), f, tol=tol, maxiter=maxiter
-                    )[0],
-                    out_shardings=replicated,
-                )
-
-            self.add_jax_cg(
-                "B",
-                JAX_SCIPY,
-                make_global,
-                (J_global, f),
-                check,
-                B_DESIGN,
-                8 * P,
-                "psum",
-                lambda x: np.asarray(to_local(x)),
-            )
-
-        if self.wants(HAND):
-            # Every rank counts its own matvecs here; rank 0's count is broadcast.
-            self.add_jax_cg(
-                "B",
-                HAND,
-                functools.partial(jax_scipy_cg, Ns, comm, tol, maxiter),
-                (J_local, f, jnp.zeros(P), jnp.asarray(eps)),
-                check,
-                B_DESIGN,
-                8 * P,
-                "mpi4jax",
-                np.asarray,
-            )
-        self.measure()
-        self.reduction_times("B")
-
     # Helpers --------------------------------------------------------------------
 
     def _norms(self, *vectors):
@@ -677,32 +569,30 @@ class Bench:
         return np.sqrt(self.comm.allreduce(float(v @ v), op=MPI.SUM)) / norm
 
     def speedups(self):
-        """Add t/iter and solve-time speedups over classic; print them per problem
-        and backend."""
+        """Add t/iter and solve-time speedups over classic; print them per
+        backend."""
         from mpi4jax_dist import cg
 
         lines = []
-        for problem in ("A", "B"):
-            rows = [r for r in self.results if r["problem"] == problem]
-            for backend in cg.BACKENDS:
-                mine = {r["variant"]: r for r in rows if r["backend"] == backend}
-                base = mine.get("classic")
-                parts = []
-                for variant, row in mine.items():
-                    if base is not None and variant != "classic":
-                        row["speedup_vs_classic"] = base["t_iter_s"] / row["t_iter_s"]
-                        row["solve_speedup_vs_classic"] = (
-                            base["t_solve_s"] / row["t_solve_s"]
-                        )
-                        parts.append(
-                            f"{variant} {row['speedup_vs_classic']:.2f}x "
-                            f"({row['solve_speedup_vs_classic']:.2f}x)"
-                        )
-                if parts:
-                    lines.append(
-                        f"# speedup over classic, t/iter (solve): {problem} "
-                        f"{backend}: " + ", ".join(parts)
+        for backend in cg.BACKENDS:
+            mine = {r["variant"]: r for r in self.results if r["backend"] == backend}
+            base = mine.get("classic")
+            parts = []
+            for variant, row in mine.items():
+                if base is not None and variant != "classic":
+                    row["speedup_vs_classic"] = base["t_iter_s"] / row["t_iter_s"]
+                    row["solve_speedup_vs_classic"] = (
+                        base["t_solve_s"] / row["t_solve_s"]
                     )
+                    parts.append(
+                        f"{variant} {row['speedup_vs_classic']:.2f}x "
+                        f"({row['solve_speedup_vs_classic']:.2f}x)"
+                    )
+            if parts:
+                lines.append(
+                    f"# speedup over classic, t/iter (solve): A {backend}: "
+                    + ", ".join(parts)
+                )
         self.say(*lines)
 
 
@@ -727,7 +617,7 @@ def metadata(args, comm, notes) -> dict:
     return meta
 
 
-COLORS = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2", HAND: "C3"}
+COLORS = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2"}
 
 
 def plot(results, path):
@@ -747,7 +637,6 @@ def parse(argv):
     from mpi4jax_dist import cg
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems", default="A,B", help="comma-separated: A,B")
     parser.add_argument("--n", type=int, default=64, help="grid side of problem A")
     parser.add_argument(
         "--tol", type=float, default=1e-6, help="relative residual of problem A"
@@ -758,26 +647,11 @@ def parse(argv):
         default=None,
         help="iterations cap of problem A (default 10 n^2)",
     )
-    parser.add_argument("--samples", type=int, default=2000, help="Ns of problem B")
-    parser.add_argument("--params", type=int, default=10000, help="P of problem B")
-    parser.add_argument("--eps", type=float, default=1e-4, help="shift of problem B")
-    parser.add_argument(
-        "--tol-b", type=float, default=1e-5, help="relative residual of problem B"
-    )
-    parser.add_argument(
-        "--maxiter-b", type=int, default=200, help="iterations cap of problem B"
-    )
-    parser.add_argument(
-        "--backends",
-        default=",".join(METHODS.names()),
-        help=f"comma-separated methods (default all): {', '.join(METHODS.names())}",
-    )
-    parser.add_argument(
-        "--variants",
-        default=",".join(cg.VARIANTS),
-        help=f"comma-separated variants of mpi4jax_dist.cg (default all): "
-        f"{', '.join(cg.VARIANTS)}",
-    )
+    METHODS.option(parser, "--backends")
+    variants = _harness.Registry("variant of mpi4jax_dist.cg")
+    for name in cg.VARIANTS:
+        variants.register(name, cg.VARIANT_RECORDS[name])
+    variants.option(parser, "--variants")
     parser.add_argument(
         "--replace-every",
         type=int,
@@ -794,19 +668,6 @@ def parse(argv):
     )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    problems = [p.strip().upper() for p in args.problems.split(",") if p.strip()]
-    bad = [p for p in problems if p not in ("A", "B")]
-    if bad or not problems:
-        parser.error(f"--problems {args.problems!r}: expected A, B or A,B")
-    args.problems = problems
-    variants = _harness.Registry("variant")
-    for name in cg.VARIANTS:
-        variants.register(name, cg.VARIANT_RECORDS[name])
-    try:
-        args.backends = METHODS.choose(args.backends, "--backends")
-        args.variants = variants.choose(args.variants, "--variants")
-    except ValueError as exc:
-        parser.error(str(exc))
     if args.replace_every < 0 or args.repeat < 1 or args.reduce_loop < 1:
         parser.error("--replace-every must be >= 0, --repeat and --reduce-loop >= 1")
     return args
@@ -843,10 +704,7 @@ def main(argv=None) -> list[dict]:
             f"jitted loop of {args.reduce_loop}, / t/iter",
             TABLE.header(),
         )
-        if "A" in args.problems:
-            bench.problem_a()
-        if "B" in args.problems:
-            bench.problem_b()
+        bench.problem_a()
         bench.speedups()
         _harness.save(
             args,

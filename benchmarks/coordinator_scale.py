@@ -2,9 +2,7 @@
 
     python benchmarks/coordinator_scale.py [--procs 64,256,1024,2048,4096]
         [--waves 0,256,1024] [--gap-ms 100] [--repeat 3] [--timeout 180]
-        [--soft-limit N] [--protection on|off|off,on] [--init-timeout S]
-        [--exchange [PLATFORM:]BYTES[,...] [--gather-threads N]]
-        [--json PATH] [--plot PNG]
+        [--init-timeout S] [--json PATH] [--plot PNG]
 
 Every run is a fresh subprocess (its own session, killed at ``--timeout``) that
 starts one real coordination service (jaxlib's ``get_distributed_runtime_service``,
@@ -46,53 +44,26 @@ Waves (``--waves W``, W > 0): client ``i`` starts its ``connect()`` at
 apply to its released ranks without any feedback from the service; ``0`` is the
 burst, all at once. ``--gap-ms`` sets the gap.
 
-Topology exchange (``--exchange BYTES``): after connect, the clients do what PJRT's
-CPU client does at start-up (XLA's ExchangeTopologies): every client puts a local
-topology of BYTES (random: gRPC's compression cannot shrink it) under
-``cpu:local_topology/cpu/<i>``; client 0 gets all P of them (``--gather-threads``
-blocking gets at a time, default the CPUs, as XLA's thread pool) and puts the
-global one (each local one framed as a GlobalTopologyProto node: P * (BYTES + 2 or
-3)) under ``cpu:global_topology/cpu``; every client then gets it (in JAX all but
-process 0 do). Timed per phase (``put_s``, ``gather_s``, ``global_put_s``,
-``fetch_s``), with every fetched size checked, the bytes the service's sockets sent
-(``ss``'s bytes_sent) against the payload (P * BYTES + P * global), and the
-process's peak RSS growth over the exchange (service and all P clients together:
-this emulation holds both ends). A real CPU process's local topology is 69-80 B at
-P = 2 or 4 (one device; 69 for process 0, whose node_id 0 is not serialized), about
-88 B at P = 4,096. ``--exchange PLATFORM:BYTES,...`` makes one exchange per
-platform, in that order, under that platform's keys (``cuda:local_topology/cuda/<i>``),
-as JAX does for each backend it starts (the CPU one first): ``cpu:88,cuda:110`` is a
-GPU process without ``JAX_PLATFORMS``. Each platform's figures are kept under
-``<platform>.<key>``, their sums under the plain keys. A GPU process's local topology
-is an estimate (no GPU here): about 40 B and 70 B per GPU
-(``mpi4jax_dist.launch.limits.GPU_LOCAL_TOPOLOGY_BYTES``).
-``tests/unit/test_topology_model.py`` fits the package's model to these runs.
+Every run first raises the soft open-file limit as the package does for a rank 0
+(:func:`mpi4jax_dist.launch.limits.ensure_file_limit`), for ``2 * P`` processes:
+this emulation holds both ends of every connection.
 
-File limits: ``--soft-limit N`` lowers this process's soft RLIMIT_NOFILE to N before
-anything starts. With ``--protection on`` the run then calls the package's
-protection, :func:`mpi4jax_dist.launch.limits.ensure_file_limit`, before the service
-starts; ``off`` does not. The protection's rule is one file per process of the job
-plus a margin, for a rank 0 that holds the service's ends of the connections; this
-emulation also holds the clients' ends, one more file per client, so it asks for
-``2 * P`` processes' worth (2 P + margin), the same rule applied to a process that
-holds both ends. Too few files make gRPC log "File descriptor limit reached.
-Retrying." and every ``connect()`` fail with DEADLINE_EXCEEDED after
-``--init-timeout`` (+ about 5 s): such a row is reported failed, with the error.
-(jaxlib 0.6.0's gRPC logs "Too many open files" instead, and a ``connect()`` there
-may wait on for good: 10 s past ``--init-timeout`` it counts as failed.)
+Settled, and retired from this script (their runs stay in docs/benchmarks-scale.rst,
+each command running the script as it last was, from ``mkdir -p old && git archive
+9d20368:benchmarks | tar -x -C old``): JAX's topology exchange after connect
+(``old/coordinator_scale.py --exchange``, *JAX's topology exchange*) and a too-low
+file limit with and without that protection (``--soft-limit``, ``--protection``).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import re
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -104,11 +75,8 @@ from mpi4jax_dist.launch import limits  # noqa: E402
 
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
-# What gRPC logs when the files run out: current jaxlib's words, and jaxlib 0.6.0's
-# (a failed accept4).
-FD_LIMIT_LOGS = ("File descriptor limit reached", "Too many open files")
-# How long past its init_timeout a connect() may take before it counts as failed:
-# jaxlib 0.6.0's can wait on for good when the service has run out of files.
+# How long past its init_timeout a connect() may take before it counts as failed
+# (jaxlib 0.6.0's can wait on for good).
 CONNECT_GRACE_S = 10
 
 
@@ -218,11 +186,6 @@ def worker(config: dict) -> None:
     procs, waves = config["procs"], config["waves"]
     gap = config["gap_ms"] / 1e3
     row = {"procs": procs, "waves": waves, "gap_ms": config["gap_ms"] if waves else 0}
-    row["protection"] = config["protection"]
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if config.get("soft_limit"):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (config["soft_limit"], hard))
-    row["soft_limit"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     try:
         _run(config, row, procs, waves, gap)
     except Exception as err:  # reported in the row, never a traceback
@@ -238,11 +201,8 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
 
     runtime = _compat.distributed_runtime()
 
-    if config["protection"] == "on":
-        # Both ends of every connection are in this process: 2 files per client.
-        raised = limits.ensure_file_limit(2 * procs)
-        row["raised_from"] = raised[0] if raised else None
-    row["soft_limit_run"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    # Both ends of every connection are in this process: 2 files per client.
+    limits.ensure_file_limit(2 * procs)
     threading.stack_size(256 * 1024)
     rss0, _ = _harness.rss_bytes()
     fds0 = open_files()
@@ -348,10 +308,6 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
             )
         return
 
-    if config.get("exchange"):
-        if not exchange(config, row, clients, port, procs):
-            return
-
     # Shutdown: every client's (a barrier over all), then the service's.
     done_shut = [None] * procs
 
@@ -386,264 +342,6 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
 
 
 # ---------------------------------------------------------------------------------
-# The topology exchange (--exchange BYTES)
-
-# The keys a PJRT client uses: its key-value store prefixes "<platform>:", and
-# XLA's ExchangeTopologies names the keys by the platform too. The CPU client's were
-# read from a real 2-process run of jax.distributed.initialize() with jaxlib 0.10.2;
-# a GPU plugin's ("cuda:") follow the same rule (not run here: no GPU).
-LOCAL_KEY = "{platform}:local_topology/{platform}/{index}"
-GLOBAL_KEY = "{platform}:global_topology/{platform}"
-EXCHANGE_PHASES = ("put", "gather", "global_put", "fetch")
-
-
-def parse_exchange(value) -> list[tuple[str, int]]:
-    """``--exchange``'s value as ``[(platform, bytes), ...]``: ``88`` is the CPU
-    client's alone; ``cpu:88,cuda:110`` is one exchange per platform, in that order
-    (JAX initializes its backends one after another, the CPU one first)."""
-    if isinstance(value, int):
-        return [("cpu", value)] if value else []
-    pairs = []
-    for item in (t.strip() for t in str(value).split(",")):
-        if not item:
-            continue
-        platform, _, size = item.rpartition(":")
-        platform = platform or "cpu"
-        try:
-            pairs.append((platform, int(size)))
-        except ValueError:
-            raise ValueError(
-                f"--exchange {value!r}: {item!r} is not BYTES or PLATFORM:BYTES"
-            ) from None
-        if pairs[-1][1] <= 0 or not re.fullmatch(r"[a-z0-9_]+", platform):
-            raise ValueError(
-                f"--exchange {value!r}: {item!r} needs a platform name of lower-case "
-                f"letters, digits or _ (as JAX's: cpu, cuda, rocm) and a positive byte "
-                f"count"
-            )
-    if len({p for p, _ in pairs}) != len(pairs):
-        raise ValueError(f"--exchange {value!r}: a platform appears twice")
-    return pairs
-
-
-# The global topology's size, as the package's model counts it; the exchange checks
-# it against the one it builds with frame().
-global_size = limits.global_topology_bytes
-
-
-def frame(value: bytes) -> bytes:
-    """``value`` as one ``nodes`` entry (field 1) of a GlobalTopologyProto."""
-    n, length = len(value), bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        length.append(byte | (0x80 if n else 0))
-        if not n:
-            break
-    return b"\x0a" + bytes(length) + value
-
-
-def service_bytes_sent(port: int) -> int | None:
-    """Bytes the service's ESTABLISHED sockets (local port ``port``) have sent, from
-    ``ss -tin`` (bytes_sent, retransmissions included); None without ss."""
-    try:
-        out = subprocess.run(
-            ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.findall(r"\bbytes_sent:(\d+)", out)
-    return sum(map(int, found)) if found else None
-
-
-def _all_clients(procs: int, call) -> tuple[float, dict[int, str]]:
-    """Run ``call(i)`` for every client, each from a thread of its own, released
-    together; return the seconds until the last returned, and the errors."""
-    start = threading.Event()
-    done = [0.0] * procs
-    errors: dict[int, str] = {}
-
-    def one(i: int) -> None:
-        start.wait()
-        try:
-            call(i)
-        except Exception as err:
-            errors[i] = f"{type(err).__name__}: {err}"
-        done[i] = time.perf_counter()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(procs)]
-    for t in threads:
-        t.start()
-    t0 = time.perf_counter()
-    start.set()
-    for t in threads:
-        t.join()
-    return max(done) - t0, errors
-
-
-# What one platform's exchange records; the row also holds their sums over the
-# platforms under the same names, but for the clients that fetched the right size
-# (the fewest) and the peak RSS (the largest).
-EXCHANGE_KEYS = (
-    "put_s",
-    "gather_s",
-    "global_put_s",
-    "fetch_s",
-    "exchange_s",
-    "exchange_local_bytes",
-    "exchange_global_bytes",
-    "exchange_payload_bytes",
-    "service_sent_bytes",
-    "exchange_fetched_bytes",
-    "exchange_fetched_ok",
-    "exchange_rss_mib",
-    "exchange_peak_mib",
-)
-EXCHANGE_SUMS = tuple(
-    k for k in EXCHANGE_KEYS if k not in ("exchange_fetched_ok", "exchange_peak_mib")
-)
-
-
-def exchange(config: dict, row: dict, clients: list, port: int, procs: int) -> bool:
-    """What PJRT's clients do at start-up, after connect, one platform after
-    another (``config["exchange"]``, see :func:`parse_exchange`): each platform's
-    exchange is recorded in ``row`` under ``"<platform>.<key>"``, and their sums
-    under the plain keys. Return False (``row`` failed) on an error."""
-    platforms = parse_exchange(config["exchange"])
-    row["exchange_platforms"] = [p for p, _ in platforms]
-    records, failed = [], None
-    for platform, local in platforms:
-        record, errors = exchange_platform(
-            config, clients, port, procs, platform, local
-        )
-        records.append(record)
-        row.update({f"{platform}.{k}": v for k, v in record.items()})
-        if errors:
-            failed = platform, errors
-            break
-    for key in EXCHANGE_SUMS:
-        values = [r.get(key) for r in records]
-        row[key] = None if None in values else sum(values)
-    fetched_ok = [r.get("exchange_fetched_ok") for r in records]
-    row["exchange_fetched_ok"] = None if None in fetched_ok else min(fetched_ok)
-    peaks = [r["exchange_peak_mib"] for r in records]
-    row["exchange_peak_mib"] = None if None in peaks else max(peaks)
-    if failed:
-        platform, errors = failed
-        first = next(iter(errors))
-        row.update(
-            ok=False,
-            failed_clients=len(errors),
-            error=f"exchange {platform}: {len(errors)} failed; {first}: "
-            f"{errors[first]}"[:400],
-        )
-        return False
-    return True
-
-
-def exchange_platform(
-    config: dict, clients: list, port: int, procs: int, platform: str, local: int
-) -> tuple[dict, dict[str, str]]:
-    """One platform's exchange, as XLA's ExchangeTopologies does it: every client
-    puts its local topology (``local`` bytes, random so that gRPC's compression
-    cannot shrink it), client 0 gets all P (``config["gather_threads"]`` blocking
-    gets at a time; default: the CPUs, as XLA) and puts the global one (each local
-    one framed as a GlobalTopologyProto's node), every client gets the global one.
-    Each phase is timed; the fetched sizes are checked. Return the record and the
-    errors by ``"<phase> <client>"``."""
-    timeout_ms = int(config.get("exchange_timeout", 120)) * 1000
-    local_key, global_key = LOCAL_KEY, GLOBAL_KEY.format(platform=platform)
-    expected = global_size(procs, local)
-    record: dict = {
-        "exchange_local_bytes": local,
-        "exchange_global_bytes": expected,
-    }
-    values = [os.urandom(local) for _ in range(procs)]
-    times, failures = {}, {}
-    rss0, _ = _harness.rss_bytes()
-    record["exchange_peak_reset"] = _harness.reset_peak_rss()
-    sent0 = service_bytes_sent(port)
-
-    def key(i: int) -> str:
-        return local_key.format(platform=platform, index=i)
-
-    # 1. Every client puts its local topology.
-    times["put"], failures["put"] = _all_clients(
-        procs, lambda i: clients[i].key_value_set_bytes(key(i), values[i])
-    )
-    values.clear()
-    # 2. Client 0 gathers all P with a pool of threads, one blocking get each, as
-    # XLA's GetAllLocalTopologies does (its pool: DefaultThreadPoolSize(), about
-    # the CPUs); 3. puts the global one.
-    threads = int(config.get("gather_threads") or os.cpu_count() or 1)
-    record["exchange_gather_threads"] = threads
-    if not failures["put"]:
-        t0 = time.perf_counter()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                nodes = list(
-                    pool.map(
-                        lambda i: frame(
-                            clients[0].blocking_key_value_get_bytes(key(i), timeout_ms)
-                        ),
-                        range(procs),
-                    )
-                )
-            t1 = time.perf_counter()
-            blob = b"".join(nodes)
-            del nodes
-            t2 = time.perf_counter()
-            clients[0].key_value_set_bytes(global_key, blob)
-            times["gather"], times["global_put"] = t1 - t0, time.perf_counter() - t2
-            failures["gather"] = {}
-            if len(blob) != expected:
-                failures["gather"] = {0: f"global {len(blob)} B, not {expected} B"}
-            del blob
-        except Exception as err:
-            failures["gather"] = {0: f"{type(err).__name__}: {err}"}
-    # 4. Every client fetches the global topology; only its size is kept.
-    fetched = [None] * procs
-
-    def fetch(i: int) -> None:
-        fetched[i] = len(
-            clients[i].blocking_key_value_get_bytes(global_key, timeout_ms)
-        )
-
-    if not any(failures.values()):
-        times["fetch"], failures["fetch"] = _all_clients(procs, fetch)
-        wrong = {
-            i: f"fetched {n} B, not {expected} B"
-            for i, n in enumerate(fetched)
-            if n is not None and n != expected
-        }
-        failures["fetch"].update(wrong)
-        record["exchange_fetched_bytes"] = sum(n for n in fetched if n is not None)
-        record["exchange_fetched_ok"] = sum(n == expected for n in fetched)
-
-    rss1, hwm = _harness.rss_bytes()
-    sent1 = service_bytes_sent(port)
-    for phase in EXCHANGE_PHASES:
-        record[f"{phase}_s"] = times.get(phase)
-    record["exchange_s"] = sum(times.values())
-    # What the service must send, at the least: the P locals to client 0, the
-    # global to each of the P clients (messages' framing and gRPC's not counted).
-    record["exchange_payload_bytes"] = procs * local + procs * expected
-    record["service_sent_bytes"] = (
-        sent1 - sent0 if sent0 is not None and sent1 is not None else None
-    )
-    record["exchange_rss_mib"] = mib(rss1 - rss0)
-    record["exchange_peak_mib"] = (
-        mib(hwm - rss0) if record["exchange_peak_reset"] else None
-    )
-    errors = {
-        f"{p} {i}": e for p in EXCHANGE_PHASES for i, e in failures.get(p, {}).items()
-    }
-    return record, errors
-
-
-# ---------------------------------------------------------------------------------
 # The parent: one subprocess per run
 
 
@@ -659,51 +357,25 @@ def worker_env() -> dict:
 
 
 def run_one(config: dict, timeout: float) -> dict:
-    """Run one worker in a fresh process of its own session; kill the session at
-    ``timeout``. Return its row (a failed one when it printed none)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(config)]
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    killed = False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        killed = True
-        _harness._end_group(proc)
-        out, err = proc.communicate()
-    seconds = time.perf_counter() - start
-    rows = [
-        json.loads(line[len(_harness.RESULT) :])
-        for line in out.splitlines()
-        if line.startswith(_harness.RESULT)
-    ]
-    if rows:
-        row = rows[0]
+    """Run one worker in a fresh process of its own session, killed at ``timeout``.
+    Return its row (a failed one when it printed none)."""
+    argv = [os.path.abspath(__file__), "--worker", json.dumps(config)]
+    job = _harness.run_job(0, argv, timeout=timeout, env=worker_env())
+    if job.results:
+        row = job.results[0]
     else:
-        row = {k: config[k] for k in ("procs", "waves", "protection")}
-        row["ok"] = False
-        why = f"killed after {timeout:g} s" if killed else f"exit {proc.returncode}"
-        tail = (out + err).strip().splitlines()[-3:]
-        row["error"] = f"no result ({why}): " + " | ".join(tail)[-300:]
-    row["run_s"] = seconds
-    logged = {text: err.count(text) for text in FD_LIMIT_LOGS if text in err}
-    row["fd_limit_logs"] = sum(logged.values())
+        row = {k: config[k] for k in ("procs", "waves")}
+        why = "killed" if job.returncode is None else f"exit {job.returncode}"
+        tail = (job.stdout + job.stderr).strip().splitlines()[-3:]
+        row.update(ok=False, error=f"no result ({why}): " + " | ".join(tail)[-300:])
+    row["run_s"] = job.seconds
     if not row.get("ok"):
-        status = re.search(r"Agent status: (?:%s)?([A-Z_]+: [^\n\[]{0,80})", err)
+        status = re.search(r"Agent status: (?:%s)?([A-Z_]+: [^\n\[]{0,80})", job.stderr)
         if status:
             row["error"] += f"; client status {status.group(1).strip()}"
-        for text, count in logged.items():
-            row["error"] += f"; gRPC logged '{text}' {count}x"
     # The distinct kinds of log lines gRPC/XLA printed (timestamps and numbers cut).
-    kinds = {re.sub(r"[0-9]+", "N", line)[:160] for line in err.splitlines() if line}
-    row["log_kinds"] = sorted(kinds)[:20]
+    kinds = {re.sub(r"[0-9]+", "N", line)[:160] for line in job.stderr.splitlines()}
+    row["log_kinds"] = sorted(kinds - {""})[:20]
     return row
 
 
@@ -719,8 +391,6 @@ TABLE = _harness.Table(
     [
         _harness.Column("case", "case", "", 17, left=True),
         _harness.Column("procs", "P", "", 5, "d"),
-        _harness.Column("limit", "soft lim", "start>run", 11),
-        _harness.Column("protection", "prot", "", 4),
         _harness.Column("connect_s", "connect", "median s", 8, _s),
         _harness.Column("connect_max_s", "connect", "max s", 8, _s),
         _harness.Column("ratio", "ratio", "to burst", 8, ".2f"),
@@ -736,47 +406,6 @@ TABLE = _harness.Table(
 )
 
 
-def _mb(value) -> str:
-    return f"{value / 1e6:.1f}"
-
-
-EXCHANGE_TABLE = _harness.Table(
-    [
-        _harness.Column("case", "case", "", 17, left=True),
-        _harness.Column("procs", "P", "", 5, "d"),
-        _harness.Column("platform", "platform", "", 8, left=True),
-        _harness.Column("exchange_local_bytes", "local", "B", 6, "d"),
-        _harness.Column("exchange_global_bytes", "global", "B", 9, "d"),
-        _harness.Column("put_s", "put", "median s", 8, _s),
-        _harness.Column("gather_s", "gather", "median s", 8, _s),
-        _harness.Column("global_put_s", "glob put", "median s", 8, _s),
-        _harness.Column("fetch_s", "fetch", "median s", 8, _s),
-        _harness.Column("exchange_s", "exchange", "median s", 8, _s),
-        _harness.Column("exchange_payload_bytes", "payload", "MB", 8, _mb),
-        _harness.Column("service_sent_bytes", "svc sent", "MB (ss)", 8, _mb),
-        _harness.Column("exchange_peak_mib", "peak RSS", "+MiB", 8, ".0f"),
-        _harness.Column("status", "status", "ok/runs", 8, left=True),
-    ]
-)
-
-
-def exchange_lines(row: dict) -> list[dict]:
-    """The exchange table's lines of one result: one per platform, then their sums
-    where there are several."""
-    platforms = row.get("exchange_platforms") or []
-    lines = [
-        {
-            **row,
-            "platform": p,
-            **{k: row.get(f"{p}.{k}") for k in EXCHANGE_KEYS},
-        }
-        for p in platforms
-    ]
-    if len(platforms) > 1:
-        lines.append({**row, "platform": "all"})
-    return lines
-
-
 def summarize(runs: list[dict], case: str, procs: int) -> dict:
     """One table row from a setting's runs: medians over the ok runs."""
     good = [r for r in runs if r.get("ok")]
@@ -786,8 +415,6 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         "procs": procs,
         "waves": first["waves"],
         "gap_ms": first.get("gap_ms", 0),
-        "protection": first["protection"],
-        "limit": f"{first.get('soft_limit', '?')}>{first.get('soft_limit_run', '?')}",
         "ok": len(good) == len(runs),
         "status": f"{'ok' if len(good) == len(runs) else 'FAILED'} {len(good)}/"
         f"{len(runs)}",
@@ -801,16 +428,9 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         "rss_mib",
         "rss_per_client_kib",
         "hwm_mib",
-        *EXCHANGE_KEYS,
-        *(
-            f"{p}.{k}"
-            for p in first.get("exchange_platforms", ())
-            for k in EXCHANGE_KEYS
-        ),
     ):
         values = [r[key] for r in good if r.get(key) is not None]
         row[key] = statistics.median(values) if values else None
-    row["exchange_platforms"] = first.get("exchange_platforms", [])
     values = [r["connect_s"] for r in good]
     row["connect_max_s"] = max(values) if values else None
     for key in ("fds", "service_fds", "service_conns"):
@@ -838,17 +458,10 @@ def plot(results: list[dict], path: str) -> None:
             ("fds", "open files, whole process", 1.0),
             ("rss_mib", "RSS after connect [MiB]", 1.0),
         ],
-        series=lambda r: f"{r['case']} ({r['protection']})",
+        series=lambda r: r["case"],
         title="one coordination service, P emulated clients (median over runs)",
         xlabel="clients P",
     )
-
-
-def parse_ints(text: str, option: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"{option} {text!r}: comma-separated integers") from None
 
 
 def parse_waves(text: str, gap_ms: float) -> list[tuple[int, float]]:
@@ -875,7 +488,9 @@ def parse_waves(text: str, gap_ms: float) -> list[tuple[int, float]]:
 def main(argv=None) -> list[dict]:
     """Run every setting ``--repeat`` times (round-robin); return one row each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", default="64,256,1024,2048,4096", help="P values")
+    parser.add_argument(
+        "--procs", type=_harness.ints, default="64,256,1024,2048,4096", help="P values"
+    )
     parser.add_argument(
         "--waves",
         default="0,256,1024",
@@ -889,55 +504,20 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--init-timeout",
         type=int,
-        default=None,
-        help="clients' init_timeout [s]; default 60, 10 with --soft-limit",
+        default=60,
+        help="clients' init_timeout [s]; default 60",
     )
     parser.add_argument(
         "--shutdown-timeout", type=int, default=60, help="shutdown barrier [s]"
     )
-    parser.add_argument(
-        "--exchange",
-        default="",
-        help="after connect, exchange topologies as PJRT's clients do: BYTES (the "
-        "CPU client's, each local one this many bytes) or PLATFORM:BYTES,... (one "
-        "exchange per platform, in order); empty: off",
-    )
-    parser.add_argument(
-        "--gather-threads",
-        type=int,
-        default=0,
-        help="client 0's concurrent gets in the exchange's gather; 0: the CPUs",
-    )
-    parser.add_argument(
-        "--exchange-timeout",
-        type=int,
-        default=120,
-        help="the exchange's blocking gets' timeout [s]",
-    )
-    parser.add_argument(
-        "--soft-limit", type=int, default=None, help="lower RLIMIT_NOFILE first"
-    )
-    parser.add_argument(
-        "--protection",
-        default="on",
-        help="on, off, or both (off,on): call ensure_file_limit before the service",
-    )
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
+    args = _harness.parse_or_work(parser, argv, lambda arg: worker(json.loads(arg)))
+    if args is None:
         return []
     try:
-        procs_list = parse_ints(args.procs, "--procs")
         waves_list = parse_waves(args.waves, args.gap_ms)
-        parse_exchange(args.exchange)
     except ValueError as err:
         parser.error(str(err))
-    protections = [p.strip() for p in args.protection.split(",") if p.strip()]
-    if not protections or set(protections) - {"on", "off"}:
-        parser.error(f"--protection {args.protection!r}: on, off or off,on")
-    init_timeout = args.init_timeout or (10 if args.soft_limit else 60)
+    init_timeout = args.init_timeout
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -961,28 +541,22 @@ def main(argv=None) -> list[dict]:
     )
     print(TABLE.header(), flush=True)
     results = []
-    for procs in procs_list:
-        settings = [(p, w) for p in protections for w in waves_list]
-        runs: dict[tuple, list[dict]] = {s: [] for s in settings}
+    for procs in args.procs:
+        runs: dict[tuple, list[dict]] = {w: [] for w in waves_list}
         for _ in range(args.repeat):
-            for protection, waves in settings:
+            for waves in waves_list:
                 config = {
                     "procs": procs,
                     "waves": waves[0],
                     "gap_ms": waves[1],
-                    "protection": protection,
-                    "soft_limit": args.soft_limit,
                     "init_timeout": init_timeout,
                     "shutdown_timeout": args.shutdown_timeout,
-                    "exchange": args.exchange,
-                    "exchange_timeout": args.exchange_timeout,
-                    "gather_threads": args.gather_threads,
                 }
-                runs[(protection, waves)].append(run_one(config, args.timeout))
-        for protection, waves in settings:
-            row = summarize(runs[(protection, waves)], case_name(*waves), procs)
-            burst = runs.get((protection, (0, 0.0)))
-            base = summarize(burst, "", procs)["connect_s"] if burst else None
+                runs[waves].append(run_one(config, args.timeout))
+        burst = runs.get((0, 0.0))
+        base = summarize(burst, "", procs)["connect_s"] if burst else None
+        for waves in waves_list:
+            row = summarize(runs[waves], case_name(*waves), procs)
             row["ratio"] = (
                 row["connect_s"] / base if base and row["connect_s"] else None
             )
@@ -990,22 +564,6 @@ def main(argv=None) -> list[dict]:
             print(TABLE.row(row), flush=True)
             for error in dict.fromkeys(row["errors"]):
                 print(f"#   error: {error}", flush=True)
-    if args.exchange:
-        gets = args.gather_threads or os.cpu_count()
-        sizes = ", ".join(f"{p} {b} B" for p, b in parse_exchange(args.exchange))
-        print(
-            f"# topology exchange, per local topology: {sizes}; one platform after "
-            "another, as JAX initializes its backends: put (all "
-            f"clients), gather (client 0 gets all P, {gets} at a time), glob put "
-            "(client 0), fetch (all clients get the global); payload: what the "
-            "service must send; svc sent: its sockets' bytes_sent over the exchange "
-            "(ss); peak RSS: the whole process's peak (service and all clients) "
-            "over its RSS before; platform 'all': the sums (peak: the largest)"
-        )
-        print(EXCHANGE_TABLE.header())
-        for row in results:
-            for line in exchange_lines(row):
-                print(EXCHANGE_TABLE.row(line), flush=True)
     _harness.save(
         args,
         _harness.meta(

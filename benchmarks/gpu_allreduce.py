@@ -54,10 +54,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -305,20 +303,12 @@ def job_env() -> dict:
 
 def probe(env: dict, timeout: float) -> dict:
     """Ask a fresh process what JAX and the CUDA module see."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", PROBE],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
+    job = _harness.run_job(0, ["-c", PROBE], timeout=timeout, env=env)
+    if job.returncode is None:
         return {"gpus": [], "why": f"the probe took over {timeout:g} s"}
-    for line in out.stdout.splitlines():
-        if line.startswith(_harness.RESULT):
-            return json.loads(line[len(_harness.RESULT) :])
-    return {"gpus": [], "why": (out.stderr.strip().splitlines() or ["no answer"])[-1]}
+    if job.results:
+        return job.results[0]
+    return {"gpus": [], "why": (job.stderr.strip().splitlines() or ["no answer"])[-1]}
 
 
 def cases(args) -> list[tuple[str, int, str]]:
@@ -352,14 +342,9 @@ def measure(name, n, dtype, args, env, gpu) -> dict:
         timeout=args.timeout,
         env=job_environment,
     )
-    if job.returncode is None:
-        row["status"] = "timed out"
-    elif not job.ok or not job.results:
-        row["status"] = f"crashed ({job.returncode})"
-    if "status" in row:
-        row["tail"] = job.tail
+    found = _harness.case_result(job, row, args.timeout)
+    if found is None:
         return row
-    found = job.results[-1]
     row.update(found)
     rise = found["rise_bytes"]
     row["rise_x"] = None if rise is None else rise / nbytes
@@ -383,36 +368,13 @@ def parse_args(argv):
         action="store_false",
         help=f"leave out {LARGE} int8 elements per rank",
     )
-    parser.add_argument(
-        "--impls",
-        default=",".join(IMPLS.names()),
-        help=f"comma-separated, from {', '.join(IMPLS.names())}",
-    )
+    IMPLS.option(parser, "--impls")
     parser.add_argument(
         "--timeout", type=float, default=600, help="seconds per job before it is killed"
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # IMPL:N:DTYPE, in a job
     _harness.add_output_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        args.impls = IMPLS.choose(args.impls, "--impls")
-    except ValueError as err:
-        parser.error(str(err))
-    return args
-
-
-def plot(results: list[dict], path: str) -> None:
-    """One panel per size: a bar per implementation, its rise in messages."""
-    _harness.plot_bars(
-        results,
-        path,
-        key="rise_x",
-        label="peak device memory rise / message",
-        scale=1.0,
-        group=lambda r: f"{_harness.human_bytes(r['bytes'])} {r['dtype']}",
-        bar=lambda r: r["impl"],
-        logy=False,
-    )
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
@@ -427,13 +389,7 @@ def main(argv=None) -> list[dict]:
         name, n, dtype = args.case.split(":")
         run_case(name, int(n), dtype)
         return []
-    from mpi4jax_dist.launch import detect
-
-    if detect.detect(os.environ) is not None:
-        sys.exit(
-            "gpu_allreduce.py starts its own mpiexec jobs: run it as `python "
-            "benchmarks/gpu_allreduce.py`, not under mpiexec"
-        )
+    _harness.not_under_mpiexec("gpu_allreduce.py")
     env = job_env()
     gpu = probe(env, args.timeout)
     if not gpu["gpus"]:
@@ -472,7 +428,15 @@ def main(argv=None) -> list[dict]:
         row = measure(name, n, dtype, args, env, gpu)
         results.append(row)
         _harness.say(None, TABLE.row(row))
-    _harness.save(args, meta, results, plot=plot)
+    _harness.save(
+        args,
+        meta,
+        results,
+        _harness.rise_plot(
+            "peak device memory rise / message",
+            lambda r: f"{_harness.human_bytes(r['bytes'])} {r['dtype']}",
+        ),
+    )
     for row in results:
         if row["status"] not in ("ok",):
             reason = row.get("why") or (row.get("tail") or "")[-600:]

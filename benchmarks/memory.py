@@ -2,8 +2,7 @@
 
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
         [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
-        [--dtype float32|float64|int32|int8] [--timeout S] [--warm]
-        [--malloc-default] [--json PATH] [--plot PNG]
+        [--dtype float32|float64|int32|int8] [--timeout S] [--json PATH] [--plot PNG]
 
     # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
     python benchmarks/memory.py --sizes 256MiB,1GiB
@@ -57,29 +56,16 @@ buffer and MPI's scratch), mpi4jax_dist about half a chunk
 mpi4jax_dist_tmp one message more (the result, which holds ``x + z``), and
 mpi4jax_tmp about 2.5 (``x + z``, the result and MPI's scratch).
 
-The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072`` (``--malloc-default`` leaves
-glibc's own). By default glibc raises its mmap threshold to the size of each large
-block freed (up to 32 MiB on 64 bits); blocks below it then come from the heap and
-may stay resident when freed, to be reused by the next allocation of that size, so
-a call that follows a freed block of its own size looks as if it needed nothing.
-A fixed threshold gives every block from 128 KiB up its own mapping, returned to
-the OS when freed, so the rise is what the call itself touched. Measured here (2
-ranks, MPICH 5, float32, rise in messages for mpi4py / mpi4py_inplace / mpi4jax):
-
-- first call, as measured by default: the same either way (1 MiB 1.88/0.70/1.41
-  fixed vs 1.69/0.89/1.50 glibc's, within the run-to-run spread of 0.2 at 1 MiB;
-  16 MiB 1.51/0.52/1.50 vs 1.52/0.52/1.51; 64 MiB 1.50/0.50/1.50 vs
-  1.50/0.51/1.50): this set-up's freed blocks are temporaries larger than the
-  message, which glibc trims from the top of the heap anyway;
-- after one warm-up call (``--warm``), whose freed MPI scratch and result are
-  exactly the call's sizes: at 16 MiB glibc's default gives mpi4py_inplace 0.00
-  and mpi4jax 1.00 (the scratch reused), the fixed threshold 0.50 and 1.49, as
-  the first call; at 64 MiB, above glibc's 32 MiB cap, both give 0.50 and 1.50.
-
-The threshold therefore costs nothing and keeps the figure from depending on what
-the set-up happened to free. At 1 MiB a constant of about 0.25 MiB (MPI's and
-Python's first-call allocations, page granularity) adds about 0.25 messages, and
-the figures there move by about 0.2 from run to run.
+The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072``. By default glibc raises its
+mmap threshold to the size of each large block freed, and a call that follows a
+freed block of its own size may reuse it and look as if it needed nothing; a fixed
+threshold gives every block from 128 KiB up its own mapping, returned to the OS
+when freed, so the rise is what the call itself touched. That is settled (it costs
+nothing; docs/benchmarks.rst, *Memory*, gives the runs with glibc's default and
+after a warm-up call, whose options, ``--malloc-default`` and ``--warm``, left
+this script). At 1 MiB a constant of about 0.25 MiB (MPI's and Python's
+first-call allocations, page granularity) adds about 0.25 messages, and the
+figures there move by about 0.2 from run to run.
 
 On a GPU (not run here: this machine has none) a JAX implementation is measured by
 its device's ``memory_stats()``: ``bytes_in_use`` before the call is the baseline
@@ -192,10 +178,9 @@ def grow_communicator_pool(comm, count: int = 4) -> None:
         duplicate.Free()
 
 
-def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
+def run_case(name: str, nbytes: int, dtype: str) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
 
-    With ``warm``, one call and a fresh load come first (the steady state).
     Every job imports JAX, which makes the input and checks the result also for
     the mpi4py cases (before the baseline, and after the call).
     """
@@ -229,9 +214,6 @@ def run_case(name: str, nbytes: int, dtype: str, warm: bool = False) -> None:
 
         extension = _ffi.load()
     load_pattern(impl, rank, procs)
-    if warm:
-        impl.call()
-        load_pattern(impl, rank, procs)
     grow_communicator_pool(comm)
     _harness.settle()
     comm.Barrier()
@@ -315,27 +297,6 @@ def timeout_for(nbytes: int, timeout: float | None) -> float:
     return 120 + 60 * nbytes / 2**30
 
 
-def crash_status(returncode: int, output: str = "") -> str:
-    """Return ``crashed (1)``, or with the signal that ended a rank:
-    ``crashed (11, SIGSEGV)``. The signal is Python's ``-N``, else the last
-    ``signal N`` of the job's output (MPICH's mpiexec exits with N and prints
-    "(signal N)", Open MPI's "exited on signal N"), else mpiexec's 128 + N."""
-    import re
-    import signal
-
-    found = re.findall(r"signal:? (\d+)", output, flags=re.IGNORECASE)
-    if returncode < 0:
-        number = -returncode
-    elif found:
-        number = int(found[-1])
-    else:
-        number = returncode - 128
-    try:
-        return f"crashed ({returncode}, {signal.Signals(number).name})"
-    except ValueError:
-        return f"crashed ({returncode})"
-
-
 def measure(name, nbytes, args, env) -> dict:
     """Run one case in its own job; return its row (a failure is a row too)."""
     itemsize = np.dtype(args.dtype).itemsize
@@ -349,7 +310,6 @@ def measure(name, nbytes, args, env) -> dict:
             f"{name}:{nbytes}",
             "--dtype",
             args.dtype,
-            *(["--warm"] if args.warm else []),
         ],
         timeout=timeout,
         env=env,
@@ -362,14 +322,9 @@ def measure(name, nbytes, args, env) -> dict:
         "procs": args.procs,
         "seconds": job.seconds,
     }
-    if job.returncode is None:
-        row["status"] = f"timed out ({timeout:g} s)"
-    elif not job.ok or not job.results:
-        row["status"] = crash_status(job.returncode, job.tail)
-    if "status" in row:
-        row["tail"] = job.tail
+    found = _harness.case_result(job, row, timeout)
+    if found is None:
         return row
-    found = job.results[-1]
     row.update(found)
     row["rise_x"] = (
         None if found["rise_bytes"] is None else found["rise_bytes"] / nbytes
@@ -382,20 +337,6 @@ def measure(name, nbytes, args, env) -> dict:
     return row
 
 
-def plot(results: list[dict], path: str, title: str) -> None:
-    """One panel per size: a bar per implementation, its rise in messages."""
-    _harness.plot_bars(
-        results,
-        path,
-        key="rise_x",
-        label=f"{title}: peak RSS rise / message",
-        scale=1.0,
-        group=lambda r: _harness.human_bytes(r["bytes"]),
-        bar=lambda r: r["impl"],
-        logy=False,
-    )
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", type=int, default=2, help="ranks per job")
@@ -405,11 +346,7 @@ def parse_args(argv):
         default=_harness.parse_sizes(DEFAULT_SIZES),
         help=f"bytes per rank, comma-separated (default {DEFAULT_SIZES})",
     )
-    parser.add_argument(
-        "--impls",
-        default=",".join(IMPLS.names()),
-        help=f"comma-separated, from {', '.join(IMPLS.names())}",
-    )
+    IMPLS.option(parser, "--impls")
     parser.add_argument("--order", choices=ORDERS, default="default")
     parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
     parser.add_argument(
@@ -426,22 +363,10 @@ def parse_args(argv):
         help="seconds per job before it is killed and reported as timed out "
         "(default 120 plus 60 per GiB of message)",
     )
-    parser.add_argument(
-        "--malloc-default",
-        action="store_true",
-        help="leave glibc's moving mmap threshold (to see what fixing it changes)",
-    )
-    parser.add_argument(
-        "--warm",
-        action="store_true",
-        help="one call (and a fresh load) before the measured one: the steady "
-        "state, where the previous result is dropped as the next one is made",
-    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # IMPL:BYTES, in a job
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        args.impls = IMPLS.choose(args.impls, "--impls")
         _allreduce_impls.pattern_bound(args.procs, args.dtype)
     except ValueError as err:
         parser.error(str(err))
@@ -464,35 +389,27 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.case:
         name, _, nbytes = args.case.partition(":")
-        run_case(name, int(nbytes), args.dtype, args.warm)
+        run_case(name, int(nbytes), args.dtype)
         return []
-    from mpi4jax_dist.launch import detect
-
-    if detect.detect(os.environ) is not None:
-        sys.exit(
-            "memory.py starts its own mpiexec jobs: run it as `python "
-            "benchmarks/memory.py`, not under mpiexec"
-        )
+    _harness.not_under_mpiexec("memory.py")
     cases = order_cases(
         [(name, nbytes) for nbytes in args.sizes for name in args.impls],
         args.order,
         args.seed,
     )
-    env = _harness.memory_job_env(args.malloc_default)
-    threshold = env.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    env = _harness.memory_job_env()
+    threshold = env["MALLOC_MMAP_THRESHOLD_"]
     meta = _harness.meta(
         procs=args.procs,
         dtype=args.dtype,
         order=args.order,
         seed=args.seed,
-        warm=args.warm,
         malloc_mmap_threshold=threshold,
         mpiexec=_harness.find_mpiexec(),
     )
     _harness.say(
         None,
-        f"# peak memory of one allreduce (call"
-        f"{', after one warm-up call' if args.warm else ''}), {args.procs} ranks, "
+        f"# peak memory of one allreduce (call), {args.procs} ranks, "
         f"{args.dtype}, one fresh mpiexec job per case, order {args.order}, "
         f"MALLOC_MMAP_THRESHOLD_={threshold}",
         "# rise = peak RSS (VmHWM) above the RSS before the call, largest rank; "
@@ -512,7 +429,10 @@ def main(argv=None) -> list[dict]:
         args,
         meta,
         results,
-        plot=lambda rows, path: plot(rows, path, f"{args.procs} ranks"),
+        _harness.rise_plot(
+            f"{args.procs} ranks: peak RSS rise / message",
+            lambda r: _harness.human_bytes(r["bytes"]),
+        ),
     )
     bad = [r for r in results if r["status"] != "ok"]
     if bad:

@@ -4,7 +4,7 @@ microbenchmark, for mpi4jax_dist.cg's mpi4jax backend.
 Usage::
 
     mpiexec -bind-to core -n 2 python benchmarks/overlap.py
-        [--mode latency,rank1,noise] [--delays 0,20,50,100,200] [--grids 64,256]
+        [--delays 0,20,50,100,200] [--grids 64,256]
         [--variants classic,single,pipelined,...] [--iters 100] [--samples 5]
         [--micro-latencies 0,50] [--json PATH]
 
@@ -13,19 +13,15 @@ timed round-robin with the others, so that a drift of the machine's speed falls 
 all alike.
 
 Two ranks on one machine's shared memory have almost no reduction latency to hide,
-so the delay table injects what a large machine has, in one of three modes:
-
-* ``latency``: every reduction completes ``delay`` µs after it was posted, as an
-  8-byte allreduce over 10^4 ranks does: a PMPI interposer (``pmpi_latency.c``,
-  built and preloaded by the benchmark, :mod:`_latency`) holds each
-  ``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait until then. A blocking
-  reduction pays ``delay``, an overlapped one ``max(delay, matvec)``.
-* ``rank1``: rank 1 spins ``delay`` µs once per CG iteration (a busy loop inside
-  XLA, calibrated here, which its matvec's input waits for): load imbalance, which
-  no variant can hide (the slow rank's own iteration takes matvec + delay).
-* ``noise``: each rank spins in about half the iterations, independently: OS
-  noise. A non-blocking reduction lets the ranks drift apart by up to a matvec, so
-  that one rank's delay need not stall the others in the same iteration.
+so the delay table injects what a large machine has: every reduction completes
+``delay`` µs after it was posted, as an 8-byte allreduce over 10^4 ranks does: a
+PMPI interposer (``pmpi_latency.c``, built and preloaded by the benchmark,
+:mod:`_latency`) holds each ``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait
+until then. A blocking reduction pays ``delay``, an overlapped one ``max(delay,
+matvec)``. (Settled, and retired from this script: a delay on rank 1 alone, load
+imbalance, and on each rank in half the iterations, OS noise, which no variant
+hides; docs/benchmarks.rst cites their rows, run by the script as it last was, from
+``git archive 9d20368:benchmarks``, as ``--mode rank1,noise``.)
 
 Each variant runs
 ``--iters`` iterations of the 2-D Poisson problem of ``benchmarks/cg.py`` (tolerance
@@ -54,7 +50,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -63,22 +58,17 @@ import _harness  # noqa: E402
 import _latency  # noqa: E402
 import _poisson  # noqa: E402
 
-MODES = ("latency", "rank1", "noise")
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delays", default="0,20,50,100,200", help="µs, comma-sep.")
-    parser.add_argument("--grids", default="64,256", help="grid sides n")
     parser.add_argument(
-        "--variants", default=None, help="mpi4jax_dist.cg variants (default all)"
+        "--delays", type=_harness.floats, default="0,20,50,100,200", help="µs"
     )
     parser.add_argument(
-        "--mode",
-        default="latency,rank1,noise",
-        help="comma-separated: latency (every reduction takes delay us), rank1 "
-        "(rank 1 spins every iteration), noise (every rank spins in half the "
-        "iterations, independently)",
+        "--grids", type=_harness.ints, default="64,256", help="grid sides n"
+    )
+    parser.add_argument(
+        "--variants", default=None, help="mpi4jax_dist.cg variants (default all)"
     )
     parser.add_argument("--iters", type=int, default=100, help="CG iterations")
     parser.add_argument("--samples", type=int, default=5, help="timed solves each")
@@ -87,78 +77,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--micro-latencies",
+        type=_harness.floats,
         default="0,50",
         help="simulated reduction latencies (us) of the micro cases, comma-sep.",
     )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    args.delays = [float(d) for d in args.delays.split(",") if d]
-    args.grids = [int(n) for n in args.grids.split(",") if n]
-    args.mode = [m for m in args.mode.split(",") if m]
-    args.micro_latencies = [float(d) for d in args.micro_latencies.split(",") if d]
-    for mode in args.mode:
-        if mode not in MODES:
-            parser.error(f"--mode {mode}: expected one of {', '.join(MODES)}")
     return args
-
-
-def spin(v, trips):
-    """Return ``v`` once a busy loop of ``trips`` trips has run (inside XLA).
-
-    The loop carries a float chain XLA cannot shorten, starting from ``v`` and
-    ``v``'s result depends on it through a test XLA cannot decide (``i == trips and
-    acc > 0``, always true), so the loop is neither optimised away nor hoisted.
-    """
-    import jax.numpy as jnp
-    from jax import lax
-
-    def body(c):
-        i, acc = c
-        return i + 1, acc * 1.0000001 + 1e-7
-
-    # The chain starts from v, so that the loop runs where v is computed (inside a
-    # CG iteration), not hoisted out of the iteration as loop-invariant.
-    first = 1 + v.reshape(-1)[0].astype(jnp.float32) * 0.0
-    i, acc = lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), first))
-    return v + jnp.where((i == trips) & (acc > 0), 0, 1).astype(v.dtype)
-
-
-def trips_per_us(samples: int = 5) -> float:
-    """Calibrate :func:`spin`: loop trips per microsecond on this rank."""
-    import jax
-    import jax.numpy as jnp
-
-    f = jax.jit(spin)
-    v = jnp.ones(1)
-    trips = 2_000_000
-    f(v, trips).block_until_ready()
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        f(v, trips).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return trips / (float(np.median(times)) * 1e6)
-
-
-def delayed(matvec, trips: int, noise: bool = False):
-    """``matvec`` whose input first waits for a spin of ``trips`` (0: none).
-
-    ``noise``: only in the iterations where the lowest mantissa bit of the input's
-    first element is set, which the iterates make about every other iteration,
-    independently on each rank.
-    """
-    if trips <= 0:
-        return matvec
-    if not noise:
-        return lambda v: matvec(spin(v, trips))
-    import jax.numpy as jnp
-    from jax import lax
-
-    def noisy(v):
-        bits = lax.bitcast_convert_type(v.reshape(-1)[0], jnp.int64)
-        return matvec(spin(v, (bits & 1).astype(jnp.int32) * trips))
-
-    return noisy
 
 
 def warmed(case, latency):
@@ -306,24 +231,20 @@ def main(argv=None):
     mpi4jax_dist.initialize()
 
     comm = MPI.COMM_WORLD
-    rate = comm.allreduce(trips_per_us(), op=MPI.MIN)
     variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)
     # Unbound, each rank's XLA splits its loops over every core, and the two ranks
     # then take each other's: bind them (mpiexec -bind-to core, Open MPI's
     # default for 2 ranks), which the header shows.
     cores = comm.allgather(sorted(os.sched_getaffinity(0)))
-    meta = _harness.meta(comm, spin_trips_per_us=rate, iters=args.iters, cores=cores)
+    meta = _harness.meta(comm, iters=args.iters, cores=cores)
     _harness.say(
         comm,
         f"# CG iteration time under an injected delay, {comm.size} ranks, "
         f"{meta['mpi_library']}, jax {meta['versions']['jax']}; mpi4jax backend, "
         f"float64, {args.iters} iterations per solve; cores of each rank: "
         f"{cores}",
-        f"# delay d: latency, every reduction completes d us after its post "
-        f"(simulated); rank1, rank 1 spins d us before its matvec every iteration "
-        f"({rate:.0f} spin trips per us); noise, every rank in about half the "
-        f"iterations, independently; t/iter: slowest rank, median of "
-        f"{args.samples} solves",
+        f"# delay d: every reduction completes d us after its post (simulated); "
+        f"t/iter: slowest rank, median of {args.samples} solves",
     )
     rows = []
     _harness.say(
@@ -416,16 +337,14 @@ def main(argv=None):
             + (f"{test_done:9.2f}" if test_done is not None else f"{'-':>9}")
             + f"  {counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
         )
-    for n, mode in [(n, m) for n in args.grids for m in args.mode]:
+    mode = "latency"
+    for n in args.grids:
         prob = _poisson.Poisson(n, comm)
         b = jnp.asarray(prob.b)
         cases = []
         for delay, variant in [(d, v) for d in args.delays for v in variants]:
-            trips = int(round(delay * rate))
-            if mode == "latency" or (mode == "rank1" and comm.rank != 1):
-                trips = 0
             solver = cg.make_solver(
-                delayed(prob.mpi4jax_matvec(), trips, noise=mode == "noise"),
+                prob.mpi4jax_matvec(),
                 backend="mpi4jax",
                 variant=variant,
                 comm=comm,
@@ -435,7 +354,7 @@ def main(argv=None):
                     lambda solver=solver, b=b: solver(
                         b, tol=1e-300, maxiter=args.iters
                     ),
-                    delay if mode == "latency" else None,
+                    delay,
                 )
             )
         times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
@@ -474,7 +393,7 @@ def main(argv=None):
 
 def needs_latency(args) -> bool:
     """Whether ``args`` ask for a reduction latency (the interposer)."""
-    return "latency" in args.mode or any(args.micro_latencies)
+    return bool(args.delays) or any(args.micro_latencies)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,7 @@
         [--walkers 256,1024] [--max-j-mib 64] [--eps 1e-3] [--cond 1.7e7]
         [--tol 1e-5] [--maxiter 200]
         [--routes jax.scipy,dropin,solve_normal,cholesky] [--variants ...]
-        [--repeat 3] [--latencies 0,10,30,100,300,1000]
-        [--latency-params 1824,9245] [--max-s-gib 4]
-        [--no-conditioning] [--cond-params 2000] [--cond-walkers 500]
-        [--json PATH]
+        [--repeat 3] [--max-s-gib 4] [--json PATH]
 
 The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern), made
 by ``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, ``(J^T J / N
@@ -62,36 +59,12 @@ Accuracy, recomputed in NumPy for every route alike: the true relative residual
 ``||f - A x|| / ||f||`` and ``||x - x_a|| / ||x_a||``, the distance from
 ``(a)``'s answer.
 
-Latency study. The time a route would take where one allreduce costs ``L`` more
-(1,000-2,000 GPUs pay 10-1,000 us), by the model ``t_solve(L) = t_solve + n L``
-(``n`` the allreduces per solve, ``all``; for ``(c)`` its MPI calls), checked by
-measured rows (``--latency-params``, the smallest walker count): every reduction
-held until ``L`` us after its post by a PMPI interposer (``pmpi_latency.c``,
-preloaded by the benchmark itself, :mod:`_latency`), for ``solve_normal`` and for
-``(a)`` and the drop-in (classic) with ``A``'s ``mpi4jax.allreduce`` replaced by
-``mpi4jax_dist.iallreduce(...).wait()`` (rows ``+iallreduce``; a reduction held
-until ``L`` after its post costs ``max(L, t_reduce)``, not ``t_reduce + L``).
-``model/meas``: the model from the row's own 0 us time, over the measured time, at
-the largest ``L``.
-
-Crossover: the ``L`` above which ``(c)`` is faster than ``(a)``, the drop-in
-(classic) and solve_normal, from the model: ``L* = (t_c - t_cg) / (n_cg - n_c)``
-with ``n_c`` the MPI calls of S's allreduce; 0 where ``(c)`` is faster already,
-``never`` where S goes in more MPI calls than CG makes allreduces. Where ``(c)``
-was skipped for its size, its time is extrapolated from the largest ``N_p`` it ran
-at (same walkers): form ``~ N_p^2``, allreduce ``~ N_p^2``, factor ``~ N_p^3``;
-such rows say ``extrapolated``. The compute times are this machine's (CPU, one core
-per rank); on a GPU every term shrinks, the latency does not.
-
-Conditioning study (off with ``--no-conditioning``): ``--cond-params`` parameters,
-``--cond-walkers`` per rank (fewer walkers than parameters: S singular, ``eps``
-sets the conditioning), condition number ``--cond`` (computed exactly on rank
-0), stopped at ``maxiter``: for jax.scipy's cg, every drop-in variant
-(``replace_every`` 50 and 0 for the pipelined ones) and solve_normal (classic,
-pipelined with 50 and 0): iterations, converged, the true residual and the
-recurrence's, ``f^T x`` (the energy change the update predicts, to first order),
-each against the drop-in classic's (relative difference), and against the dense
-solution's.
+Settled, and retired from this script (their rows stay in
+``docs/benchmarks/sr.json``; docs/benchmarks.rst runs the script as it last was, from
+``git archive 9d20368:benchmarks``): the latency study (a route's time where one
+allreduce costs ``L`` more, measured under the PMPI interposer, and the latency
+above which (c) beats CG) and the conditioning study (how far each variant's answer
+moves from the drop-in classic's).
 
 Peak memory (settled; ``docs/benchmarks/sr_memory.json``, recorded by the ``--memory``
 mode this script had, docs/benchmarks.rst says how to run it again): the in-place sum
@@ -119,12 +92,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
-import _latency  # noqa: E402
 from _sr import Jacobian, jax_scipy_cg, user_matvec  # noqa: E402
 
 DEFAULT_PARAMS = "1824,9245,50000"
 DEFAULT_WALKERS = "256,1024"
-DEFAULT_LATENCIES = "0,10,30,100,300,1000"
 ROUTE_A = "jax.scipy"
 DROPIN = "dropin"
 NORMAL = "solve_normal"
@@ -153,14 +124,14 @@ def problem(params, walkers, comm, args, seed=0) -> Jacobian:
     )
 
 
-def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None, **kw):
+def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None):
     """(b): the one changed line, ``mpi4jax_dist.cg(A, f, ...)``, in one jit."""
     import jax
 
     import mpi4jax_dist
 
     def solve(J, f, x0, eps):
-        A = user_matvec(J, eps, N, comm, counter, kw.get("nonblocking", False))
+        A = user_matvec(J, eps, N, comm, counter)
         return mpi4jax_dist.cg(
             A,
             f,
@@ -300,53 +271,6 @@ ROUTE_TABLE = _harness.Table(
     ]
 )
 
-
-def latency_table(latencies):
-    return _harness.Table(
-        [
-            _harness.Column("params", "N_p", "", 6),
-            _harness.Column("walkers", "walkers", "/rank", 7),
-            _harness.Column("route", "route", "", 26, left=True),
-            _harness.Column("n", "allred", "/solve", 6),
-            *(
-                _harness.Column(f"t_{lat:g}us", f"{lat:g}us", "ms", 8, ".1f", 1e3)
-                for lat in latencies
-            ),
-            _harness.Column("model_over_measured", "model/", "meas", 6, ".2f"),
-        ]
-    )
-
-
-CROSS_TABLE = _harness.Table(
-    [
-        _harness.Column("params", "N_p", "", 6),
-        _harness.Column("walkers", "walkers", "/rank", 7),
-        _harness.Column("cg_route", "CG route", "", 16, left=True),
-        _harness.Column("t_cg_s", "t_cg", "ms", 8, ".1f", 1e3),
-        _harness.Column("n_cg", "n_cg", "", 5),
-        _harness.Column("t_chol_s", "t_chol", "ms", 9, ".1f", 1e3),
-        _harness.Column("n_chol", "n_chol", "mpi", 6),
-        _harness.Column("crossover_us", "L*", "us", 9, ".1f"),
-        _harness.Column("chol_how", "t_chol", "", 12, left=True),
-    ]
-)
-
-COND_TABLE = _harness.Table(
-    [
-        _harness.Column("route", "route", "", 22, left=True),
-        _harness.Column("replace_every", "repl", "", 4),
-        _harness.Column("iterations", "iters", "", 5),
-        _harness.Column("converged", "conv", "", 4, lambda v: "y" if v else "n"),
-        _harness.Column("rel_residual", "rel.res", "true", 8, ".2e"),
-        _harness.Column("recurrence_residual", "rel.res", "recur", 8, ".2e"),
-        _harness.Column("res_vs_classic", "res/res", "classic", 7, ".3f"),
-        _harness.Column("fx", "f^T x", "", 11, ".5e"),
-        _harness.Column("fx_vs_classic", "d(f^Tx)", "classic", 8, ".1e"),
-        _harness.Column("x_vs_classic", "|dx|/|x|", "classic", 8, ".1e"),
-        _harness.Column("fx_vs_exact", "d(f^Tx)", "exact", 8, ".1e"),
-        _harness.Column("x_vs_exact", "|dx|/|x|", "exact", 8, ".1e"),
-    ]
-)
 
 # ---------------------------------------------------------------------------------
 # The routes study
@@ -537,277 +461,6 @@ class Bench:
         del dev, chol
         jax.clear_caches()
 
-    # Latency ---------------------------------------------------------------------
-
-    def latency(self):
-        """Measured simulated-latency rows, and the crossovers."""
-        args = self.args
-        lats = args.latencies
-        table = latency_table(lats)
-        self.say(
-            "",
-            f"# latency: t_solve where one allreduce costs L more. measured: "
-            f"every reduction held until L after its post by a PMPI interposer "
-            f"(max(L, t_reduce)), {min(args.walkers)} walkers/rank; model/meas: the "
-            f"model t + allred/solve x L from the row's own 0 us time, over the "
-            f"measured time, at the largest L",
-            table.header(),
-        )
-        if lats and args.latency_params:
-            walkers = min(args.walkers)
-            for params in args.latency_params:
-                for row in self.measure_latency(params, walkers, lats):
-                    self.results.append(row)
-                    self.say(table.row(row))
-        self.crossovers()
-
-    def measure_latency(self, params, walkers, lats):
-        """Rows of solve times under each simulated latency, measured."""
-        import jax
-
-        args, comm = self.args, self.comm
-        prob = problem(params, walkers, comm, args)
-        dev = prob.device()
-        N, tol, maxiter = prob.samples, args.tol, args.maxiter
-        makers = {}
-        if ROUTE_A in args.routes:
-            makers[ROUTE_A + "+iallreduce"] = functools.partial(
-                jax_scipy_cg, N, comm, tol, maxiter, nonblocking=True
-            )
-        if DROPIN in args.routes:
-            makers[f"{DROPIN}/classic+iallreduce"] = functools.partial(
-                route_dropin,
-                N,
-                comm,
-                tol,
-                maxiter,
-                "classic",
-                args.replace_every,
-                nonblocking=True,
-            )
-        if NORMAL in args.routes:
-            makers[NORMAL] = functools.partial(route_normal, comm, tol, maxiter)
-        rows = {
-            name: {
-                "section": "latency_measured",
-                "params": params,
-                "walkers": walkers,
-                "route": name,
-            }
-            for name in makers
-        }
-        try:
-            for lat in lats:
-                _latency.set_us(lat)
-                solves = {name: make() for name, make in makers.items()}
-                cases = [functools.partial(s, *dev) for s in solves.values()]
-                times = _harness.time_rounds(cases, comm, args.repeat)
-                for name, samples in zip(solves, times, strict=True):
-                    rows[name][f"t_{lat:g}us"] = statistics.median(samples)
-                    if "n" in rows[name]:
-                        continue
-                    if name == NORMAL or name.startswith(DROPIN):
-                        _, info = solves[name](*dev)
-                        rows[name]["iterations"] = int(info.iterations)
-                    if name == NORMAL:
-                        rows[name]["n"] = int(info.matvecs) + 2
-                    else:
-                        make = makers[name]
-                        calls = count_calls(
-                            lambda c, make=make: make(counter=c), dev, comm
-                        )
-                        rows[name]["n"] = calls
-                        rows[name].setdefault("iterations", calls - 1)
-                jax.clear_caches()
-        finally:
-            _latency.set_us(0)
-        top = f"t_{lats[-1]:g}us"
-        for row in rows.values():
-            if "t_0us" in row:
-                row["model_over_measured"] = (
-                    row["t_0us"] + row["n"] * lats[-1] * 1e-6
-                ) / row[top]
-        return list(rows.values())
-
-    def crossovers(self):
-        """L* where (c) becomes faster than (a) and the drop-in, per size."""
-        rows = [r for r in self.results if r["section"] == "routes"]
-        chol = {(r["params"], r["walkers"]): r for r in rows if r["route"] == CHOL}
-        self.say(
-            "",
-            "# crossover: (c) cholesky faster than CG once one allreduce costs more "
-            "than L* (model: t + n L); t from the routes table",
-            CROSS_TABLE.header(),
-        )
-        for (params, walkers), group in _group(rows):
-            c = chol.get((params, walkers))
-            how = "measured"
-            if c is None:
-                c = self.extrapolate(params, walkers, chol)
-                how = "extrapolated"
-            if c is None:
-                continue
-            for cg_row in group:
-                if cg_row["route"] not in (ROUTE_A, f"{DROPIN}/classic", NORMAL):
-                    continue
-                n_cg, n_c = cg_row["allreduces"], c["mpi_calls"]
-                t_cg, t_c = cg_row["t_solve_s"], c["t_solve_s"]
-                cross = crossing(t_c - t_cg, n_cg - n_c)
-                out = {
-                    "section": "crossover",
-                    "params": params,
-                    "walkers": walkers,
-                    "cg_route": cg_row["route"],
-                    "t_cg_s": t_cg,
-                    "n_cg": n_cg,
-                    "t_chol_s": t_c,
-                    "n_chol": n_c,
-                    "crossover_us": cross,
-                    "chol_how": how,
-                }
-                if how == "extrapolated":
-                    out["chol_from"] = c["from"]
-                self.results.append(out)
-                self.say(CROSS_TABLE.row(out))
-
-    def extrapolate(self, params, walkers, chol):
-        """(c)'s time at ``params`` from the largest measured N_p at ``walkers``."""
-        known = [r for (p, w), r in chol.items() if w == walkers and "stage_s" in r]
-        if not known:
-            return None
-        ref = max(known, key=lambda r: r["params"])
-        q = params / ref["params"]
-        st = ref["stage_s"]
-        t = st["form"] * q**2 + st["allreduce"] * q**2 + st["factor"] * q**3
-        s_bytes = 8 * params**2
-        return {
-            "t_solve_s": t,
-            "mpi_calls": chunks(s_bytes),
-            "bytes_per_allreduce": s_bytes,
-            "from": ref["params"],
-        }
-
-    # Conditioning ----------------------------------------------------------------
-
-    def conditioning(self):
-        import jax
-        import scipy.linalg
-
-        args, comm = self.args, self.comm
-        params, walkers = args.cond_params, args.cond_walkers
-        prob = problem(params, walkers, comm, args, seed=7)
-        dev = prob.device()
-        N, tol, maxiter = prob.samples, args.tol, args.maxiter
-        # The dense solution and the condition number, on rank 0.
-        Js = comm.gather(prob.J, root=0)
-        exact = cond = None
-        if comm.rank == 0:
-            J = np.concatenate(Js)
-            S = J.T @ J / N + np.diag(np.broadcast_to(prob.eps, (params,)))
-            w = scipy.linalg.eigvalsh(S)
-            cond = float(w[-1] / w[0])
-            exact = scipy.linalg.solve(S, prob.f, assume_a="pos")
-            del J, S
-        exact, cond = comm.bcast((exact, cond), root=0)
-        self.say(
-            "",
-            f"# conditioning: N_p {params}, {walkers} walkers/rank ({N} in all: S "
-            f"singular, eps sets the scale), eps {args.eps:g}, cond(S + eps) = "
-            f"{cond:.3g}, tol {tol:g}, maxiter {maxiter}; 'classic' = the drop-in's "
-            f"classic (jax.scipy's where there is no drop-in)",
-            COND_TABLE.header(),
-        )
-        cases = [(ROUTE_A, None, jax_scipy_cg(N, comm, tol, maxiter))]
-        record = cg_module().VARIANT_RECORDS
-        if DROPIN in args.routes:
-            for variant in args.variants:
-                for every in (50, 0) if record[variant].replaces else (0,):
-                    cases.append(
-                        (
-                            f"{DROPIN}/{variant}",
-                            every if record[variant].replaces else None,
-                            route_dropin(N, comm, tol, maxiter, variant, every),
-                        )
-                    )
-        cases.append((f"{NORMAL}/classic", None, route_normal(comm, tol, maxiter)))
-        for every in (50, 0):
-            cases.append(
-                (
-                    f"{NORMAL}/pipelined",
-                    every,
-                    route_normal(comm, tol, maxiter, "pipelined", every),
-                )
-            )
-        rows = []
-        for name, every, solve in cases:
-            out = solve(*dev)
-            row = {"section": "conditioning", "route": name, "replace_every": every}
-            if isinstance(out, tuple):
-                x, info = out
-                row.update(info_fields(info))
-            else:
-                x = out
-                calls = count_calls(
-                    lambda c: jax_scipy_cg(N, comm, tol, maxiter, counter=c), dev, comm
-                )
-                row["iterations"] = calls - 1
-            x = np.asarray(x, dtype=np.float64)
-            row.update(
-                params=params,
-                walkers=walkers,
-                cond=cond,
-                rel_residual=prob.residual(x),
-                fx=float(prob.f @ x),
-                fx_exact=float(prob.f @ exact),
-                fx_vs_exact=_rel(float(prob.f @ x), float(prob.f @ exact)),
-                x_vs_exact=_dist(x, exact),
-                _x=x,
-            )
-            rows.append(row)
-        ref_name = (
-            f"{DROPIN}/classic"
-            if any(r["route"] == f"{DROPIN}/classic" for r in rows)
-            else ROUTE_A
-        )
-        ref = next(r for r in rows if r["route"] == ref_name)
-        for row in rows:
-            row["res_vs_classic"] = row["rel_residual"] / ref["rel_residual"]
-            row["fx_vs_classic"] = _rel(row["fx"], ref["fx"])
-            row["x_vs_classic"] = _dist(row["_x"], ref["_x"])
-        for row in rows:
-            row.pop("_x")
-            self.results.append(row)
-            self.say(COND_TABLE.row(row))
-        del dev
-        jax.clear_caches()
-
-
-def crossing(gap: float, fewer: int):
-    """The latency in us above which (c) is faster: ``gap`` seconds slower at no
-    latency, ``fewer`` allreduces fewer per solve; 0 where (c) is faster already,
-    ``"never"`` where it is slower and makes no fewer allreduces (its S in more
-    chunks than CG's iterations)."""
-    if gap <= 0:
-        return 0.0
-    if fewer <= 0:
-        return "never"
-    return gap / fewer * 1e6
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-300)
-
-
-def _dist(x, y) -> float:
-    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-300))
-
-
-def _group(rows):
-    groups: dict = {}
-    for row in rows:
-        groups.setdefault((row["params"], row["walkers"]), []).append(row)
-    return groups.items()
-
 
 def info_fields(info) -> dict:
     """A CGInfo's fields as Python numbers (``allreduces_loop`` its reductions)."""
@@ -826,21 +479,13 @@ def info_fields(info) -> dict:
 # Command line
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(t) for t in text.split(",") if t.strip()]
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=_ints, default=_ints(DEFAULT_PARAMS))
+    parser.add_argument("--params", type=_harness.ints, default=DEFAULT_PARAMS)
     parser.add_argument(
         "--walkers",
-        type=_ints,
-        default=_ints(DEFAULT_WALKERS),
+        type=_harness.ints,
+        default=DEFAULT_WALKERS,
         help="walkers per rank, comma-separated",
     )
     parser.add_argument(
@@ -853,38 +498,13 @@ def parse(argv):
     parser.add_argument("--cond", type=float, default=1.7e7)
     parser.add_argument("--tol", type=float, default=1e-5)
     parser.add_argument("--maxiter", type=int, default=200)
-    parser.add_argument(
-        "--routes",
-        default=",".join(ROUTES.names()),
-        help=f"comma-separated from {', '.join(ROUTES.names())}",
-    )
+    ROUTES.option(parser, "--routes")
     parser.add_argument("--variants", default=None, help="of the drop-in (default all)")
     parser.add_argument("--replace-every", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds")
-    parser.add_argument(
-        "--latencies",
-        type=_floats,
-        default=_floats(DEFAULT_LATENCIES),
-        help="us, comma-separated (empty: no latency study)",
-    )
-    parser.add_argument(
-        "--latency-params",
-        type=_ints,
-        default=None,
-        help="N_p of the measured latency rows (default the first two --params)",
-    )
     parser.add_argument("--max-s-gib", type=float, default=4.0)
-    parser.add_argument("--no-conditioning", action="store_true")
-    parser.add_argument("--cond-params", type=int, default=2000)
-    parser.add_argument("--cond-walkers", type=int, default=500)
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        args.routes = ROUTES.choose(args.routes, "--routes")
-    except ValueError as err:
-        parser.error(str(err))
-    if args.latency_params is None:
-        args.latency_params = args.params[:2]
     if args.repeat < 1 or args.maxiter < 1:
         parser.error("--repeat and --maxiter must be >= 1")
     return args
@@ -917,10 +537,6 @@ def main(argv=None) -> list[dict]:
             _harness.threads_line(),
         )
         bench.routes()
-        if args.latencies:
-            bench.latency()
-        if not args.no_conditioning:
-            bench.conditioning()
         elapsed = time.perf_counter() - start
         bench.say(f"# total {elapsed:.0f} s")
         meta = _harness.meta(
@@ -945,14 +561,6 @@ def _chunk_bytes() -> int:
     return _config.allreduce_chunk_bytes()
 
 
-def needs_latency(args) -> bool:
-    """Whether ``args`` ask for measured latency rows (the interposer)."""
-    measured = args.latencies and args.latency_params
-    return bool(measured)
-
-
 if __name__ == "__main__":
-    if needs_latency(parse(None)):
-        _latency.preload()  # before MPI starts: runs this script again
     main()
     sys.stdout.flush()

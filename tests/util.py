@@ -269,12 +269,13 @@ def all_ranks(ok, what):
     assert not bad, f"failed on ranks {sorted(bad)}: {bad}"
 
 
-def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` as a module (its ``main`` and helpers)."""
+def load_benchmark(name: str, folder: Path = ROOT / "benchmarks"):
+    """Import ``benchmarks/<name>.py`` (or ``<folder>/<name>.py``) as a module (its
+    ``main`` and helpers)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py"
+        f"benchmark_{name}", folder / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as import does: dataclasses look it up

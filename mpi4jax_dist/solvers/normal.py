@@ -56,8 +56,8 @@ class NormalSolver:
 
             def matvec(v, narrow=reduce_dtype):
                 # This rank's samples' share of J^T J v. Written (J v) J: XLA on CPU
-                # computes J.T @ (J @ v) slower; benchmarks/cg.py --problems B times
-                # both forms and prints the ratio.
+                # computes J.T @ (J @ v) slower; benchmarks/sr.py times both forms
+                # (solve_normal against the drop-in with the user's A).
                 part = (J @ v) @ J
                 if narrow is not None:
                     part = part.astype(narrow)

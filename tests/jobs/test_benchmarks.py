@@ -52,7 +52,7 @@ def test_overlap_benchmark(tmp_path):
     proc = util.run_mpi(
         util.ROOT / "benchmarks" / "overlap.py",
         2,
-        *("--grids", "16", "--delays", "0,40", "--mode", "latency,rank1"),
+        *("--grids", "16", "--delays", "0,40"),
         *("--variants", "single,pipelined_nb", "--iters", "5", "--samples", "1"),
         *("--micro-iters", "5", "--micro-latencies", "0,40", "--json", str(out)),
         timeout=300,
@@ -63,7 +63,7 @@ def test_overlap_benchmark(tmp_path):
     # A reduction held 40 us takes at least that; the counters saw every wait.
     assert micro[1]["reduce_us"] >= 40 and 0 <= micro[1]["done_before_wait"] <= 1
     cg_rows = [(r["mode"], r["delay_us"]) for r in rows if "mode" in r]
-    assert cg_rows == [("latency", 0), ("latency", 40), ("rank1", 0), ("rank1", 40)]
+    assert cg_rows == [("latency", 0), ("latency", 40)]
     held = [r for r in rows if r.get("mode") == "latency" and r["delay_us"] == 40][0]
     assert held["single"] >= 40 and held["pipelined_nb"] > 0, held
     # pipelined_nb's waits, counted: the work between post and wait, and the wait
@@ -83,14 +83,13 @@ def _finite(value) -> bool:
 
 def test_sr_benchmark_reports_every_route(tmp_path):
     """sr.py at a tiny size on 2 ranks: every route timed, its allreduces counted,
-    its answer checked; the latency rows, crossovers and conditioning table."""
+    its answer checked."""
     out = tmp_path / "sr.json"
     util.run_mpi(
         util.ROOT / "benchmarks" / "sr.py",
         2,
         *("--params", "64", "--walkers", "32", "--repeat", "1"),
-        *("--latencies", "0,50", "--variants", "classic,pipelined"),
-        *("--cond-params", "64", "--cond-walkers", "16", "--json", str(out)),
+        *("--variants", "classic,pipelined", "--json", str(out)),
         timeout=240,
     )
     saved = json.loads(out.read_text())
@@ -114,24 +113,6 @@ def test_sr_benchmark_reports_every_route(tmp_path):
     a, b = routes["jax.scipy"], routes["dropin/classic"]
     assert a["iterations"] == b["iterations"] > 0
     assert b["allreduces_loop"] == b["iterations"] == a["allreduces_loop"]
-    measured = [r for r in rows if r["section"] == "latency_measured"]
-    assert {r["route"] for r in measured} == {
-        "jax.scipy+iallreduce",
-        "dropin/classic+iallreduce",
-        "solve_normal",
-    }
-    assert all(r["t_50us"] > 0 and r["model_over_measured"] > 0 for r in measured)
-    crossings = [r for r in rows if r["section"] == "crossover"]
-    assert crossings and all(
-        r["crossover_us"] == "never" or r["crossover_us"] >= 0 for r in crossings
-    )
-    cond = {
-        (r["route"], r["replace_every"]): r
-        for r in rows
-        if r["section"] == "conditioning"
-    }
-    assert ("dropin/pipelined", 0) in cond and ("dropin/pipelined", 50) in cond
-    assert all(_finite(r["fx_vs_classic"]) for r in cond.values())
 
 
 def test_sr_step_example_matches_jax_scipy():

@@ -1,7 +1,7 @@
 """When one rank fails, the whole job ends in seconds
 (``mpi4jax_dist.faults.failfast``).
 
-Each test launches ``benchmarks/rank_failure.py --worker CASE`` on 2 ranks (the
+Each test launches ``tests/scripts/rank_failure.py --worker CASE`` on 2 ranks (the
 scenarios the benchmark times), in which rank 1 fails
 while rank 0 waits for it in a jitted ``mpi4jax.allreduce`` (or, before the
 backend starts, in JAX's backend start-up), and asserts the exit status, the first
@@ -22,7 +22,7 @@ import util
 
 pytestmark = [util.skip_in_mpi_job, util.every_mpi]
 
-bench = util.load_benchmark("rank_failure")
+bench = util.load_benchmark("rank_failure", util.SCRIPTS)
 ENDS_WITHIN_S = 15
 HEADER = "mpi4jax_dist: rank 1 of 2: {what}; MPI_Abort ends the job"
 
@@ -30,7 +30,7 @@ HEADER = "mpi4jax_dist: rank 1 of 2: {what}; MPI_Abort ends the job"
 def launch(case, *python_args, **env):
     start = time.monotonic()
     proc = util.run_mpi(
-        [*python_args, util.ROOT / "benchmarks" / "rank_failure.py", "--worker", case],
+        [*python_args, util.SCRIPTS / "rank_failure.py", "--worker", case],
         2,
         check=False,
         timeout=90,

@@ -1,6 +1,6 @@
 """The topology-exchange model behind ``initialize()``'s timeouts and the
 diagnostics (``mpi4jax_dist.launch.limits.TOPOLOGY_FIT``): it is the fit of the
-committed emulation runs (``benchmarks/coordinator_scale.py --exchange``, in
+committed emulation runs (``coordinator_scale.py --exchange``, retired; in
 docs/benchmarks-scale.rst), and the fit finds known coefficients."""
 
 import glob
@@ -92,8 +92,19 @@ def test_the_fit_finds_known_coefficients_and_rejects_others():
 def test_payload_is_what_the_emulation_sends():
     """The model's bytes against a global topology the emulation builds, each local
     one framed as a protobuf field (its length's varint grows at 128 B)."""
-    bench = util.load_benchmark("coordinator_scale")
     for procs, local in [(2, 69), (64, 88), (4096, 110), (100, 127), (100, 128)]:
-        built = len(b"".join(bench.frame(bytes(local)) for _ in range(procs)))
+        built = len(b"".join(frame(bytes(local)) for _ in range(procs)))
         assert limits.global_topology_bytes(procs, local) == built
         assert limits.exchange_payload(procs, local) == procs * local + procs * built
+
+
+def frame(value: bytes) -> bytes:
+    """``value`` as one ``nodes`` entry (field 1) of a GlobalTopologyProto, as the
+    emulation (``coordinator_scale.py --exchange``) built it."""
+    n, length = len(value), bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        length.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"\x0a" + bytes(length) + value

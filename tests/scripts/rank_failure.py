@@ -1,8 +1,12 @@
 """How long a 2-rank job takes to end when one rank fails, with JAX's behaviour and
 with mpi4jax_dist's.
 
-    python benchmarks/rank_failure.py [--limit 200] [--cases raise,exit3,...]
+    python tests/scripts/rank_failure.py [--limit 200] [--cases raise,exit3,...]
         [--runner python|mpi4py] [--json PATH]
+
+The worker of tests/jobs/test_failfast.py, and the instrument of the figure in
+docs/benchmarks-scale.rst, *When a rank fails* (a settled question, so it left
+benchmarks/; it still uses benchmarks/_harness.py for its jobs and table).
 
 Each case is one ``mpiexec -n 2`` job (this file's ``--worker CASE``) that imports
 mpi4jax_dist and calls a plain ``jax.distributed.initialize()``; then rank 1 fails
@@ -30,7 +34,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, os.pardir, "benchmarks"))
 import _harness  # noqa: E402
 
 CASES = _harness.Registry("failure case")
@@ -221,22 +226,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--limit", type=float, default=200, help="seconds before a job is killed"
     )
-    parser.add_argument(
-        "--cases",
-        default=",".join(DEFAULT_CASES),
-        help="comma-separated, from " + ", ".join(CASES.names()),
-    )
+    CASES.option(parser, "--cases", DEFAULT_CASES)
     parser.add_argument("--runner", choices=("python", "mpi4py"), default="python")
-    _harness.add_output_arguments(parser)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker)
+    args = _harness.parse_or_work(parser, argv, worker)
+    if args is None:
         return []
-    try:
-        cases = CASES.choose(args.cases, "--cases")
-    except ValueError as err:
-        parser.error(str(err))
+    cases = args.cases
 
     launch = "python -m mpi4py" if args.runner == "mpi4py" else "python"
     print(
