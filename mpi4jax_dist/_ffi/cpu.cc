@@ -3,6 +3,7 @@
 // module _cpu that hands them to JAX (jax.ffi.register_ffi_target).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
