@@ -1,5 +1,6 @@
-"""The user's pages: README.rst stays short, no page reads like a build log, and the
-generated tables cover every variable the code reads.
+"""The user's pages: README.rst stays short, no page is over 600 lines or reads like
+a build log, docs/benchmarks holds only the results a page cites, and the generated
+tables cover every variable the code reads.
 
 Sphinx itself builds the pages with warnings as errors in tools/test.sh; these are
 the checks Sphinx cannot make. The error messages' page: tests/docs/test_docs_errors.py.
@@ -94,6 +95,29 @@ def test_every_page_is_in_the_index():
     listed = set(re.findall(r"^   ([\w-]+)$", index, re.M))
     pages = {p.stem for p in DOCS.glob("*.rst")} - {"index"}
     assert pages <= listed, f"not in docs/index.rst's toctree: {sorted(pages - listed)}"
+
+
+# A reference page is read, not scrolled: past this, split it by question.
+PAGE_MAX_LINES = 600
+
+
+def test_no_page_is_over_600_lines():
+    long = {
+        p.name: n
+        for p in sorted(DOCS.glob("*.rst"))
+        if (n := len(p.read_text().splitlines())) > PAGE_MAX_LINES
+    }
+    assert not long, f"pages over {PAGE_MAX_LINES} lines: {long}"
+
+
+def test_every_recorded_result_is_cited():
+    """docs/benchmarks holds only the JSON a page cites (Sphinx fails on a cited
+    file that is missing)."""
+    pages = "".join(p.read_text() for p in DOCS.glob("*.rst"))
+    results = sorted(p.name for p in (DOCS / "benchmarks").glob("*.json"))
+    assert results, "no JSON in docs/benchmarks"
+    uncited = [name for name in results if f"benchmarks/{name}`" not in pages]
+    assert not uncited, f"in docs/benchmarks, cited by no page: {uncited}"
 
 
 def _environment_names(module_path) -> set[str]:
