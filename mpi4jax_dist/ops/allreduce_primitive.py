@@ -92,7 +92,7 @@ def _lowering(ctx, x, *, op, comm, transpose, site, platform="cpu"):
         return [x]
     module = extension(platform)
     attributes = {
-        "comm": np.int64(comm.id_in(module)),
+        "comm": np.int64(comm.key),
         "op": np.int32(op),
         "chunk_bytes": np.int64(_config.allreduce_chunk_bytes()),
         "check": np.int32(_config.checks()),

@@ -301,27 +301,19 @@ class Comm:
     calls anew. Made after MPI is initialized (:func:`check_mpi`).
     """
 
-    __slots__ = ("comm", "handle", "key", "_ids")
+    __slots__ = ("comm", "handle", "key")
 
     def __init__(self, comm):
         self.comm = comm
         # The Fortran handle: one integer, the same for MPICH's int handles and
         # Open MPI's pointers; MPI_Comm_f2c turns it back in the extension.
         self.handle = int(comm.py2f())
-        cpu = extension()
-        self.key = cpu.register_comm(self.handle)
-        # The id each platform's extension compiles, by module name: the same,
-        # as both read the one registry of the core (_core).
-        self._ids = {cpu.__name__: self.key}
+        # The id every extension compiles (the CPU and CUDA modules read the one
+        # registry of the core, _core), registered once and then kept: a lowering
+        # after the communicator was freed compiles the dead id, which fails,
+        # never a handle's new owner.
+        self.key = extension().register_comm(self.handle)
         hangs.note_comm(self)  # for a collective timeout's report
-
-    def id_in(self, module) -> int:
-        """The communicator's id in ``module`` (the CPU or CUDA extension),
-        registered on first use and then kept: a lowering after the communicator
-        was freed compiles the dead id, which fails, never a handle's new owner."""
-        if module.__name__ not in self._ids:
-            self._ids[module.__name__] = module.register_comm(self.handle)
-        return self._ids[module.__name__]
 
     def __hash__(self):
         return hash(("mpi4jax_dist.Comm", self.key))

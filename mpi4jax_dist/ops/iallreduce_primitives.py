@@ -89,7 +89,7 @@ def _start_lowering(ctx, x, *, op, comm, uid, site):
         ctx.replace(avals_in=(*ctx.avals_in, abstract_token)),
         x,
         token,
-        comm=np.int64(comm.id_in(ext)),
+        comm=np.int64(comm.key),
         op=np.int32(op),
         check=np.int32(_config.checks()),
         uid=np.int64(uid),
