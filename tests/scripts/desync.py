@@ -40,6 +40,7 @@ Each rank prints ``RESULT <rank> <values>`` for what it got, and ``DONE``. With
 
 import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,16 @@ if os.environ.get("FILL_SITES"):  # the extension's table of places full
 
     for i in range(4096):
         common.extension().register_site(f"filler {i}", f"filler {i}")
-print(f"READY {rank}", flush=True)
+
+
+def say(text):
+    """One write a line: the ranks share the pipe, and print() writes the text and
+    its newline apart, so two ranks' lines could run together."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+say(f"READY {rank}")
 
 
 def run_case():
@@ -120,12 +130,12 @@ def run_case():
             out = jax.jit(partial_allreduce(fresh))(x)
     elif case == "skip":  # eager calls, as a user's script makes them
         a = allreduce(x)  # skip: a
-        print(f"VALUE {rank} a {np.asarray(a).tolist()}", flush=True)
+        say(f"VALUE {rank} a {np.asarray(a).tolist()}")
         if not odd:
             b = allreduce(2 * x)  # skip: b
-            print(f"VALUE {rank} b {np.asarray(b).tolist()}", flush=True)
+            say(f"VALUE {rank} b {np.asarray(b).tolist()}")
         out = allreduce(3 * x)  # skip: c
-        print(f"VALUE {rank} c {np.asarray(out).tolist()}", flush=True)
+        say(f"VALUE {rank} c {np.asarray(out).tolist()}")
     elif case == "lines":  # one call of one signature, made at two lines
         v = jnp.arange(int(os.environ.get("LARGE", "4")), dtype=jnp.float32) + rank
         run = (lambda f: f(v)) if os.environ.get("EAGER") else (lambda f: jax.jit(f)(v))
@@ -172,7 +182,7 @@ def run_case():
         for _ in range(int(os.environ.get("STEPS", "100"))):
             out, w = step(out, w)
         mean = np.arange(1 << 15, dtype=np.float32) + (size - 1) / 2
-        print(f"BIG {rank} {np.array_equal(np.asarray(w), mean)}", flush=True)
+        say(f"BIG {rank} {np.array_equal(np.asarray(w), mean)}")
     else:
         raise SystemExit(f"desync.py: CASE={case!r} is not one it knows")
     return out
@@ -182,14 +192,14 @@ if os.environ.get("AGAIN"):  # under MPI4JAX_DIST_FAIL_FAST=0: the error caught
     try:
         run_case()
     except Exception as exc:  # noqa: BLE001
-        print(f"CAUGHT {rank} {type(exc).__name__}", flush=True)
+        say(f"CAUGHT {rank} {type(exc).__name__}")
     try:
         jax.jit(allreduce)(x).block_until_ready()
-        print(f"AGAIN {rank} ran", flush=True)
+        say(f"AGAIN {rank} ran")
     except Exception as exc:  # noqa: BLE001
-        print(f"AGAIN {rank} refused: {exc}", flush=True)
+        say(f"AGAIN {rank} refused: {exc}")
     raise SystemExit(0)
 out = run_case()
 values = np.asarray(out)
-print(f"RESULT {rank} {values.dtype}{values.ravel().tolist()}", flush=True)
-print(f"DONE {rank}", flush=True)
+say(f"RESULT {rank} {values.dtype}{values.ravel().tolist()}")
+say(f"DONE {rank}")
