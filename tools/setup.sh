@@ -124,6 +124,12 @@ elif [ "$(python_version "$venv/bin/python")" != "$(python_version "$python")" ]
         "$(python_version "$python"): kept; remove it to make it anew"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# Each step says how long it took, so that CI's log shows where setup's time goes.
+step_start=$SECONDS
+took() {
+    echo "setup.sh: $(basename "$venv"): $1 in $((SECONDS - step_start)) s"
+    step_start=$SECONDS
+}
 if [ -n "$jax" ]; then
     # Every install below keeps this JAX (mpi4jax and the test extras would
     # otherwise upgrade it).
@@ -154,6 +160,7 @@ export PATH="$venv/bin:$PATH"
 echo "setup.sh: MPI from $mpi: $(command -v mpicc) ($(command -v mpiexec))"
 
 pip install "mpi4py>=4" numpy "jax${jax:+==$jax}" nanobind cython
+took "pip, the MPI, mpi4py and JAX installed"
 
 if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
     # mpi4jax compiles against the MPI found above (about 1.5 minutes). Where nvcc sits
@@ -164,6 +171,7 @@ if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
     fi
     MPI4JAX_BUILD_MPICC=${MPI4JAX_BUILD_MPICC:-$(command -v mpicc)} \
         pip install --no-build-isolation --no-cache-dir mpi4jax
+    took "mpi4jax built"
 fi
 
 # Our extension compiles against jaxlib's FFI headers and the MPI installed above:
@@ -195,8 +203,10 @@ else
         --exclude='_build.*.json' --exclude=./.git --exclude='*.egg-info' -cf - . \
         | tar -C "$copy" -xf -
     pip install --no-build-isolation --force-reinstall --no-deps "$copy"
+    took "mpi4jax_dist built from a copy of the tree"
     pip install --no-build-isolation "$copy[test,bench,mpi4jax]"
 fi
+took "mpi4jax_dist's extras installed (and, editable, the package built)"
 # What the environment holds, as resolved: "the newest JAX" is whatever pip gave.
 "$venv/bin/python" - "$venv" <<'EOF'
 import importlib.metadata as md, platform, sys
