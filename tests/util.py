@@ -122,6 +122,14 @@ every_mpi = pytest.mark.every_mpi
 same_under_every_jax = pytest.mark.same_under_every_jax
 
 
+# A further case of a mechanism that another test of its file already runs under
+# every MPI and JAX (another value of the same variable, another exit code, a
+# second pretend layout): tools/test.sh runs it in .venv, and its stages of another
+# MPI or JAX leave it out (-m "not variant") unless given --full, so that CI stays
+# under 20 minutes on two cores while each mechanism still meets every MPI and JAX.
+variant = pytest.mark.variant
+
+
 # What a test asserts needs more than two ranks to show: ranks with two distinct
 # neighbours, a reduction of the package's own over more than a pair, groups of
 # several ranks, a rank order or layout beyond ranks 0 and 1. tools/test.sh runs

@@ -53,10 +53,11 @@ def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
     "mode, why",
     [
         ("thread", "where rank 0's service listens: no answer in 2 s"),
-        (
+        pytest.param(
             "probe",
             "where rank 0's service is to listen: no answer in 0.5 s, until the "
             "deadline",
+            marks=util.variant,
         ),
     ],
 )
@@ -146,8 +147,8 @@ def test_port_in_use_fails_fast_naming_port():
     "variable, value",
     [
         ("JAX_COORDINATOR_PORT", "eighty"),
-        ("JAX_COORDINATOR_ADDRESS", "nohostport"),
-        ("MPI4JAX_DIST_INTERFACE", "no-such-if0"),
+        pytest.param("JAX_COORDINATOR_ADDRESS", "nohostport", marks=util.variant),
+        pytest.param("MPI4JAX_DIST_INTERFACE", "no-such-if0", marks=util.variant),
     ],
 )
 def test_bad_input_names_variable(variable, value):
@@ -163,6 +164,7 @@ def test_bad_input_names_variable(variable, value):
     assert f"{variable}={value!r}" in proc.stderr
 
 
+@util.variant
 @util.same_under_every_mpi
 def test_non_boolean_disable_warns_and_keeps_working():
     proc = util.run_mpi(
@@ -261,6 +263,7 @@ def test_another_mpis_mpiexec_on_path_is_named(tmp_path):
     assert "this job's launcher" in report["mpi"]["mpiexec_note"], report["mpi"]
 
 
+@util.variant
 @util.same_under_every_mpi
 def test_diagnostics_without_launcher_exit_nonzero():
     import subprocess
@@ -360,6 +363,7 @@ def test_hard_file_limit_too_low_fails_every_rank_at_once():
     assert took < 30, f"job took {took:.0f} s to end"
 
 
+@util.variant
 @util.same_under_every_mpi
 def test_soft_file_limit_is_raised_to_the_hard_one():
     proc = util.run_mpi("file_limit.py", 2, nofile=(100, 4096))

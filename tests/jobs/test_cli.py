@@ -27,12 +27,14 @@ def _shown(proc) -> str:
     return f"\nexit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
+@util.variant
 def test_version():
     proc = _run("--version")
     assert proc.returncode == 0, _shown(proc)
     assert proc.stdout == f"mpi4jax_dist {mpi4jax_dist.__version__}\n", _shown(proc)
 
 
+@util.variant
 def test_version_touches_neither_mpi_nor_jax_backend():
     code = (
         "import sys\n"
@@ -56,6 +58,7 @@ def test_version_touches_neither_mpi_nor_jax_backend():
     assert proc.stdout.splitlines()[1:] == ["MPI False", "backend False"], _shown(proc)
 
 
+@util.variant
 def test_help_is_plain_text():
     proc = _run("--help")
     assert proc.returncode == 0, _shown(proc)
@@ -66,6 +69,7 @@ def test_help_is_plain_text():
     assert "--version" in proc.stdout
 
 
+@util.variant
 def test_report_without_launcher_and_without_mpiexec_on_path(tmp_path):
     """No launcher variables and no mpiexec on PATH: the report says so, rather than
     ``mpiexec None: None`` and a launcher named ``mpi``; it names the mpiexec beside

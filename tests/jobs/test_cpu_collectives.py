@@ -43,6 +43,7 @@ def test_switch_values():
         _config.cpu_collectives({_config.CPU_COLLECTIVES: "nccl"})
 
 
+@util.variant
 @util.same_under_every_mpi
 @skip_in_mpi_job
 def test_env_lines_for_job_scripts():
@@ -59,7 +60,7 @@ def test_env_lines_for_job_scripts():
 
 
 @skip_in_mpi_job
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=util.variant)])
 def test_collectives_over_mpi_against_numpy(n):
     """psum, pmax, all_gather, psum_scatter, ppermute, all_to_all over MPI, and
     mpi4jax's allreduce between them in one jitted function; the job exits 0."""
@@ -102,6 +103,7 @@ def test_too_late_says_what_to_do():
     assert 'eval "$(python -m mpi4jax_dist env)"' in refused[0]
 
 
+@util.variant
 @util.same_under_every_mpi
 @skip_in_mpi_job
 def test_more_than_one_device_says_what_to_do():
@@ -129,6 +131,7 @@ def test_not_built_says_what_to_do(monkeypatch):
         xla_mpi.env_lines()
 
 
+@util.variant
 @util.same_under_every_mpi
 @skip_in_mpi_job
 def test_benchmark_says_which_collectives_ran():

@@ -81,23 +81,26 @@ SMALL = line_of('if case == "op"')  # the line after holds the call
             f"rank 1 in allreduce #3 MAX float32[4] at desync.py:{SMALL + 1}",
             "rank 0 in allreduce #3 SUM float32[4]",
         ),
-        (
+        pytest.param(
             "dtype",
             {},
             "rank 1 in allreduce #3 SUM int32[4]",
             "rank 0 in allreduce #3 SUM float32[4]",
+            marks=util.variant,
         ),
-        (
+        pytest.param(
             "bytes",
             {},
             "rank 1 in allreduce #3 SUM int16[8]",
             "rank 0 in allreduce #3 SUM float32[4]",
+            marks=util.variant,
         ),
-        (
+        pytest.param(
             "count",
             {},
             "rank 1 in allreduce #3 SUM float32[8]",
             "rank 0 in allreduce #3 SUM float32[4]",
+            marks=util.variant,
         ),
         # Header and payload in one message on one side, apart on the other.
         (
@@ -107,17 +110,19 @@ SMALL = line_of('if case == "op"')  # the line after holds the call
             "rank 0 in allreduce #3 SUM float32[4096]",
         ),
         # Both apart, the first chunk of different sizes.
-        (
+        pytest.param(
             "large",
             {"LARGE": 1 << 18},
             "rank 1 in allreduce #3 SUM float32[524288]",
             "rank 0 in allreduce #3 SUM float32[262144]",
+            marks=util.variant,
         ),
-        (
+        pytest.param(
             "kind",
             {"LARGE": 8192},
             "rank 1 in iallreduce #3 SUM float32[8192]",
             "rank 0 in allreduce #3 SUM float32[8192]",
+            marks=util.variant,
         ),
     ],
     ids=["op", "dtype", "bytes", "count", "combined-vs-apart", "apart", "kind"],
@@ -271,7 +276,7 @@ def test_an_order_mismatch_in_one_jit_names_both_lines():
     assert "chunks" not in report, report
 
 
-@pytest.mark.parametrize("case", ["kind", "count"])
+@pytest.mark.parametrize("case", [pytest.param("kind", marks=util.variant), "count"])
 def test_the_collective_timeout_changes_no_answer(case):
     """Under MPI4JAX_DIST_COLLECTIVE_TIMEOUT every call is non-blocking inside; a
     blocking call against a non-blocking one, or 4 elements against 8, still

@@ -112,6 +112,7 @@ def test_ranks_that_disagree_on_the_shape_fail_instead_of_hanging():
         assert "disagree" in text and "1000" in text and "2000" in text, text
 
 
+@util.variant
 def test_a_later_mismatch_is_caught_too():
     """After a matched call, the same mismatch is caught: every call is checked
     (it was the first call on a communicator only, unless asked)."""

@@ -61,7 +61,7 @@ def show(proc) -> str:
         ("raise", ("-m", "mpi4py"), 1, "uncaught ValueError"),
         ("thread", (), 1, "uncaught ValueError in thread 'Thread-1 (<lambda>)'"),
         ("exit3", (), 3, "sys.exit(3)"),
-        ("exit3", ("-m", "mpi4py"), 3, "sys.exit(3)"),
+        pytest.param("exit3", ("-m", "mpi4py"), 3, "sys.exit(3)", marks=util.variant),
     ],
 )
 def test_failing_rank_aborts_the_job(case, runner, code, what):
@@ -125,6 +125,7 @@ def test_os_exit_0_at_the_end_waits_for_the_others_work():
     assert "MPI_Abort ends the job" not in proc.stderr + proc.stdout
 
 
+@util.variant
 @util.same_under_every_mpi
 def test_os_exit_ends_the_job_where_its_clean_up_fails():
     """JAX's shutdown raising in rank 1's os._exit (after the ranks met at the
@@ -168,7 +169,11 @@ def test_sys_exit_0_while_the_other_rank_waits_is_named_exited():
 
 
 @pytest.mark.parametrize(
-    "case", ["ok", pytest.param("caught_exit", marks=util.same_under_every_mpi)]
+    "case",
+    [
+        "ok",
+        pytest.param("caught_exit", marks=[util.same_under_every_mpi, util.variant]),
+    ],
 )
 def test_normal_exit_keeps_jax_shutdown(case):
     proc, _ = launch(case)
@@ -246,14 +251,14 @@ def test_diagnostics_report_what_is_in_force(env, installed, sigterm):
     [
         ("module", 3, True),
         ("nested", 3, True),
-        ("string", 1, True),
+        pytest.param("string", 1, True, marks=util.variant),
         ("reraise_bare", 3, True),
-        ("reraise_named", 3, True),
+        pytest.param("reraise_named", 3, True, marks=util.variant),
         ("zero", 0, False),
         ("caught_at_module", 0, False),
-        ("caught_in_function", 0, False),
-        ("suppressed", 0, False),
-        ("caught_then_zero", 0, False),
+        pytest.param("caught_in_function", 0, False, marks=util.variant),
+        pytest.param("suppressed", 0, False, marks=util.variant),
+        pytest.param("caught_then_zero", 0, False, marks=util.variant),
     ],
 )
 def test_exit_hook_aborts_only_when_the_exit_ends_the_program(shape, code, aborts):

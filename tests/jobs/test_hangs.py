@@ -340,6 +340,7 @@ def test_stacks_in_a_shared_folder_follow_no_planted_link(tmp_path):
     assert left == {"rank-0.txt", "rank-1.txt"}  # no partial file left behind
 
 
+@util.variant
 def test_a_folder_the_dump_makes_is_private(tmp_path):
     """The writer's mkdir -p makes new folders 0700 (umask 0 here: the mode is
     the writer's, not the umask's)."""
@@ -574,6 +575,7 @@ def test_summarize_is_bounded_by_what_it_reads_not_by_what_a_file_claims(tmp_pat
     assert took < 5 and peak < 20 << 20, (took, peak)
 
 
+@util.variant
 def test_summarize_names_each_file_it_cannot_use_in_one_line(tmp_path):
     """A folder named like a stacks file, a file cut short, a rank two files
     claim, a link and a file far larger than a dump: one line each, the rest
@@ -630,7 +632,16 @@ def in_bounded_child(code: str, *args, timeout: float = 60):
     )
 
 
-@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "/proc/self/environ", "link"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "/dev/zero",
+        *(
+            pytest.param(k, marks=util.variant)
+            for k in ("fifo", "/proc/self/environ", "link")
+        ),
+    ],
+)
 def test_summarize_reads_no_file_a_stacks_file_names(tmp_path, kind):
     """A forged stacks file's frame names /dev/zero, a FIFO, /proc/self/environ or
     a link to a file: --hangs read them through linecache (7.2 GB of /dev/zero in
@@ -688,6 +699,7 @@ def test_a_quoted_line_is_one_line_whatever_it_holds():
     )
 
 
+@util.variant
 def test_a_rank_quotes_its_own_frames_from_regular_files_only(tmp_path):
     """The watchdog quotes its rank's frames for the hang report
     (``report.standing``): through linecache, a frame whose code named a FIFO held
@@ -764,8 +776,12 @@ def hang(mode, **env):
     [
         ("mpi4jax", r"at stall\.py:\d+ in <module>"),
         ("psum", r"at stall\.py:\d+ in <lambda>"),
-        ("sync", r"at stall\.py:\d+ in sync"),
-        ("barrier", r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`"),
+        pytest.param("sync", r"at stall\.py:\d+ in sync", marks=util.variant),
+        pytest.param(
+            "barrier",
+            r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`",
+            marks=util.variant,
+        ),
     ],
 )
 def test_the_hang_timeout_names_the_stalled_rank_whatever_the_others_wait_in(
@@ -817,7 +833,9 @@ def test_in_a_two_rank_job_the_rank_in_no_collective_comes_first():
     assert "mpi4jax_dist/faults/" not in proc.stderr, show(proc)
 
 
-@pytest.mark.parametrize("mode", ["steps", "together"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("steps", marks=util.variant), "together"]
+)
 def test_the_hang_timeout_leaves_short_steps_and_one_shared_long_step_alone(mode):
     """No false alarm: every rank makes 0.1 s steps for 4 timeouts (progress), or
     every rank sleeps 4 timeouts at one line (no progress, but at one place)."""
@@ -860,7 +878,11 @@ needs_counters = pytest.mark.skipif(
     "mode, inside",
     [
         ("psum", r"at stall\.py:\d+ in <lambda>"),
-        ("barrier", r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`"),
+        pytest.param(
+            "barrier",
+            r"at stall\.py:\d+ in barrier: `comm\.Barrier\(\)`",
+            marks=util.variant,
+        ),
     ],
 )
 def test_below_thread_multiple_the_hang_timeout_keeps_through_jax_s_service(
@@ -900,6 +922,7 @@ def test_the_hang_timeout_s_deputy_reports_for_rank_0_holding_the_gil():
     ), show(proc)
 
 
+@util.variant
 @needs_counters
 def test_below_thread_multiple_one_shared_long_step_is_no_hang():
     proc, _ = hang("together", STALL_S=4 * HANG_S, **SERIALIZED)
@@ -908,6 +931,7 @@ def test_below_thread_multiple_one_shared_long_step_is_no_hang():
     assert proc.stdout.count("DONE") == 4
 
 
+@util.variant
 @needs_counters
 def test_below_thread_multiple_a_rank_holding_the_gil_is_named():
     """No MPI for the watchdogs, so no answer from C either: rank 3 is named as

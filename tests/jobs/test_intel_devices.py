@@ -23,7 +23,10 @@ pytestmark = util.skip_in_mpi_job
 WRAP = util.ROOT / "examples" / "set_affinity_gpu.sh"
 
 
-@pytest.mark.parametrize("hierarchy, mask", [("FLAT", "{}"), ("COMPOSITE", "0.{}")])
+@pytest.mark.parametrize(
+    "hierarchy, mask",
+    [("FLAT", "{}"), pytest.param("COMPOSITE", "0.{}", marks=util.variant)],
+)
 def test_each_rank_gets_its_tile(hierarchy, mask):
     env = util.clean_env(
         JAX_PLATFORMS="",  # not cpu: the accelerator rule applies

@@ -99,7 +99,9 @@ def _plain(n: int) -> dict:
 
 
 @skip_in_mpi_job
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize(
+    "n", [pytest.param(1, marks=util.variant), 2, pytest.param(4, marks=util.variant)]
+)
 def test_plain_initialize_one_node(n):
     results = _plain(n)
     addresses = {r["topo_coordinator_address"] for r in results.values()}
@@ -131,8 +133,9 @@ def test_initialize_after_plain_initialize_is_idempotent():
     "hosts, n",
     [
         ("nodeA:2,nodeB:2", 4),
-        ("nodeA:1,nodeB:2,nodeC:1", 4),
-        ("nodeA:1,nodeB:1,nodeC:1", 6),  # round-robin: a node's ranks not adjacent
+        pytest.param("nodeA:1,nodeB:2,nodeC:1", 4, marks=util.variant),
+        # round-robin: a node's ranks not adjacent
+        pytest.param("nodeA:1,nodeB:1,nodeC:1", 6, marks=util.variant),
     ],
 )
 def test_pretend_nodes(hosts, n):

@@ -51,6 +51,7 @@ def test_jax_world_with_the_option(tmp_path):
     assert proc.stdout.count("3 passed") == 2  # on each rank
 
 
+@util.variant
 def test_marked_test_skipped_without_the_option(tmp_path):
     proc = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -36,7 +36,9 @@ def job(level: str) -> list[dict]:
     return util.result_lines(proc, 2, "rank")
 
 
-@pytest.mark.parametrize("level", ["serialized", "multiple"])
+@pytest.mark.parametrize(
+    "level", [pytest.param("serialized", marks=util.variant), "multiple"]
+)
 def test_the_ops_are_right_and_lock_only_when_serialized(level):
     for r in job(level):
         assert r["level"] == level, r
@@ -59,7 +61,9 @@ def test_the_ops_are_right_and_lock_only_when_serialized(level):
             assert beside["locked_during"] >= 2000, beside
 
 
-@pytest.mark.parametrize("level", ["single", "funneled"])
+@pytest.mark.parametrize(
+    "level", ["single", pytest.param("funneled", marks=util.variant)]
+)
 def test_below_serialized_every_op_refuses_naming_what_to_set(level):
     for r in job(level):
         assert r["level"] == level, r
