@@ -7,11 +7,28 @@
 # tests of the build's MPI compiler wrapper. Then the runs with peers, one at a
 # time: under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
-# oldest JAX. Last, the tests on a Slurm cluster of network namespaces (as root).
+# oldest JAX; beside them, the tests on a Slurm cluster of network namespaces (as
+# root).
 # The other environments than .venv run where tools/setup.sh built them (--all).
 # Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
+#
+#   bash tools/test.sh          # what CI runs (.ci/run)
+#   bash tools/test.sh --full   # and, under the other MPIs and JAX, the tests marked
+#                               # variant too (tests/util.py): before a release
 set -euo pipefail
+
+full=
+case "${1:-}" in
+    --full) full=1 ;;
+    "") ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+               exit 0 ;;
+    *) echo "tools/test.sh: unknown argument $1 (--full, or none)" >&2; exit 2 ;;
+esac
+# The stages of another MPI or JAX leave out the further cases of what their kept
+# tests already run there (tests marked variant), unless --full.
+not_variant=$([ -n "$full" ] || echo " and not variant")
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$here/.venv}
@@ -80,11 +97,12 @@ in_impi=(env PATH="$impi/bin:$PATH" PYTHONSAFEPATH=1)
 if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-other_mpi=(-m "every_mpi and not same_under_every_mpi" tests/jobs)
+other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
-            -p no:cacheprovider -m "not same_under_every_jax" tests/unit tests/peers \
+            -p no:cacheprovider -m "not same_under_every_jax$not_variant" tests/unit \
+            tests/peers \
             tests/gpu tests/jobs
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
@@ -141,6 +159,39 @@ trap - EXIT
 beside_status=0
 show_beside || beside_status=$?
 
+# 3. Beside part 2 (whose runs keep both cores busy while the cluster's tests
+# mostly wait out their faults' timeouts), a Slurm cluster of three nodes on this
+# machine (tools/cluster.sh; root, since it makes network namespaces, a bridge and
+# daemons): srun, sbatch and salloc with MPICH and Open MPI, examples/slurm.sh, JAX
+# alone, the diagnostics, and the faults of a real cluster
+# (tests/cluster/test_slurm_cluster.py), each case's seconds printed. Taken down
+# again whatever happens.
+cluster_stage() {
+    run bash tools/cluster.sh up 3
+    run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
+        timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
+        tests/cluster
+}
+cluster_status=0
+if [ "$(id -u)" -eq 0 ]; then
+    beside=$(mktemp)
+    cluster_stage >"$beside" 2>&1 &
+    beside_pid=$!
+    show_cluster() {
+        local status=0
+        wait "$beside_pid" || status=$?
+        bash tools/cluster.sh down >/dev/null 2>&1 || true
+        echo "+ beside part 2, the Slurm cluster's tests (exit $status):"
+        cat "$beside"
+        rm -f "$beside"
+        return "$status"
+    }
+    trap 'status=$?; show_cluster || true; exit "$status"' EXIT
+else
+    echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
+    show_cluster() { return 0; }
+fi
+
 # 2. The runs with peers, one at a time: each keeps both cores busy (a rank that
 # waits polls MPI), and test_count_above_2_31 asks for 6 GiB free per rank.
 # Under mpiexec every rank collects only the files with tests marked mpi
@@ -157,37 +208,26 @@ if [ -x "$ompi/bin/mpiexec" ]; then
     # variables; elsewhere they change nothing.)
     run "${in_ompi[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         timeout -k 10 900 "$ompi/bin/mpiexec" --oversubscribe \
-        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider -m every_mpi
+        -n 2 "$ompi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
+        -m "every_mpi$not_variant"
 fi
 
 if [ -x "$impi/bin/mpiexec" ]; then
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
-        "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider -m every_mpi
+        "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
+        -m "every_mpi$not_variant"
     run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
         --procs 2,4 --repeat 1
 fi
 
 if [ -x "$jaxmin/bin/python" ]; then
     run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
-        -q -p no:cacheprovider -m "not same_under_every_jax"
+        -q -p no:cacheprovider -m "not same_under_every_jax$not_variant"
 fi
 
-# 3. A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
-# makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
-# MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the faults
-# of a real cluster (tests/cluster/test_slurm_cluster.py), each case's seconds printed.
-# Taken down again whatever happens.
-if [ "$(id -u)" -eq 0 ]; then
-    trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
-    run bash tools/cluster.sh up 3
-    run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
-        timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
-        tests/cluster
-    run bash tools/cluster.sh down
-    trap - EXIT
-else
-    echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
-fi
+trap - EXIT
+show_cluster || cluster_status=$?
 
 # A failure among the stages beside fails the run, after the others ran.
-exit "$beside_status"
+[ "$beside_status" -eq 0 ] || exit "$beside_status"
+exit "$cluster_status"
