@@ -141,7 +141,7 @@ def test_pattern_made_by_xla_is_numpys(memory, monkeypatch):
 
 
 def test_a_failed_case_is_a_row(memory):
-    args = argparse.Namespace(dtype="float32", procs=2, timeout=60)
+    args = argparse.Namespace(dtype="float32", procs=2, timeout=60, gpu=False)
     env = memory._harness.memory_job_env()
     row = memory.measure("nosuch", 1 << 20, args, env)
     assert row["status"] == "crashed (1)", row["tail"]
