@@ -34,15 +34,13 @@ matvec, wait), and reports the overlap efficiency
 ``(t_reduce + t_matvec - t_both) / min(t_reduce, t_matvec)``: 1 when the smaller
 hides completely, 0 when nothing overlaps.
 
-Progress: what the MPI does with the reduction while the overlapped work runs. The
-extension counts, per wait, whether its first ``MPI_Test`` completed the reduction
-(``done``), the time from the post to the wait (``slack``: the work overlapped) and
-the time the wait then spent waiting (``blocked``: what the work did not hide). The
-progress table (no simulated latency) compares three kinds of overlapped work: the
-matvec (its halo exchange makes MPI calls), the same stencil on the local rows only
-(no MPI call: what the MPI does by itself), and that stencil in two halves with a
-``req.test()`` between them (what one ``MPI_Test`` adds). The CG table gives
-the same counts for ``pipelined_nb``'s waits.
+The extension counts, per wait, whether its first ``MPI_Test`` completed the
+reduction (``done``), the time from the post to the wait (``slack``: the work
+overlapped) and the time the wait then spent waiting (``blocked``: what the work
+did not hide); the CG table gives the same for ``pipelined_nb``'s waits. (Settled,
+and retired from this script: the progress table, the reduction overlapped with
+work that makes no MPI call, with and without a ``req.test()`` in it, run from
+``git archive 819e3f9:benchmarks``.)
 """
 
 from __future__ import annotations
@@ -102,40 +100,28 @@ def warmed(case, latency):
 def wait_counts(case, comm, runs: int = 1) -> dict:
     """What the waits of ``case`` found, over all ranks, from the extension's
     counters, the median over ``runs`` runs (untimed): ``done``, the share whose
-    first ``MPI_Test`` completed the reduction; ``test_done``, the share of
-    ``req.test()`` calls that did (None without tests); ``slack_us``, µs from
-    post to wait, and ``blocked_us``, µs the wait then waited, each per wait."""
-    from mpi4jax_dist import _ffi
+    first ``MPI_Test`` completed the reduction; ``slack_us``, µs from post to wait,
+    and ``blocked_us``, µs the wait then waited, each per wait."""
+    import mpi4jax_dist
 
-    ext = _ffi.load()
-    names = ("waits", "done_before_wait", "tests", "tests_done")
-    names += ("wait_slack_ns", "wait_blocked_ns")
+    names = ("waits", "done_before_wait", "wait_slack_ns", "wait_blocked_ns")
     per_run = []
     for _ in range(runs):
-        ext.reset_stats()
+        mpi4jax_dist.op_counts(reset=True)
         comm.Barrier()
         _harness.block(case())
-        stats = ext.stats()
+        stats = mpi4jax_dist.op_counts()
         mine = [stats[f"iallreduce_{k}"] for k in names]
         total = dict(zip(names, np.sum(comm.allgather(mine), axis=0), strict=True))
         waits = max(int(total["waits"]), 1)
-        tests = int(total["tests"])
         per_run.append(
             {
                 "done": total["done_before_wait"] / waits,
-                "test_done": total["tests_done"] / tests if tests else None,
                 "slack_us": total["wait_slack_ns"] / waits / 1e3,
                 "blocked_us": total["wait_blocked_ns"] / waits / 1e3,
             }
         )
-    return {
-        key: (
-            None
-            if per_run[0][key] is None
-            else float(np.median([r[key] for r in per_run]))
-        )
-        for key in per_run[0]
-    }
+    return {key: float(np.median([r[key] for r in per_run])) for key in per_run[0]}
 
 
 def looped(prob, trips: int, latency, bodies):
@@ -176,45 +162,6 @@ def micro_cases(prob, comm, trips: int, latency):
         return req.wait(), av * 1e-3
 
     return looped(prob, trips, latency, (reduce_only, matvec_only, both))
-
-
-def progress_cases(prob, comm, trips: int):
-    """Three cases whose overlapped work makes no MPI call, as loops of ``trips``
-    (no simulated latency): the grid's stencil on this rank's rows alone (zero
-    halos, in two halves), the reduction overlapped with it, and the same with an
-    ``req.test()`` between the two halves."""
-    import jax.numpy as jnp
-
-    import mpi4jax_dist
-
-    n = prob.n
-
-    def half(v, top):
-        u = v.reshape(-1, n)
-        u = u[: len(u) // 2] if top else u[len(u) // 2 :]
-        zeros = jnp.zeros(n, v.dtype)
-        return _poisson.stencil(u, zeros, zeros, jnp).reshape(-1) * 1e-3
-
-    def work(v):
-        return jnp.concatenate([half(v, True), half(v, False)])
-
-    def work_only(c, v):
-        return c, work(v)
-
-    def both(c, v):
-        req = mpi4jax_dist.iallreduce(c / comm.size)
-        req, av = req.overlap(work, v)
-        return req.wait(), av
-
-    def both_test(c, v):
-        req = mpi4jax_dist.iallreduce(c / comm.size)
-        # v passes through the first half's work (no copy of it for the second).
-        req, (top, v) = req.overlap(lambda v: (half(v, True), v), v)
-        req = req.test()
-        req, bottom = req.overlap(lambda v: half(v, False), v)
-        return req.wait(), jnp.concatenate([top, bottom])
-
-    return looped(prob, trips, None, (work_only, both, both_test))
 
 
 def main(argv=None):
@@ -259,7 +206,6 @@ def main(argv=None):
         "#      n  latency   reduce_us   matvec_us     both_us  efficiency    done"
         "  slack_us  blocked_us",
     )
-    progress = []
     # Every case of a table is compiled first, then all are timed round-robin, so
     # that a drift of the machine's speed falls on all of them alike.
     for n in args.grids:
@@ -267,8 +213,7 @@ def main(argv=None):
         cases = []
         for latency in args.micro_latencies:
             cases += micro_cases(prob, comm, args.micro_iters, latency)
-        local = progress_cases(prob, comm, args.micro_iters)
-        times = _harness.time_rounds(cases + local, comm, args.samples, warmup=0)
+        times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
         per_trip = [float(np.median(t)) / args.micro_iters * 1e6 for t in times]
         for i, latency in enumerate(args.micro_latencies):
             t_red, t_mv, t_both = per_trip[3 * i : 3 * i + 3]
@@ -293,50 +238,6 @@ def main(argv=None):
                 f"{t_both:10.2f}  {efficiency:10.2f}  {counts['done']:6.2f}  "
                 f"{counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
             )
-            if latency == 0:
-                progress.append((n, "matvec", t_red, t_mv, t_both, counts))
-        # The reduction alone without a simulated latency (NaN: not measured).
-        zero = 0 in args.micro_latencies
-        t_red = per_trip[3 * args.micro_latencies.index(0)] if zero else np.nan
-        t_work = per_trip[len(cases)]
-        for label, case, t_both in zip(
-            ("stencil", "stencil+test"),
-            local[1:],
-            per_trip[len(cases) + 1 :],
-            strict=True,
-        ):
-            progress.append(
-                (n, label, t_red, t_work, t_both, wait_counts(case, comm, args.samples))
-            )
-    _harness.say(
-        comm,
-        "# progress, no simulated latency: the reduction overlapped with the "
-        "matvec (its halo exchange calls MPI), with the stencil on the local rows "
-        "(no MPI call), and with that stencil in two halves and an "
-        "req.test() between them",
-        "#      n  work            reduce_us     work_us     both_us    done  "
-        "test_done  slack_us  blocked_us",
-    )
-    for n, label, t_red, t_work, t_both, counts in progress:
-        test_done = counts["test_done"]
-        rows.append(
-            {
-                "progress": True,
-                "n": n,
-                "work": label,
-                "reduce_us": t_red,
-                "work_us": t_work,
-                "both_us": t_both,
-                **counts,
-            }
-        )
-        _harness.say(
-            comm,
-            f"  {n:5d}  {label:14s}  {t_red:9.2f}  {t_work:10.2f}  {t_both:10.2f}  "
-            f"{counts['done']:6.2f}  "
-            + (f"{test_done:9.2f}" if test_done is not None else f"{'-':>9}")
-            + f"  {counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
-        )
     mode = "latency"
     for n in args.grids:
         prob = _poisson.Poisson(n, comm)

@@ -70,10 +70,6 @@ def test_overlap_benchmark(tmp_path):
     # for the rest of the 40 us (less each wait's first MPI_Test).
     waits = held["pipelined_nb_waits"]
     assert waits["slack_us"] > 0 and waits["slack_us"] + waits["blocked_us"] >= 39
-    # The progress table: the matvec, the local stencil, and it with a test.
-    progress = [r for r in rows if r.get("progress")]
-    assert [r["work"] for r in progress] == ["matvec", "stencil", "stencil+test"]
-    assert [r["test_done"] is None for r in progress] == [True, True, False]
     assert "cores of each rank" in proc.stdout
 
 
