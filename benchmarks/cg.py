@@ -35,11 +35,9 @@ the reductions in the one while loop of their compiled program times their
 iterations (counted by a debug callback in an untimed run); for the floor, a counter
 in the communicator it calls. "design" is what the algorithm needs.
 
-Share reducing = counted reductions per iteration x the median time of one
-reduction of that payload, timed as a jitted loop of ``--reduce-loop`` back-to-back
-reductions with the same mechanism (mpi4jax.allreduce, psum in shard_map, or mpi4py
-Allreduce), over t/iter: an estimate of the latency, without the waiting for slower
-ranks that a real iteration adds. Those one-reduction times are printed too.
+(Settled, and retired from this script: the share of an iteration spent reducing,
+from one reduction's time in a jitted loop, ``--reduce-loop``; docs/benchmarks.rst
+cites it, run by the script as it last was, from ``git archive 819e3f9:benchmarks``.)
 
 Where the ranks fill the cores, run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``:
 NumPy's BLAS threads otherwise spin against the other ranks and the floor's dot
@@ -51,7 +49,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -69,7 +66,6 @@ METHODS.register(FLOOR, "classic CG in NumPy, reductions by mpi4py")
 METHODS.register("mpi4jax", "mpi4jax_dist.cg, backend mpi4jax")
 METHODS.register("psum", "mpi4jax_dist.cg, backend psum")
 METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays")
-REDUCE_LOOP = 200  # default reductions per timed loop for the share estimate
 
 
 # ---------------------------------------------------------------------------------
@@ -142,79 +138,6 @@ def compiled_loop(jitted, args, *scopes):
         return None
 
 
-class ReductionTimer:
-    """Seconds one reduction of a given payload takes, per mechanism, cached."""
-
-    def __init__(self, comm, mesh, loop):
-        self.comm, self.mesh, self.loop, self.cache = comm, mesh, loop, {}
-
-    def __call__(self, mechanism: str, count: int, dtype) -> float:
-        key = (mechanism, count, np.dtype(dtype).name)
-        if key not in self.cache:
-            run = getattr(self, "_" + mechanism)(count, np.dtype(dtype))
-            samples = _harness.time_rounds([run], self.comm, 5)[0]
-            self.cache[key] = statistics.median(samples) / self.loop
-        return self.cache[key]
-
-    def _mpi4py(self, count, dtype):
-        from mpi4py import MPI
-
-        buf, out = np.ones(count, dtype), np.empty(count, dtype)
-
-        def run():
-            for _ in range(self.loop):
-                self.comm.Allreduce(buf, out, op=MPI.SUM)
-            return out
-
-        return run
-
-    def _mpi4jax(self, count, dtype):
-        import jax
-        import jax.numpy as jnp
-        import mpi4jax
-        from jax import lax
-        from mpi4py import MPI
-
-        scale = 1.0 / self.comm.size
-        loop = jax.jit(
-            lambda v: lax.fori_loop(
-                0,
-                self.loop,
-                lambda i, v: mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm) * scale,
-                v,
-            )
-        )
-        v = jnp.ones(count, dtype)
-        return lambda: loop(v)
-
-    def _psum(self, count, dtype):
-        import jax
-        import jax.numpy as jnp
-        from jax import lax
-        from jax.sharding import PartitionSpec
-
-        from mpi4jax_dist import _compat
-
-        axis, size = self.mesh.axis_names[0], self.mesh.devices.size
-
-        def body(v):
-            return lax.fori_loop(
-                0, self.loop, lambda i, v: lax.psum(v, axis) * (1.0 / size), v
-            )
-
-        loop = jax.jit(
-            _compat.shard_map(
-                body,
-                mesh=self.mesh,
-                in_specs=PartitionSpec(),
-                out_specs=PartitionSpec(),
-                check=False,
-            )
-        )
-        v = jnp.ones(count, dtype)
-        return lambda: loop(v)
-
-
 TABLE = _harness.Table(
     [
         _harness.Column("problem", "problem", width=7, left=True),
@@ -228,7 +151,6 @@ TABLE = _harness.Table(
         _harness.Column("reductions_per_iter", "red/it", "design", 6),
         _harness.Column("reductions_per_iter_counted", "red/it", "counted", 7, ".2f"),
         _harness.Column("bytes_per_iter", "B/iter", "[bytes]", 8),
-        _harness.Column("reduce_share", "reducing", "[%]", 8, ".0f", 100),
     ]
 )
 
@@ -238,8 +160,7 @@ class Bench:
 
     def __init__(self, args, comm, mesh):
         self.args, self.comm, self.mesh = args, comm, mesh
-        self.results, self.queue, self.notes = [], [], {}
-        self.timer = ReductionTimer(comm, mesh, args.reduce_loop)
+        self.results, self.queue = [], []
 
     def say(self, *lines):
         _harness.say(self.comm, *lines)
@@ -260,8 +181,6 @@ class Bench:
         design,
         counted,
         bytes_per_iter,
-        mechanism,
-        payload_dtype,
         recurrence=None,
         extra=None,
     ):
@@ -271,16 +190,10 @@ class Bench:
         reductions made in the loop, counted from what ran (None: not known).
         """
         rel_residual, error = check(np.asarray(x_local, dtype=np.float64))
-        count = bytes_per_iter // max(design, 1) // np.dtype(payload_dtype).itemsize
         timing = _harness.summary(samples, "t_solve")
         t_solve = timing["t_solve_median_s"]
         t_iter = t_solve / max(iterations, 1)
         per_iter = None if counted is None else counted / max(iterations, 1)
-        share = None
-        reductions = design if per_iter is None else per_iter
-        if mechanism is not None and reductions:
-            one = self.timer(mechanism, max(count, 1), payload_dtype)
-            share = reductions * one / t_iter
         row = {
             "problem": problem,
             "backend": backend,
@@ -296,8 +209,6 @@ class Bench:
             "reductions_per_iter_counted": per_iter,
             "reductions_counted": counted,
             "bytes_per_iter": int(bytes_per_iter),
-            "reduce_share": share,
-            "reduce_timing": mechanism,
         }
         row.update(extra or {})
         self.results.append(row)
@@ -322,22 +233,6 @@ class Bench:
             finish(samples, output)
         self.queue = []
 
-    def reduction_times(self, problem):
-        """Print the one-reduction times this problem's share estimates used."""
-        parts = [
-            f"{mechanism} {count} x {dtype} {seconds * 1e6:.1f} us"
-            for (mechanism, count, dtype), seconds in self.timer.cache.items()
-        ]
-        self.notes.setdefault("one_reduction_s", {}).update(
-            {f"{m}/{c}x{d}": t for (m, c, d), t in self.timer.cache.items()}
-        )
-        if parts:
-            self.say(
-                f"# {problem}: one reduction, median of a jitted loop of "
-                f"{self.args.reduce_loop}: " + ", ".join(parts)
-            )
-        self.timer.cache.clear()
-
     # The kinds of methods ----------------------------------------------------------
 
     def add_floor(self, problem, prob, check):
@@ -360,9 +255,7 @@ class Bench:
                 check=check,
                 design=2,
                 counted=reductions,
-                mechanism="mpi4py",
                 bytes_per_iter=16,
-                payload_dtype=np.float64,
                 recurrence=recurrence,
             )
 
@@ -377,7 +270,6 @@ class Bench:
         check,
         design,
         nbytes,
-        payload_dtype,
         program,
         extra=None,
     ):
@@ -411,8 +303,6 @@ class Bench:
                 design=design,
                 counted=counted,
                 bytes_per_iter=nbytes,
-                mechanism=backend,
-                payload_dtype=payload_dtype,
                 recurrence=float(info.recurrence_residual),
                 extra={
                     "rel_residual_info": float(info.rel_residual),
@@ -426,7 +316,7 @@ class Bench:
         self.add(solve, finish)
 
     def add_jax_cg(
-        self, problem, backend, make, args_, check, design, nbytes, mechanism, to_numpy
+        self, problem, backend, make, args_, check, design, nbytes, to_numpy
     ):
         """Queue a ``jax.scipy.sparse.linalg.cg`` reference.
 
@@ -463,8 +353,6 @@ class Bench:
                 design=design,
                 counted=counted,
                 bytes_per_iter=nbytes,
-                mechanism=mechanism,
-                payload_dtype=np.float64,
             )
 
         self.add(lambda: solve(*args_), finish)
@@ -522,7 +410,6 @@ class Bench:
                     check,
                     record.reductions_by_design,
                     8 * record.scalars,
-                    np.float64,
                     (program, (b,)),
                     extra={"replace_every": solver.replace_every},
                 )
@@ -552,11 +439,9 @@ class Bench:
                 check,
                 2,
                 16,
-                "psum",
                 lambda x: np.asarray(to_local(x)),
             )
         self.measure()
-        self.reduction_times("A")
 
     # Helpers --------------------------------------------------------------------
 
@@ -596,7 +481,7 @@ class Bench:
         self.say(*lines)
 
 
-def metadata(args, comm, notes) -> dict:
+def metadata(args, comm) -> dict:
     import scipy
 
     meta = _harness.meta(
@@ -609,9 +494,6 @@ def metadata(args, comm, notes) -> dict:
         "+ replacement branch x replacements; reductions_counted_traced: "
         "info.reductions, from the traced loop); jax.scipy references: their "
         "compiled while body x iterations; floor: a counter in the communicator",
-        reduce_share=f"counted reductions/iter x median time of one reduction of "
-        f"the same payload in a jitted loop of {args.reduce_loop}, / t_iter",
-        **notes,
     )
     meta["versions"]["scipy"] = scipy.__version__
     return meta
@@ -660,16 +542,10 @@ def parse(argv):
         f"(pipelined; 0: none; default {cg.DEFAULT_REPLACE_EVERY})",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed solves each")
-    parser.add_argument(
-        "--reduce-loop",
-        type=int,
-        default=REDUCE_LOOP,
-        help="reductions per timed loop of the share estimate",
-    )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    if args.replace_every < 0 or args.repeat < 1 or args.reduce_loop < 1:
-        parser.error("--replace-every must be >= 0, --repeat and --reduce-loop >= 1")
+    if args.replace_every < 0 or args.repeat < 1:
+        parser.error("--replace-every must be >= 0, --repeat >= 1")
     return args
 
 
@@ -700,15 +576,13 @@ def main(argv=None) -> list[dict]:
             f"wall, compile excluded, / iterations; methods timed round-robin",
             "# red/it counted: from what ran (the compiled loop body x iterations; "
             "the floor: a counter in its communicator)",
-            f"# reducing: red/it counted x one reduction of that payload, timed in a "
-            f"jitted loop of {args.reduce_loop}, / t/iter",
             TABLE.header(),
         )
         bench.problem_a()
         bench.speedups()
         _harness.save(
             args,
-            metadata(args, comm, bench.notes),
+            metadata(args, comm),
             bench.results,
             plot=plot,
             comm=comm,

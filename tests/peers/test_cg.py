@@ -434,8 +434,6 @@ def test_benchmark_reports_every_method(world, shared_dir):
             "16",
             "--repeat",
             "1",
-            "--reduce-loop",
-            "10",
             "--json",
             str(out),
             "--plot",
@@ -476,7 +474,7 @@ def test_benchmark_reports_every_method(world, shared_dir):
     all_ranks(not wrong, f"counted reductions differ from the design: {wrong}")
     one = bench.main(
         "--n 16 --backends mpi4jax --variants pipelined "
-        "--replace-every 0 --repeat 1 --reduce-loop 10".split()
+        "--replace-every 0 --repeat 1".split()
     )
     chosen = [(r["backend"], r["variant"], r["replace_every"]) for r in one]
     all_ranks(chosen == [("mpi4jax", "pipelined", 0)], f"rows {chosen}")
