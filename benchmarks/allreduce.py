@@ -32,10 +32,11 @@ effect: 3.6x mpi4py at 4 B with K = 50 where the collective itself is at MPI's
 speed); each sample less that part, over its trips, is one time per collective
 (the row's times, never negative). ``call``: K separate allreduces of the held
 input, one dispatch each (for mpi4py a fresh result buffer each, as a functional
-API pays); divided by K, what a Python loop of jitted calls pays. After
-the sweep, ``dispatch`` rows time one jitted call at 4 B of a trivial function, of
-an ordered-effect op that communicates nothing, of mpi4jax and of mpi4jax_dist (the
-JSON's ``dispatch`` key).
+API pays); divided by K, what a Python loop of jitted calls pays. (Settled, and
+retired from this script: the ``dispatch`` rows, one jitted call at 4 B of a
+trivial function, of an ordered-effect op on ``COMM_SELF``, of mpi4jax and of
+mpi4jax_dist; docs/benchmarks.rst, *Where a dispatch goes*, runs the script as it
+last was, from ``git archive 819e3f9:benchmarks``.)
 
 Correctness is checked outside the timing, before and after the timed samples, on
 the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,
@@ -76,10 +77,6 @@ from _allreduce_impls import (  # noqa: E402
     DEFAULT_IMPLS,
     DTYPES,
     IMPLS,
-    JitPlusOne,
-    Mpi4jax,
-    Mpi4jaxDist,
-    Mpi4py,
     count_wrong,
     expected,
     pattern,
@@ -97,54 +94,6 @@ def parse_sizes(text: str) -> list[int]:
     if text.strip().lower() == "pow2":
         return list(POW2_SIZES)
     return _harness.parse_sizes(text)
-
-
-# ---------------------------------------------------------------------------------
-# What one dispatch costs
-
-# (name, what runs, how it is built): one jitted call each, at 4 B, blocked on.
-DISPATCH = (
-    ("mpi4py", "Comm.Allreduce, no dispatch (the floor)", Mpi4py, "world"),
-    ("jit(v + 1)", "a jitted call, no effect", JitPlusOne, "world"),
-    (
-        "alone on COMM_SELF",
-        "mpi4jax_dist.allreduce on COMM_SELF: JAX's path for an op kept in "
-        "program order, nothing sent",
-        Mpi4jaxDist,
-        "self",
-    ),
-    ("mpi4jax", "mpi4jax.allreduce", Mpi4jax, "world"),
-    ("mpi4jax_dist", "mpi4jax_dist.allreduce, donated", Mpi4jaxDist, "world"),
-)
-
-
-def measure_dispatch(dtype, samples: int, calls: int, comm) -> list[dict]:
-    """Time one call of each of :data:`DISPATCH` (``calls`` calls per sample, each
-    waited for, as ``call`` mode does) at one element: what a Python loop of jitted
-    calls pays per call, and what of it is JAX's path for ordered effects."""
-    from mpi4py import MPI
-
-    cases = []
-    for _, _, record, where in DISPATCH:
-        impl = record(1, dtype, comm if where == "world" else MPI.COMM_SELF)
-        impl.load(np.zeros(1, dtype))
-        cases.append(lambda impl=impl: [impl.call() for _ in range(calls)])
-    with _harness.Compiles() as compiled:
-        times = _harness.time_rounds(cases, comm, samples)
-    rows = []
-    for (name, what, _, _), sample in zip(DISPATCH, times, strict=True):
-        rows.append(
-            {
-                "impl": name,
-                "what": what,
-                "bytes": np.dtype(dtype).itemsize,
-                "calls": calls,
-                "samples": samples,
-                **_harness.summary(t / calls for t in sample),
-                "compiles": compiled.count,
-            }
-        )
-    return rows
 
 
 def _percent(spread: float) -> str:
@@ -165,19 +114,6 @@ def _fixed(row: dict) -> str:
     if row.get("fixed_at_most_s") == 0:
         return "~0"
     return "-"
-
-
-DISPATCH_TABLE = _harness.Table(
-    [
-        _harness.Column("impl", "one call of", "", 16, left=True),
-        _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
-        _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
-        _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
-        _harness.Column("t_spread", "spread", "+-", 6, _percent),
-        _harness.Column("t_wide", "", "", 4, _wide, left=True),
-        _harness.Column("what", "  what runs", "", 0, lambda w: f"  {w}", left=True),
-    ]
-)
 
 
 # ---------------------------------------------------------------------------------
@@ -366,11 +302,10 @@ def closing_lines(results: list[dict]) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> None:
+def plot(results: list[dict], path: str, title: str) -> None:
     """Latency (the loop rows' quartiles shaded) and bus bandwidth against size, a
     line per implementation and mode (a colour per implementation; loop: solid
-    with dots, call: dashed with crosses), and the time of one dispatch per kind
-    of call (the ``dispatch`` rows)."""
+    with dots, call: dashed with crosses)."""
     names = IMPLS.names()
 
     def style(series):
@@ -383,22 +318,6 @@ def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> No
             "marker": "o" if loop else "x",
             "markersize": 3 if loop else 5,
         }
-
-    def draw_dispatch(ax):
-        ax.barh(
-            range(len(dispatch)),
-            [r["t_median_s"] * 1e6 for r in dispatch],
-            xerr=[
-                [(r["t_median_s"] - r["t_q1_s"]) * 1e6 for r in dispatch],
-                [(r["t_q3_s"] - r["t_median_s"]) * 1e6 for r in dispatch],
-            ],
-            color="C7",
-        )
-        ax.set_yticks(range(len(dispatch)), [r["impl"] for r in dispatch])
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("one jitted call at 4 B, median [us]")
-        ax.grid(True, axis="x", which="both", alpha=0.3)
 
     _harness.plot_lines(
         results,
@@ -417,9 +336,7 @@ def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> No
         titles=[
             "time per allreduce (loop: the collective alone; call: with a dispatch)",
             "bus bandwidth (as nccl-tests: algbw * 2(P-1)/P)",
-            "one jitted call at 4 B: where a Python loop's time goes",
         ],
-        extra=draw_dispatch if dispatch else None,
     )
 
 
@@ -545,25 +462,14 @@ def main(argv=None) -> list[dict]:
         results += rows
         _harness.say(comm, *(TABLE.row(r) for r in rows))
     _harness.say(comm, *closing_lines(results))
-    dispatch = measure_dispatch(args.dtype, args.samples, args.iters, comm)
-    _harness.say(
-        comm,
-        "# dispatch: one jitted call at 4 B, each waited for (calls of one "
-        "compiled function in a Python loop); the loop rows above hold one such "
-        "dispatch in their 'fixed' column",
-        DISPATCH_TABLE.header(),
-        *(DISPATCH_TABLE.row(r) for r in dispatch),
-    )
     _harness.save(
         args,
         meta,
         results,
-        extra={"dispatch": dispatch},
         plot=lambda rows, path: plot(
             rows,
             path,
             f"allreduce, {meta['world_size']} ranks, {args.dtype}, {meta['backend']}",
-            dispatch,
         ),
         comm=comm,
     )
