@@ -35,8 +35,8 @@ input, one dispatch each (for mpi4py a fresh result buffer each, as a functional
 API pays); divided by K, what a Python loop of jitted calls pays. (Settled, and
 retired from this script: the ``dispatch`` rows, one jitted call at 4 B of a
 trivial function, of an ordered-effect op on ``COMM_SELF``, of mpi4jax and of
-mpi4jax_dist; docs/benchmarks.rst, *Where a dispatch goes*, runs the script as it
-last was, from ``git archive 819e3f9:benchmarks``.)
+mpi4jax_dist; docs/benchmarks-settled.rst, *Where a dispatch goes*, runs the
+script as it last was, from ``git archive 819e3f9:benchmarks``.)
 
 Correctness is checked outside the timing, before and after the timed samples, on
 the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,

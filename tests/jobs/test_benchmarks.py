@@ -47,29 +47,23 @@ def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
 
 
 def test_overlap_benchmark(tmp_path):
-    """overlap.py's tables (2 ranks, tiny)."""
+    """overlap.py's table (2 ranks, tiny). (Its settled microbenchmark's checks,
+    the wait counters under a held reduction, are
+    test_latency_interposer_holds_every_reduction_until_its_time's.)"""
     out = tmp_path / "overlap.json"
     proc = util.run_mpi(
         util.ROOT / "benchmarks" / "overlap.py",
         2,
         *("--grids", "16", "--delays", "0,40"),
         *("--variants", "single,pipelined_nb", "--iters", "5", "--samples", "1"),
-        *("--micro-iters", "5", "--micro-latencies", "0,40", "--json", str(out)),
+        *("--json", str(out)),
         timeout=300,
     )
     rows = json.loads(out.read_text())["results"]
-    micro = [r for r in rows if r.get("micro")]
-    assert [r["latency_us"] for r in micro] == [0, 40], rows
-    # A reduction held 40 us takes at least that; the counters saw every wait.
-    assert micro[1]["reduce_us"] >= 40 and 0 <= micro[1]["done_before_wait"] <= 1
-    cg_rows = [(r["mode"], r["delay_us"]) for r in rows if "mode" in r]
+    cg_rows = [(r["mode"], r["delay_us"]) for r in rows]
     assert cg_rows == [("latency", 0), ("latency", 40)]
-    held = [r for r in rows if r.get("mode") == "latency" and r["delay_us"] == 40][0]
+    held = [r for r in rows if r["delay_us"] == 40][0]
     assert held["single"] >= 40 and held["pipelined_nb"] > 0, held
-    # pipelined_nb's waits, counted: the work between post and wait, and the wait
-    # for the rest of the 40 us (less each wait's first MPI_Test).
-    waits = held["pipelined_nb_waits"]
-    assert waits["slack_us"] > 0 and waits["slack_us"] + waits["blocked_us"] >= 39
     assert "cores of each rank" in proc.stdout
 
 
