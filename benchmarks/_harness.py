@@ -629,10 +629,12 @@ def import_mpi4jax_explained() -> str | None:
     return line
 
 
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--json PATH`` and ``--plot PNG``, which :func:`save` honours."""
+def add_output_arguments(parser: argparse.ArgumentParser, plot: bool = False) -> None:
+    """Add ``--json PATH`` and, for a script that draws, ``--plot PNG``, which
+    :func:`save` honours."""
     parser.add_argument("--json", metavar="PATH", help="write meta and results here")
-    parser.add_argument("--plot", metavar="PNG", help="draw the results here")
+    if plot:
+        parser.add_argument("--plot", metavar="PNG", help="draw the results here")
 
 
 def parse_or_work(parser: argparse.ArgumentParser, argv, worker):
@@ -682,7 +684,6 @@ def plot_lines(
     bands: dict[str, tuple[str, str]] | None = None,
     banded: Callable[[str], bool] | None = None,
     titles: Sequence[str] | None = None,
-    extra: Callable | None = None,
 ) -> None:
     """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
     against ``x``, log-log, one line per ``series(row)``, the legend outside the
@@ -690,12 +691,11 @@ def plot_lines(
 
     ``bands[key] = (low, high)`` shades each line's ``low .. high`` (its quartiles)
     in that panel, for the series ``banded(name)`` accepts (all without it);
-    ``titles`` titles the panels in order (``extra``'s last); ``extra(ax)``, where
-    given, draws one more panel to the right.
+    ``titles`` titles the panels in order.
     """
     import matplotlib.pyplot as plt
 
-    count = len(panels) + (extra is not None)
+    count = len(panels)
     fig, axes = plt.subplots(
         1, count, figsize=(5.5 * count + 2.5, 4.5), squeeze=False, layout="constrained"
     )
@@ -734,59 +734,11 @@ def plot_lines(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    if extra is not None:
-        extra(axes[0][-1])
     for ax, text in zip(axes[0], titles or (), strict=False):
         ax.set_title(text, fontsize=10)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def rise_plot(label: str, group: Callable[[dict], str]):
-    """A ``plot`` for :func:`save`: one panel per ``group(row)``, a bar per
-    implementation, its memory rise in messages (``rise_x``)."""
-    options = dict(key="rise_x", label=label, scale=1.0, group=group, logy=False)
-    return lambda results, path: plot_bars(
-        results, path, bar=lambda r: r["impl"], **options
-    )
-
-
-def plot_bars(
-    results: list[dict],
-    path: str,
-    *,
-    key: str,
-    label: str,
-    scale: float,
-    group: Callable[[dict], str],
-    bar: Callable[[dict], str],
-    color: Callable[[dict], str] | None = None,
-    logy: bool = True,
-) -> None:
-    """Draw one panel per ``group(row)``: a bar of ``key * scale`` per row,
-    labelled ``bar(row)``, on a log scale unless ``logy`` is False."""
-    import matplotlib.pyplot as plt
-
-    groups = list(dict.fromkeys(group(r) for r in results))
-    fig, axes = plt.subplots(
-        1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False
-    )
-    for ax, name in zip(axes[0], groups, strict=True):
-        rows = [r for r in results if group(r) == name and r.get(key) is not None]
-        ax.bar(
-            range(len(rows)),
-            [r[key] * scale for r in rows],
-            color=[color(r) for r in rows] if color else None,
-        )
-        ax.set_xticks(range(len(rows)), [bar(r) for r in rows], rotation=70, fontsize=7)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_ylabel(label)
-        ax.set_title(name)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

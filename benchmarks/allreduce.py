@@ -371,7 +371,7 @@ def parse_args(argv):
         "dispatch's jitter (tens to hundreds of us) for the difference to show it",
     )
     parser.add_argument("--samples", type=int, default=10, help="timed samples")
-    _harness.add_output_arguments(parser)
+    _harness.add_output_arguments(parser, plot=True)
     args = parser.parse_args(argv)
     for flag, value in (("--iters", args.iters), ("--loop-iters", args.loop_iters)):
         if value < 1:

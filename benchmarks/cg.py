@@ -2,7 +2,7 @@
 
     mpiexec -n N python benchmarks/cg.py [--n GRID] [--tol T] [--maxiter K]
         [--backends ...] [--variants ...] [--replace-every K] [--repeat R]
-        [--json PATH] [--plot PATH.png]
+        [--json PATH]
 
 Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
 split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
@@ -499,22 +499,6 @@ def metadata(args, comm) -> dict:
     return meta
 
 
-COLORS = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2"}
-
-
-def plot(results, path):
-    _harness.plot_bars(
-        results,
-        path,
-        key="t_iter_s",
-        label="time per iteration [us]",
-        scale=1e6,
-        group=lambda r: f"problem {r['problem']}",
-        bar=lambda r: f"{r['backend']}\n{r['variant']}",
-        color=lambda r: COLORS.get(r["backend"], "C4"),
-    )
-
-
 def parse(argv):
     from mpi4jax_dist import cg
 
@@ -584,7 +568,6 @@ def main(argv=None) -> list[dict]:
             args,
             metadata(args, comm),
             bench.results,
-            plot=plot,
             comm=comm,
         )
         comm.Barrier()

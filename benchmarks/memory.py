@@ -3,7 +3,7 @@
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
         [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
         [--dtype float32|float64|int32|int8] [--gpu] [--timeout S]
-        [--json PATH] [--plot PNG]
+        [--json PATH]
 
     # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
     python benchmarks/memory.py --sizes 256MiB,1GiB
@@ -465,15 +465,7 @@ def main(argv=None) -> list[dict]:
     meta["mpi_library"] = next(
         (r["mpi_library"] for r in results if r.get("mpi_library")), None
     )
-    _harness.save(
-        args,
-        meta,
-        results,
-        _harness.rise_plot(
-            f"{args.procs} ranks: peak RSS rise / message",
-            lambda r: _harness.human_bytes(r["bytes"]),
-        ),
-    )
+    _harness.save(args, meta, results)
     bad = [r for r in results if r["status"] != "ok"]
     if args.gpu:  # others' failures are reported, not judged
         bad = [r for r in bad if r["impl"].startswith("mpi4jax_dist")]

@@ -33,11 +33,9 @@ def test_rows_do_not_depend_on_order(memory, tmp_path):
                 "120",
                 "--json",
                 str(path),
-                "--plot",
-                str(tmp_path / f"{order}.png"),
             ]
         )
-        assert path.exists() and (tmp_path / f"{order}.png").exists()
+        assert path.exists()
         rows[order] = {(r["impl"], r["bytes"]): r for r in found}
         for row in found:
             assert row["status"] == "ok", row
