@@ -1,31 +1,12 @@
 """One harness for every benchmark here: what they register, time, print and save.
 
 Every benchmark in this folder is built from the same parts, as mpi4py's ``bench.py``
-and the OSU micro-benchmarks are:
-
-- :class:`Registry`: the implementations (or methods) a benchmark compares, each one
-  record with a declared interface; adding one is one record in one place.
-- :func:`time_rounds`: the one timing loop. Every case runs once untimed (warm-up,
-  compilation), then ``samples`` rounds time every case once in turn (round-robin,
-  so that a drifting machine load touches all alike), each after a barrier; per
-  sample the slowest rank counts (a collective is as slow as its last rank).
-- :class:`Compiles`: how many XLA compilations ran in a block (none should run
-  in a timed or measured one).
-- :func:`fit_trips`: a loop timed at several trip counts split into the time per
-  trip and the fixed part (one dispatch), robustly (the median line's intercept).
-- :func:`summary`: min, median, mean, standard deviation and max of the samples,
-  and their spread (the quartiles' distance over the median).
-- :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
-  as they are measured.
-- :func:`meta`: provenance (machine, MPI, versions, backend, commit, UTC time).
-- :func:`add_output_arguments` and :func:`save`: ``--json PATH`` and ``--plot PNG``,
-  written one way: ``{"meta": ..., "results": [...]}`` and a matplotlib figure.
-- :func:`run_job`: a parent process that is not itself in an MPI job (the bootstrap
-  and memory benchmarks) starts ``mpiexec`` jobs, each with a time limit, and reads
-  the ``RESULT {json}`` lines they print.
-- :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`settle` and
-  :func:`memory_job_env`: what a job that measures memory reads, waits for and
-  runs with (``memory.py``).
+and the OSU micro-benchmarks are: a :class:`Registry` of what is compared; one
+timing loop, :func:`time_rounds` (round-robin over the cases, a barrier before each,
+the slowest rank counts) with :func:`fit_trips`, :func:`summary` and
+:class:`Compiles`; a :class:`Table`; provenance, :func:`meta`; ``--json`` (and
+``--plot``) written by :func:`save`; jobs a parent starts and reads,
+:func:`run_job`; and what a job that measures memory reads (:func:`rss_bytes` ...).
 """
 
 from __future__ import annotations
@@ -85,9 +66,6 @@ class Registry:
             raise KeyError(
                 f"no {self.kind} {name!r}; choose from {', '.join(self._records)}"
             ) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self._records
 
     def choose(self, text: str, option: str) -> list[str]:
         """Return the names in comma-separated ``text``; ``ValueError`` naming
@@ -668,79 +646,6 @@ def save(
 
         matplotlib.use("Agg")
         plot(results, args.plot)
-
-
-def plot_lines(
-    results: list[dict],
-    path: str,
-    *,
-    x: str,
-    panels: Sequence[tuple[str, str, float]],
-    series: Callable[[dict], str],
-    title: str,
-    xlabel: str,
-    style: Callable[[str], dict] | None = None,
-    logx: int | None = 2,
-    bands: dict[str, tuple[str, str]] | None = None,
-    banded: Callable[[str], bool] | None = None,
-    titles: Sequence[str] | None = None,
-) -> None:
-    """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
-    against ``x``, log-log, one line per ``series(row)``, the legend outside the
-    panels (right of them).
-
-    ``bands[key] = (low, high)`` shades each line's ``low .. high`` (its quartiles)
-    in that panel, for the series ``banded(name)`` accepts (all without it);
-    ``titles`` titles the panels in order.
-    """
-    import matplotlib.pyplot as plt
-
-    count = len(panels)
-    fig, axes = plt.subplots(
-        1, count, figsize=(5.5 * count + 2.5, 4.5), squeeze=False, layout="constrained"
-    )
-    names = list(dict.fromkeys(series(r) for r in results))
-    for ax, (key, label, scale) in zip(axes[0], panels, strict=False):
-        for name in names:
-            rows = sorted(
-                (r for r in results if series(r) == name and r.get(key) is not None),
-                key=lambda r: r[x],
-            )
-            if not rows:
-                continue
-            kwargs = style(name) if style else {}
-            xs = [r[x] for r in rows]
-            ax.plot(
-                xs,
-                [r[key] * scale for r in rows],
-                label=name,
-                **{"marker": ".", **kwargs},
-            )
-            low, high = (bands or {}).get(key, (None, None))
-            if banded is not None and not banded(name):
-                low = None
-            if low and all(r.get(low) is not None for r in rows):
-                ax.fill_between(
-                    xs,
-                    [r[low] * scale for r in rows],
-                    [r[high] * scale for r in rows],
-                    color=kwargs.get("color"),
-                    alpha=0.15,
-                    linewidth=0,
-                )
-        if logx:
-            ax.set_xscale("log", base=logx)
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    for ax, text in zip(axes[0], titles or (), strict=False):
-        ax.set_title(text, fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------
