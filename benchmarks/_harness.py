@@ -148,15 +148,9 @@ def time_rounds(
 
 @dataclass(frozen=True)
 class LoopFit:
-    """What :func:`fit_trips` finds in a loop timed at several trip counts.
-
-    ``per_trip``: per sample, its time less the fixed part, over its trips (never
-    negative; their median is the time per trip, their quartiles its spread).
-    ``fixed``: the fixed part (seconds), where the samples resolve it; None for a
-    loop without one, or where they do not. ``fixed_at_most``: where they do not,
-    the most it can be (the upper quartile of the estimates, at least 0 and at
-    most the fastest sample).
-    """
+    """What :func:`fit_trips` finds: ``per_trip``, per sample its time less the
+    fixed part over its trips; ``fixed`` (seconds), where the samples resolve it,
+    else None; ``fixed_at_most``, where they do not, the most it can be."""
 
     per_trip: list[float]
     fixed: float | None
@@ -166,21 +160,15 @@ class LoopFit:
 def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> LoopFit:
     """Split timed loops into the time per trip and the fixed part, robustly.
 
-    ``times[k]`` are the samples of the same loop run with ``k`` trips
-    (:func:`time_rounds` times every trip count in each round), each
-    ``fixed + k * trip + noise``. Every pair of samples of two trip counts gives a
-    line; the median of their intercepts (as Theil–Sen fits a line) is the fixed
-    part, which a fifth of the samples slowed by any amount (a busy machine) moves
-    little, where the difference of one round's two samples carries their whole
-    noise and goes negative when the shorter loop was the slowed one. Each sample
-    less that part, over its trips, is one time per trip, never negative: their
-    median is the row's time. The fixed part is resolved where the lower quartile
-    of the intercepts is above 0 (with 10 samples per trip count, the quartiles
-    bracket about a 90 % confidence interval of the median) and the median below
-    the fastest sample (no loop costs less than its own fixed part); else its
-    bound is reported (a fixed part a fraction of a per cent of a long, noisy
-    loop), and the times subtract the median all the same where it lies between 0
-    and the fastest sample (the best estimate there is), else nothing.
+    ``times[k]`` are the samples of the same loop run with ``k`` trips, each
+    ``fixed + k * trip + noise``. The fixed part is the median of the intercepts of
+    the lines through every pair of samples of two trip counts (as Theil–Sen fits),
+    which a fifth of the samples slowed by any amount moves little; each sample less
+    it, over its trips, is one time per trip, never negative. It is resolved where
+    the intercepts' lower quartile is above 0 and their median below the fastest
+    sample; else its bound is reported, and the times subtract the median all the
+    same where it lies between 0 and the fastest sample (docs/benchmarks.rst, *The
+    allreduce*).
 
     Args:
         times: samples (seconds) per trip count; two trip counts or more.
@@ -411,6 +399,26 @@ class Table:
 _results = None
 
 
+@contextlib.contextmanager
+def float64_world():
+    """Float64 JAX in ``mpi4jax_dist.initialize()``'s world, JAX on the CPU unless
+    the caller chose; yields COMM_WORLD and restores x64 after (a test's ``main``
+    call leaves the session as it was)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import mpi4jax_dist  # noqa: I001  (before jaxlib: MPI4JAX_DIST_CPU_COLLECTIVES)
+
+    import jax
+    from mpi4py import MPI
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        mpi4jax_dist.initialize()
+        yield MPI.COMM_WORLD
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+
+
 def say(comm, *lines: str, file=None) -> None:
     """Print ``lines`` on rank 0 only (flushed); every rank may call it."""
     if comm is None or comm.Get_rank() == 0:
@@ -524,22 +532,20 @@ def meta(comm=None, **extra) -> dict:
 def hang_line(info: dict) -> str:
     """One header line: what ends this job should it hang, and how to change it."""
     hang = info["on_hang"]
-    timeout = hang["hang_timeout_s"]
-    parts = [
-        (
-            f"after {timeout:g} s without progress (MPI4JAX_DIST_HANG_TIMEOUT; 0: off)"
-            if timeout
-            else "no hang timeout (MPI4JAX_DIST_HANG_TIMEOUT=0)"
-        )
-    ]
-    if hang["standstill"]:
-        parts.append(
-            "within seconds where the ranks wait in calls that cannot match "
-            "(MPI4JAX_DIST_CHECKS)"
-        )
     if hang["watchdog"] == "none":
         return "# on a hang: nothing ends the job (no watchdog in this job)"
-    return "# on a hang: the job ends, named, " + "; ".join(parts)
+    timeout = hang["hang_timeout_s"]
+    line = "# on a hang: the job ends, named, " + (
+        f"after {timeout:g} s without progress (MPI4JAX_DIST_HANG_TIMEOUT; 0: off)"
+        if timeout
+        else "no hang timeout (MPI4JAX_DIST_HANG_TIMEOUT=0)"
+    )
+    if hang["standstill"]:
+        line += (
+            "; within seconds where the ranks wait in calls that cannot match "
+            "(MPI4JAX_DIST_CHECKS)"
+        )
+    return line
 
 
 def pages() -> dict:
@@ -576,11 +582,12 @@ def pages_line(info: dict) -> str:
 
 
 def import_mpi4jax_explained() -> str | None:
-    """Import mpi4jax, where installed, with its warning about a JAX newer than
-    it names caught; return one header line that says what it means (None where
-    it did not warn). Other warnings are passed on as they came."""
-    import re
+    """Import mpi4jax, where installed, with its warning about a JAX newer than it
+    names caught; return one header line instead (None where it did not warn).
+    Other warnings are passed on as they came."""
     import warnings
+
+    import jax
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -590,17 +597,12 @@ def import_mpi4jax_explained() -> str | None:
         return None
     line = None
     for w in caught:
-        found = re.search(
-            r"latest supported JAX version with this release of mpi4jax is (\S+), "
-            r"but you have (\S+?)\. If",
-            str(w.message),
-        )
-        if found:
+        if "latest supported JAX version" in str(w.message):
             line = (
-                f"# mpi4jax {mpi4jax.__version__} names JAX {found[1]} as the newest "
-                f"it was released with; this is JAX {found[2]}, on which this "
-                "package's CI runs mpi4jax's calls and checks them; its warning is "
-                "not repeated here (MPI4JAX_NO_WARN_JAX_VERSION=1 silences it)"
+                f"# mpi4jax {mpi4jax.__version__} names an older JAX than this "
+                f"{jax.__version__}, on which this package's CI runs mpi4jax's calls "
+                "and checks them; its warning is not repeated here "
+                "(MPI4JAX_NO_WARN_JAX_VERSION=1 silences it)"
             )
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -4,44 +4,23 @@
         [--backends ...] [--variants ...] [--replace-every K] [--repeat R]
         [--json PATH]
 
-Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
-split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
-with a known random ``x_true``. (Problem B, the stochastic-reconfiguration normal
-equations, is settled and retired from this script: one reduction per iteration in
-every variant, so none gains; docs/benchmarks.rst cites its rows, run by the script
-as it last was, from ``git archive 9d20368:benchmarks``, as ``--problems B``.
-``sr.py`` times that solve as users write it.)
+Problem A (``_poisson.py``): the 2-D Poisson operator on an ``n x n`` grid in row
+blocks. Methods (``--backends``): every ``--variants`` of :mod:`mpi4jax_dist.cg`
+with each backend (``mpi4jax``, ``psum``); the floor ``mpi4py+numpy``; the
+reference ``jax.scipy`` on global sharded arrays. Float64, no preconditioner, timed
+round-robin (``_harness.time_rounds``), t/iter the median solve over its
+iterations; residual and error recomputed in NumPy for all alike. Reductions per
+iteration, counted from what ran: ours in the compiled loop (``_hlo.py``; the
+traced count, ``info.reductions``, beside it), the references' in their compiled
+while loop times their iterations (a debug callback counts them), the floor's by
+its communicator; "design" is what the algorithm needs. docs/benchmarks.rst,
+*Distributed conjugate gradients*, gives the runs. Where the ranks fill the cores,
+run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (recorded in the header).
 
-Methods (``--backends``, default all): every variant (``--variants``) of
-:mod:`mpi4jax_dist.cg` with each of its backends (``mpi4jax``, ``psum``); the floor
-``mpi4py+numpy`` (classic CG in NumPy over mpi4py); the reference ``jax.scipy``
-(``jax.scipy.sparse.linalg.cg`` on global arrays sharded over ``global_mesh()``,
-what a JAX user tries first: XLA inserts the collectives). All in float64, no
-preconditioner.
-
-Timing (``_harness.time_rounds``): every method of a problem runs once untimed
-(compilation, warm-up); then ``--repeat`` rounds time each method once in turn
-(round-robin), each solve after a barrier and ended by ``block_until_ready``; a
-solve's time is the slowest rank's; t/iter is the median over rounds divided by the
-iterations made (set-up and the final residual check included). Residual and error
-are recomputed here in NumPy for every method alike.
-
-Reductions per iteration, counted from what ran: for ``mpi4jax_dist.cg``, the
-reductions in the compiled loop of the solve (called inside a ``jit`` compiled for
-the count; ``benchmarks/_hlo.py``), the matvec's included, times the iterations
-(``info.reductions``, counted in the traced program, is in the JSON beside it as
-``reductions_counted_traced``); for the references,
-the reductions in the one while loop of their compiled program times their
-iterations (counted by a debug callback in an untimed run); for the floor, a counter
-in the communicator it calls. "design" is what the algorithm needs.
-
-(Settled, and retired from this script: the share of an iteration spent reducing,
-from one reduction's time in a jitted loop, ``--reduce-loop``; docs/benchmarks.rst
-cites it, run by the script as it last was, from ``git archive 819e3f9:benchmarks``.)
-
-Where the ranks fill the cores, run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``:
-NumPy's BLAS threads otherwise spin against the other ranks and the floor's dot
-products slow down several-fold (the header and the JSON record these variables).
+Settled, and retired from this script, run as it last was from ``git archive
+<commit>:benchmarks``: problem B, the normal equations (``--problems B``, 9d20368;
+``sr.py`` times that solve as users write it), and the share of an iteration spent
+reducing (``--reduce-loop``, 819e3f9).
 """
 
 from __future__ import annotations
@@ -170,7 +149,6 @@ class Bench:
 
     def record(
         self,
-        problem,
         backend,
         variant,
         *,
@@ -195,7 +173,7 @@ class Bench:
         t_iter = t_solve / max(iterations, 1)
         per_iter = None if counted is None else counted / max(iterations, 1)
         row = {
-            "problem": problem,
+            "problem": "A",  # the one problem left (B is settled)
             "backend": backend,
             "variant": variant,
             "iterations": int(iterations),
@@ -235,7 +213,7 @@ class Bench:
 
     # The kinds of methods ----------------------------------------------------------
 
-    def add_floor(self, problem, prob, check):
+    def add_floor(self, prob, check):
         b, tol, maxiter, comm = prob.b, self.tol, self.maxiter, self.comm
 
         def run():
@@ -246,7 +224,6 @@ class Bench:
         def finish(samples, output):
             x, k, reductions, recurrence = output
             self.record(
-                problem,
                 FLOOR,
                 "classic",
                 samples=samples,
@@ -263,7 +240,6 @@ class Bench:
 
     def add_ours(
         self,
-        problem,
         backend,
         label,
         solve,
@@ -293,7 +269,6 @@ class Bench:
                 counted = int(loop.total(k, (matvecs - k) // 4))
             traced = int(info.reductions)
             self.record(
-                problem,
                 backend,
                 label,
                 samples=samples,
@@ -315,9 +290,7 @@ class Bench:
 
         self.add(solve, finish)
 
-    def add_jax_cg(
-        self, problem, backend, make, args_, check, design, nbytes, to_numpy
-    ):
+    def add_jax_cg(self, backend, make, args_, check, design, nbytes, to_numpy):
         """Queue a ``jax.scipy.sparse.linalg.cg`` reference.
 
         ``make(counter)`` returns the jitted solve; with a counter, its matvec calls
@@ -343,7 +316,6 @@ class Bench:
             if loop is not None and loop.exact:
                 counted = loop.total(iterations)
             self.record(
-                problem,
                 backend,
                 "cg",
                 samples=samples,
@@ -382,7 +354,7 @@ class Bench:
             f"rank, tol {self.tol:g}, maxiter {self.maxiter}"
         )
         if self.wants(FLOOR):
-            self.add_floor("A", prob, check)
+            self.add_floor(prob, check)
         b_local = jnp.asarray(prob.b)
         b_global = to_global(b_local, mesh)
         for backend in (b for b in cg.BACKENDS if self.wants(b)):
@@ -403,7 +375,6 @@ class Bench:
                 solve = functools.partial(solver, b, tol=tol, maxiter=maxiter)
                 program = jax.jit(functools.partial(solver, tol=tol, maxiter=maxiter))
                 self.add_ours(
-                    "A",
                     backend,
                     variant,
                     solve,
@@ -432,7 +403,6 @@ class Bench:
                 )
 
             self.add_jax_cg(
-                "A",
                 JAX_SCIPY,
                 make,
                 (b_global,),
@@ -481,24 +451,6 @@ class Bench:
         self.say(*lines)
 
 
-def metadata(args, comm) -> dict:
-    import scipy
-
-    meta = _harness.meta(
-        comm,
-        args=vars(args),
-        timing="median over --repeat solves (round-robin) of the slowest rank's "
-        "wall time, compilation and one warm-up solve excluded; t_iter_s = that / "
-        "iterations",
-        reductions_counted="mpi4jax_dist.cg: its compiled loop (body x iterations "
-        "+ replacement branch x replacements; reductions_counted_traced: "
-        "info.reductions, from the traced loop); jax.scipy references: their "
-        "compiled while body x iterations; floor: a counter in the communicator",
-    )
-    meta["versions"]["scipy"] = scipy.__version__
-    return meta
-
-
 def parse(argv):
     from mpi4jax_dist import cg
 
@@ -538,17 +490,12 @@ def main(argv=None) -> list[dict]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parse(argv)
     import jax
+    import scipy
 
     import mpi4jax_dist
     from mpi4jax_dist import _compat
 
-    x64 = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        mpi4jax_dist.initialize()
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
+    with _harness.float64_world() as comm:
         bench = Bench(args, comm, mpi4jax_dist.global_mesh())
         bench.say(
             f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
@@ -564,16 +511,22 @@ def main(argv=None) -> list[dict]:
         )
         bench.problem_a()
         bench.speedups()
-        _harness.save(
-            args,
-            metadata(args, comm),
-            bench.results,
-            comm=comm,
+        meta = _harness.meta(
+            comm,
+            args=vars(args),
+            timing="median over --repeat solves (round-robin) of the slowest "
+            "rank's wall time, compilation and one warm-up solve excluded; "
+            "t_iter_s = that / iterations",
+            reductions_counted="mpi4jax_dist.cg: its compiled loop (body x "
+            "iterations + replacement branch x replacements; "
+            "reductions_counted_traced: info.reductions, from the traced loop); "
+            "jax.scipy references: their compiled while body x iterations; floor: "
+            "a counter in the communicator",
         )
+        meta["versions"]["scipy"] = scipy.__version__
+        _harness.save(args, meta, bench.results, comm=comm)
         comm.Barrier()
         return bench.results
-    finally:
-        jax.config.update("jax_enable_x64", x64)
 
 
 if __name__ == "__main__":

@@ -88,15 +88,14 @@ def free_port() -> int:
 def service_sockets(port: int) -> dict[str, int] | None:
     """Return the TCP sockets whose local port is ``port``, from /proc/net/tcp and
     /proc/net/tcp6: ``accepted`` (ESTABLISHED and open in this process: the
-    service's file descriptors, matched by inode), ``queued`` (ESTABLISHED by the
-    kernel but not yet accepted: inode 0, no file descriptor yet) and ``listening``
-    (LISTEN sockets of this process). None when the tables cannot be read (with the
-    open-file limit reached, even /proc cannot be opened)."""
+    service's file descriptors, matched by inode; the kernel's queued ones have
+    inode 0) and ``listening`` (LISTEN sockets of this process). None when the
+    tables cannot be read (at the open-file limit even /proc cannot be opened)."""
     wanted = f":{port:04X}"
     ours = socket_inodes()
     if ours is None:
         return None
-    counts = {"accepted": 0, "queued": 0, "listening": 0}
+    counts = {"accepted": 0, "listening": 0}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -106,11 +105,8 @@ def service_sockets(port: int) -> dict[str, int] | None:
                     if not fields[1].endswith(wanted):
                         continue
                     inode = fields[9]
-                    if fields[3] == TCP_ESTABLISHED:
-                        if inode == "0":
-                            counts["queued"] += 1
-                        elif inode in ours:
-                            counts["accepted"] += 1
+                    if fields[3] == TCP_ESTABLISHED and inode in ours:
+                        counts["accepted"] += 1
                     elif fields[3] == TCP_LISTEN and inode in ours:
                         counts["listening"] += 1
         except FileNotFoundError:  # no IPv6

@@ -1,60 +1,47 @@
 """Peak memory of one allreduce, per implementation and size, each in its own job.
 
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
-        [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
-        [--dtype float32|float64|int32|int8] [--gpu] [--timeout S]
-        [--json PATH]
+        [--impls mpi4py,mpi4jax,...] [--order default|reversed]
+        [--dtype float32|float64|int32|int8] [--gpu] [--timeout S] [--json PATH]
 
-    # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
-    python benchmarks/memory.py --sizes 256MiB,1GiB
-    python benchmarks/memory.py --sizes 2147483664 --dtype int8
+Sizes are bytes per rank of one ``--dtype`` (with ``int8`` a size is the element
+count: ``--sizes 2147483664 --dtype int8`` is 2^31 + 16). Run it without
+``mpiexec``: every (implementation, size) is a fresh ``mpiexec -n P`` job, so that
+no figure depends on what ran before it in the process (allocator reuse made
+in-process figures change with the order; ``--order reversed`` shows they do not
+now) and a crash ends that case only (its row says ``crashed (status, signal)`` or
+``timed out (s)``). In the job every rank builds the implementation (JAX ones
+compile ahead of time), loads its checked input (``_allreduce_impls.pattern``, made
+by XLA), lets the set-up settle, resets the peak RSS (VmHWM) and reads the
+baseline; then one allreduce, ``call()``. A row: the rise of the peak over the
+baseline in messages (largest rank), the call's time, the XLA compilations during
+it (none), whether the result is exactly ``S(i)``, for JAX cases the temp XLA plans
+(``xla_temp``), for ``mpi4jax_dist`` cases ``in_place`` (its handler got one buffer
+in and out on every rank: ``mpi4jax_dist.op_counts``, in the JSON as
+``handler_stats``). The cases: the ``IMPLS`` of benchmarks/_allreduce_impls.py, and
+on an intermediate inside the ``jit``, ``allreduce(x + z)`` (``z`` a zero passed at
+run time, not donated), ``mpi4jax_dist_tmp`` (``x + z`` written into the result's
+buffer, reduced in place) and ``mpi4jax_tmp`` (``x + z`` beside mpi4jax's result).
+docs/benchmarks.rst, *Memory*, says what to expect and why the jobs run with
+``MALLOC_MMAP_THRESHOLD_=131072``.
 
-Sizes are bytes per rank, one ``--dtype`` for all of them, and a size must be a
-whole number of elements: with ``int8`` a size is the element count.
-
-Run it without ``mpiexec``: for every (implementation, size) case it starts a fresh
-``mpiexec -n P`` job (``_harness.run_job``), so that no figure depends on what ran
-before it in the same process (allocator reuse made the old in-process figures
-change with the order), and so that a crash ends that case only (a row says
-``crashed (status, signal)`` or ``timed out (s)``; mpi4jax 0.9.1 segfaults above
-2^31 elements). ``--order`` runs the cases in another order. In the job, every
-rank builds the implementation (JAX ones compile ahead of time), loads its checked
-input (``_allreduce_impls.pattern``, made by XLA), lets the set-up settle, resets
-the peak RSS (VmHWM) and reads the baseline; then one allreduce, ``call()``; the
-rise is the peak over the baseline, in messages, on the largest rank, with the
-time of that call, the XLA compilations during it (none) and whether the result
-is exactly ``S(i)``. For JAX cases ``xla_temp`` is the temp XLA plans
-(``memory_analysis()``); for ``mpi4jax_dist`` cases ``in_place`` says whether its
-handler got one buffer in and out on every rank (``mpi4jax_dist.op_counts``, in the
-JSON as ``handler_stats``). The cases are the ``IMPLS`` of
-benchmarks/_allreduce_impls.py and two on an intermediate inside the ``jit``,
-``allreduce(x + z)`` with ``z`` a zero passed at run time, not donated:
-``mpi4jax_dist_tmp`` (XLA writes ``x + z`` into the result's buffer, which the op
-reduces in place) and ``mpi4jax_tmp`` (``x + z`` beside mpi4jax's result).
-docs/benchmarks.rst, *Memory*, gives what to expect and why the jobs run with
-``MALLOC_MMAP_THRESHOLD_=131072`` (settled: the figures with glibc's default and
-after a warm-up call are cited there).
-
-``--gpu`` (``tools/gpu_check.sh`` runs it): the same on a GPU, measured by the
-device's ``memory_stats()``: ``bytes_in_use`` before the call is the baseline and
-``peak_bytes_in_use`` after it the peak. The peak cannot be reset, so the input is
-made on the device with nothing else held; where the peak before the call was
-already as high the row's ``bound`` says the rise is only an upper bound. The jobs
-run with ``JAX_PLATFORMS=cuda`` and ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; the
-per-rank implementations without ``jax.distributed`` (ranks may share one GPU),
-staged or CUDA-aware as ``MPI4JAX_DIST_CUDA_AWARE_MPI`` says (mpi4jax likewise,
-``MPI4JAX_USE_CUDA_MPI``). The rows add the mode that ran, the pinned host memory
-and the pieces staged (``op_counts``). Without a GPU it says so and exits 0; the
-exit status judges the package's rows only (mpi4jax crashing above 2^31 is
-reported). The default cases: ``mpi4jax_dist``, ``mpi4jax_dist_tmp``,
-``mpi4jax`` and ``psum``.
+``--gpu`` (``tools/gpu_check.sh``): the same on a GPU, by the device's
+``memory_stats()``: the baseline ``bytes_in_use`` before the call, the peak
+``peak_bytes_in_use`` after it. That peak cannot be reset, so the input is made on
+the device with nothing else held, and ``bound <=`` marks a rise that is only an
+upper bound (the peak was that high before). The jobs run with
+``JAX_PLATFORMS=cuda``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the per-rank cases
+without ``jax.distributed`` (ranks may share a GPU), staged or CUDA-aware as
+``MPI4JAX_DIST_CUDA_AWARE_MPI`` says (mpi4jax alike); rows add the mode, the pinned
+host memory and the pieces staged. Default cases: ``mpi4jax_dist``,
+``mpi4jax_dist_tmp``, ``mpi4jax`` and ``psum``. No GPU: one sentence, exit 0; the
+exit status judges the package's rows only (mpi4jax crashes above 2^31).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -64,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _allreduce_impls  # noqa: E402
 import _harness  # noqa: E402
 
-ORDERS = ("default", "reversed", "shuffled")
+ORDERS = ("default", "reversed")
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
 GPU_IMPLS = ["mpi4jax_dist", "mpi4jax_dist_tmp", "mpi4jax", "psum"]
 # What JAX sees in a fresh process, as the --gpu jobs will: its GPUs, or why none.
@@ -166,13 +153,10 @@ def load_pattern(impl, rank: int, procs: int, device) -> None:
 
 
 def grow_communicator_pool(comm, count: int = 4) -> None:
-    """Make and free ``count`` duplicates of ``comm`` (collective). MPI allocates
-    its communicator objects in blocks (MPICH: a block of them, about 1.8 MiB,
-    once its preallocated ones are used up), and the package's first call makes
-    duplicates of its communicator: whether that call's window holds the block
-    then depends on how many communicators exist already (the watchdog's two, on
-    by default, tipped a 4 MiB call from 0.46 to 0.91 messages, 1.8 MiB at every
-    size). Made and freed before the baseline, the call reuses them."""
+    """Make and free ``count`` duplicates of ``comm`` (collective): MPI allocates
+    communicators in blocks (MPICH: about 1.8 MiB), and the first call's own
+    duplicates must not start one inside the measured window (docs/benchmarks.rst,
+    *Memory*). Made and freed before the baseline, the call reuses them."""
     made = [comm.Dup() for _ in range(count)]
     for duplicate in made:
         duplicate.Free()
@@ -293,16 +277,6 @@ def run_case(name: str, nbytes: int, dtype: str, gpu: bool) -> None:
 # The parent: one job per case
 
 
-def order_cases(cases: list, order: str, seed: int) -> list:
-    """Return ``cases`` in ``order``: as given, reversed, or shuffled by ``seed``."""
-    cases = list(cases)
-    if order == "reversed":
-        cases.reverse()
-    elif order == "shuffled":
-        random.Random(seed).shuffle(cases)
-    return cases
-
-
 def timeout_for(nbytes: int, timeout: float | None) -> float:
     """Return a job's time limit: ``timeout``, or by default 120 s plus 60 s per
     GiB of message (a 2 GiB case makes and checks 2^31 elements per rank)."""
@@ -353,7 +327,6 @@ def parse_args(argv):
     )
     IMPLS.option(parser, "--impls")
     parser.add_argument("--order", choices=ORDERS, default="default")
-    parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
     parser.add_argument(
         "--dtype",
         choices=_allreduce_impls.DTYPES,
@@ -416,11 +389,9 @@ def main(argv=None) -> list[dict]:
         run_case(name, int(nbytes), args.dtype, args.gpu)
         return []
     _harness.not_under_mpiexec("memory.py")
-    cases = order_cases(
-        [(name, nbytes) for nbytes in args.sizes for name in args.impls],
-        args.order,
-        args.seed,
-    )
+    cases = [(name, nbytes) for nbytes in args.sizes for name in args.impls]
+    if args.order == "reversed":  # the figures must not move
+        cases.reverse()
     env = job_env(args.gpu)
     table = _harness.Table(COLUMNS + GPU_COLUMNS * args.gpu)
     gpus, notes = [], []
@@ -441,7 +412,6 @@ def main(argv=None) -> list[dict]:
         procs=args.procs,
         dtype=args.dtype,
         order=args.order,
-        seed=args.seed,
         malloc_mmap_threshold=threshold,
         mpiexec=_harness.find_mpiexec(),
         gpus=gpus,

@@ -1,38 +1,28 @@
 """Can a CG's reduction hide behind its matvec? The delay table, for
 mpi4jax_dist.cg's mpi4jax backend.
 
-Usage::
-
     mpiexec -bind-to core -n 2 python benchmarks/overlap.py
         [--delays 0,20,50,100,200] [--grids 64,256]
         [--variants classic,single,pipelined,...] [--iters 100] [--samples 5]
         [--json PATH]
 
-(Open MPI: ``--bind-to core``.) Every case of a grid is compiled first and then
-timed round-robin with the others, so that a drift of the machine's speed falls on
-all alike.
+(Open MPI: ``--bind-to core``.) Two ranks on shared memory have almost no
+reduction latency to hide, so every reduction completes ``delay`` µs after it was
+posted, as an 8-byte allreduce over 10^4 ranks does: a PMPI interposer
+(``pmpi_latency.c``, built and preloaded, :mod:`_latency`) holds each
+``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait until then. A blocking
+reduction pays ``delay``, an overlapped one ``max(delay, matvec)``. Each variant
+runs ``--iters`` iterations of the 2-D Poisson problem (``_poisson.py``; tolerance
+below reach, so every solve makes as many), compiled first, then timed round-robin
+per grid; the table gives the slowest rank's time per iteration, the median of
+``--samples`` solves.
 
-Two ranks on one machine's shared memory have almost no reduction latency to hide,
-so the delay table injects what a large machine has: every reduction completes
-``delay`` µs after it was posted, as an 8-byte allreduce over 10^4 ranks does: a
-PMPI interposer (``pmpi_latency.c``, built and preloaded by the benchmark,
-:mod:`_latency`) holds each ``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait
-until then. A blocking reduction pays ``delay``, an overlapped one ``max(delay,
-matvec)``. (Settled, and retired from this script: a delay on rank 1 alone, load
-imbalance, and on each rank in half the iterations, OS noise, which no variant
-hides; docs/benchmarks.rst cites their rows, run by the script as it last was, from
-``git archive 9d20368:benchmarks``, as ``--mode rank1,noise``.)
-
-Each variant runs
-``--iters`` iterations of the 2-D Poisson problem of ``benchmarks/cg.py`` (tolerance
-below reach, so every solve makes the same number), and the table gives the
-slowest rank's time per iteration, median of ``--samples`` solves, round-robin.
-
-(Settled, and retired from this script, run from ``git archive
-819e3f9:benchmarks``: the overlap microbenchmark, one non-blocking allreduce and
-the matvec alone and overlapped in jitted loops, with what the extension counted of
-its waits and of ``pipelined_nb``'s, and the progress table, the reduction
-overlapped with work that makes no MPI call.)
+Settled, and retired from this script, run as it last was from ``git archive
+<commit>:benchmarks`` (docs/benchmarks.rst cites their rows): a delay on rank 1
+alone and OS noise, which no variant hides (``--mode rank1,noise``, 9d20368); the
+overlap microbenchmark (one non-blocking allreduce and the matvec, alone and
+overlapped, with the extension's counts of the waits) and the progress table (the
+reduction overlapped with work that makes no MPI call) (819e3f9).
 """
 
 from __future__ import annotations

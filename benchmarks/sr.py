@@ -455,22 +455,12 @@ def parse(argv):
 
 
 def main(argv=None) -> list[dict]:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parse(argv)
-    import jax
+    with _harness.float64_world() as comm:
+        import jax
 
-    import mpi4jax_dist
-
-    x64 = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        mpi4jax_dist.initialize()
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        variants = cg_module().VARIANTS
         if args.variants is None:
-            args.variants = list(variants)
+            args.variants = list(cg_module().VARIANTS)
         elif isinstance(args.variants, str):
             args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         bench = Bench(args, comm)
@@ -495,8 +485,6 @@ def main(argv=None) -> list[dict]:
         _harness.save(args, meta, bench.results, comm=comm)
         comm.Barrier()
         return bench.results
-    finally:
-        jax.config.update("jax_enable_x64", x64)
 
 
 def _chunk_bytes() -> int:
