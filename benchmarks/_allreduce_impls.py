@@ -605,12 +605,3 @@ class Gspmd(GlobalJax):
 # What a run measures unless --impls says otherwise: every implementation
 # registered above (so after the last of them), but the unchecked variant.
 DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
-
-
-# Not a record of IMPLS: the floor of allreduce.py's dispatch rows.
-class JitPlusOne(Mpi4jax):
-    """``jax.jit(lambda v: v + 1)``: one jitted call with no effect, JAX's C++
-    dispatch path."""
-
-    def reduce(self, v):
-        return v + 1

@@ -1,31 +1,12 @@
 """One harness for every benchmark here: what they register, time, print and save.
 
 Every benchmark in this folder is built from the same parts, as mpi4py's ``bench.py``
-and the OSU micro-benchmarks are:
-
-- :class:`Registry`: the implementations (or methods) a benchmark compares, each one
-  record with a declared interface; adding one is one record in one place.
-- :func:`time_rounds`: the one timing loop. Every case runs once untimed (warm-up,
-  compilation), then ``samples`` rounds time every case once in turn (round-robin,
-  so that a drifting machine load touches all alike), each after a barrier; per
-  sample the slowest rank counts (a collective is as slow as its last rank).
-- :class:`Compiles`: how many XLA compilations ran in a block (none should run
-  in a timed or measured one).
-- :func:`fit_trips`: a loop timed at several trip counts split into the time per
-  trip and the fixed part (one dispatch), robustly (the median line's intercept).
-- :func:`summary`: min, median, mean, standard deviation and max of the samples,
-  and their spread (the quartiles' distance over the median).
-- :class:`Table`: fixed-width rows under a ``#`` header with units, printed by rank 0
-  as they are measured.
-- :func:`meta`: provenance (machine, MPI, versions, backend, commit, UTC time).
-- :func:`add_output_arguments` and :func:`save`: ``--json PATH`` and ``--plot PNG``,
-  written one way: ``{"meta": ..., "results": [...]}`` and a matplotlib figure.
-- :func:`run_job`: a parent process that is not itself in an MPI job (the bootstrap
-  and memory benchmarks) starts ``mpiexec`` jobs, each with a time limit, and reads
-  the ``RESULT {json}`` lines they print.
-- :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`settle` and
-  :func:`memory_job_env`: what a job that measures memory reads, waits for and
-  runs with (``memory.py``).
+and the OSU micro-benchmarks are: a :class:`Registry` of what is compared; one
+timing loop, :func:`time_rounds` (round-robin over the cases, a barrier before each,
+the slowest rank counts) with :func:`fit_trips`, :func:`summary` and
+:class:`Compiles`; a :class:`Table`; provenance, :func:`meta`; ``--json`` (and
+``--plot``) written by :func:`save`; jobs a parent starts and reads,
+:func:`run_job`; and what a job that measures memory reads (:func:`rss_bytes` ...).
 """
 
 from __future__ import annotations
@@ -85,9 +66,6 @@ class Registry:
             raise KeyError(
                 f"no {self.kind} {name!r}; choose from {', '.join(self._records)}"
             ) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self._records
 
     def choose(self, text: str, option: str) -> list[str]:
         """Return the names in comma-separated ``text``; ``ValueError`` naming
@@ -170,15 +148,9 @@ def time_rounds(
 
 @dataclass(frozen=True)
 class LoopFit:
-    """What :func:`fit_trips` finds in a loop timed at several trip counts.
-
-    ``per_trip``: per sample, its time less the fixed part, over its trips (never
-    negative; their median is the time per trip, their quartiles its spread).
-    ``fixed``: the fixed part (seconds), where the samples resolve it; None for a
-    loop without one, or where they do not. ``fixed_at_most``: where they do not,
-    the most it can be (the upper quartile of the estimates, at least 0 and at
-    most the fastest sample).
-    """
+    """What :func:`fit_trips` finds: ``per_trip``, per sample its time less the
+    fixed part over its trips; ``fixed`` (seconds), where the samples resolve it,
+    else None; ``fixed_at_most``, where they do not, the most it can be."""
 
     per_trip: list[float]
     fixed: float | None
@@ -188,21 +160,15 @@ class LoopFit:
 def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> LoopFit:
     """Split timed loops into the time per trip and the fixed part, robustly.
 
-    ``times[k]`` are the samples of the same loop run with ``k`` trips
-    (:func:`time_rounds` times every trip count in each round), each
-    ``fixed + k * trip + noise``. Every pair of samples of two trip counts gives a
-    line; the median of their intercepts (as Theil–Sen fits a line) is the fixed
-    part, which a fifth of the samples slowed by any amount (a busy machine) moves
-    little, where the difference of one round's two samples carries their whole
-    noise and goes negative when the shorter loop was the slowed one. Each sample
-    less that part, over its trips, is one time per trip, never negative: their
-    median is the row's time. The fixed part is resolved where the lower quartile
-    of the intercepts is above 0 (with 10 samples per trip count, the quartiles
-    bracket about a 90 % confidence interval of the median) and the median below
-    the fastest sample (no loop costs less than its own fixed part); else its
-    bound is reported (a fixed part a fraction of a per cent of a long, noisy
-    loop), and the times subtract the median all the same where it lies between 0
-    and the fastest sample (the best estimate there is), else nothing.
+    ``times[k]`` are the samples of the same loop run with ``k`` trips, each
+    ``fixed + k * trip + noise``. The fixed part is the median of the intercepts of
+    the lines through every pair of samples of two trip counts (as Theil–Sen fits),
+    which a fifth of the samples slowed by any amount moves little; each sample less
+    it, over its trips, is one time per trip, never negative. It is resolved where
+    the intercepts' lower quartile is above 0 and their median below the fastest
+    sample; else its bound is reported, and the times subtract the median all the
+    same where it lies between 0 and the fastest sample (docs/benchmarks.rst, *The
+    allreduce*).
 
     Args:
         times: samples (seconds) per trip count; two trip counts or more.
@@ -433,6 +399,26 @@ class Table:
 _results = None
 
 
+@contextlib.contextmanager
+def float64_world():
+    """Float64 JAX in ``mpi4jax_dist.initialize()``'s world, JAX on the CPU unless
+    the caller chose; yields COMM_WORLD and restores x64 after (a test's ``main``
+    call leaves the session as it was)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import mpi4jax_dist  # noqa: I001  (before jaxlib: MPI4JAX_DIST_CPU_COLLECTIVES)
+
+    import jax
+    from mpi4py import MPI
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        mpi4jax_dist.initialize()
+        yield MPI.COMM_WORLD
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+
+
 def say(comm, *lines: str, file=None) -> None:
     """Print ``lines`` on rank 0 only (flushed); every rank may call it."""
     if comm is None or comm.Get_rank() == 0:
@@ -546,22 +532,20 @@ def meta(comm=None, **extra) -> dict:
 def hang_line(info: dict) -> str:
     """One header line: what ends this job should it hang, and how to change it."""
     hang = info["on_hang"]
-    timeout = hang["hang_timeout_s"]
-    parts = [
-        (
-            f"after {timeout:g} s without progress (MPI4JAX_DIST_HANG_TIMEOUT; 0: off)"
-            if timeout
-            else "no hang timeout (MPI4JAX_DIST_HANG_TIMEOUT=0)"
-        )
-    ]
-    if hang["standstill"]:
-        parts.append(
-            "within seconds where the ranks wait in calls that cannot match "
-            "(MPI4JAX_DIST_CHECKS)"
-        )
     if hang["watchdog"] == "none":
         return "# on a hang: nothing ends the job (no watchdog in this job)"
-    return "# on a hang: the job ends, named, " + "; ".join(parts)
+    timeout = hang["hang_timeout_s"]
+    line = "# on a hang: the job ends, named, " + (
+        f"after {timeout:g} s without progress (MPI4JAX_DIST_HANG_TIMEOUT; 0: off)"
+        if timeout
+        else "no hang timeout (MPI4JAX_DIST_HANG_TIMEOUT=0)"
+    )
+    if hang["standstill"]:
+        line += (
+            "; within seconds where the ranks wait in calls that cannot match "
+            "(MPI4JAX_DIST_CHECKS)"
+        )
+    return line
 
 
 def pages() -> dict:
@@ -598,11 +582,12 @@ def pages_line(info: dict) -> str:
 
 
 def import_mpi4jax_explained() -> str | None:
-    """Import mpi4jax, where installed, with its warning about a JAX newer than
-    it names caught; return one header line that says what it means (None where
-    it did not warn). Other warnings are passed on as they came."""
-    import re
+    """Import mpi4jax, where installed, with its warning about a JAX newer than it
+    names caught; return one header line instead (None where it did not warn).
+    Other warnings are passed on as they came."""
     import warnings
+
+    import jax
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -612,27 +597,24 @@ def import_mpi4jax_explained() -> str | None:
         return None
     line = None
     for w in caught:
-        found = re.search(
-            r"latest supported JAX version with this release of mpi4jax is (\S+), "
-            r"but you have (\S+?)\. If",
-            str(w.message),
-        )
-        if found:
+        if "latest supported JAX version" in str(w.message):
             line = (
-                f"# mpi4jax {mpi4jax.__version__} names JAX {found[1]} as the newest "
-                f"it was released with; this is JAX {found[2]}, on which this "
-                "package's CI runs mpi4jax's calls and checks them; its warning is "
-                "not repeated here (MPI4JAX_NO_WARN_JAX_VERSION=1 silences it)"
+                f"# mpi4jax {mpi4jax.__version__} names an older JAX than this "
+                f"{jax.__version__}, on which this package's CI runs mpi4jax's calls "
+                "and checks them; its warning is not repeated here "
+                "(MPI4JAX_NO_WARN_JAX_VERSION=1 silences it)"
             )
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return line
 
 
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--json PATH`` and ``--plot PNG``, which :func:`save` honours."""
+def add_output_arguments(parser: argparse.ArgumentParser, plot: bool = False) -> None:
+    """Add ``--json PATH`` and, for a script that draws, ``--plot PNG``, which
+    :func:`save` honours."""
     parser.add_argument("--json", metavar="PATH", help="write meta and results here")
-    parser.add_argument("--plot", metavar="PNG", help="draw the results here")
+    if plot:
+        parser.add_argument("--plot", metavar="PNG", help="draw the results here")
 
 
 def parse_or_work(parser: argparse.ArgumentParser, argv, worker):
@@ -666,129 +648,6 @@ def save(
 
         matplotlib.use("Agg")
         plot(results, args.plot)
-
-
-def plot_lines(
-    results: list[dict],
-    path: str,
-    *,
-    x: str,
-    panels: Sequence[tuple[str, str, float]],
-    series: Callable[[dict], str],
-    title: str,
-    xlabel: str,
-    style: Callable[[str], dict] | None = None,
-    logx: int | None = 2,
-    bands: dict[str, tuple[str, str]] | None = None,
-    banded: Callable[[str], bool] | None = None,
-    titles: Sequence[str] | None = None,
-    extra: Callable | None = None,
-) -> None:
-    """Draw one panel per ``(key, label, scale)`` of ``panels``: ``key * scale``
-    against ``x``, log-log, one line per ``series(row)``, the legend outside the
-    panels (right of them).
-
-    ``bands[key] = (low, high)`` shades each line's ``low .. high`` (its quartiles)
-    in that panel, for the series ``banded(name)`` accepts (all without it);
-    ``titles`` titles the panels in order (``extra``'s last); ``extra(ax)``, where
-    given, draws one more panel to the right.
-    """
-    import matplotlib.pyplot as plt
-
-    count = len(panels) + (extra is not None)
-    fig, axes = plt.subplots(
-        1, count, figsize=(5.5 * count + 2.5, 4.5), squeeze=False, layout="constrained"
-    )
-    names = list(dict.fromkeys(series(r) for r in results))
-    for ax, (key, label, scale) in zip(axes[0], panels, strict=False):
-        for name in names:
-            rows = sorted(
-                (r for r in results if series(r) == name and r.get(key) is not None),
-                key=lambda r: r[x],
-            )
-            if not rows:
-                continue
-            kwargs = style(name) if style else {}
-            xs = [r[x] for r in rows]
-            ax.plot(
-                xs,
-                [r[key] * scale for r in rows],
-                label=name,
-                **{"marker": ".", **kwargs},
-            )
-            low, high = (bands or {}).get(key, (None, None))
-            if banded is not None and not banded(name):
-                low = None
-            if low and all(r.get(low) is not None for r in rows):
-                ax.fill_between(
-                    xs,
-                    [r[low] * scale for r in rows],
-                    [r[high] * scale for r in rows],
-                    color=kwargs.get("color"),
-                    alpha=0.15,
-                    linewidth=0,
-                )
-        if logx:
-            ax.set_xscale("log", base=logx)
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    if extra is not None:
-        extra(axes[0][-1])
-    for ax, text in zip(axes[0], titles or (), strict=False):
-        ax.set_title(text, fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def rise_plot(label: str, group: Callable[[dict], str]):
-    """A ``plot`` for :func:`save`: one panel per ``group(row)``, a bar per
-    implementation, its memory rise in messages (``rise_x``)."""
-    options = dict(key="rise_x", label=label, scale=1.0, group=group, logy=False)
-    return lambda results, path: plot_bars(
-        results, path, bar=lambda r: r["impl"], **options
-    )
-
-
-def plot_bars(
-    results: list[dict],
-    path: str,
-    *,
-    key: str,
-    label: str,
-    scale: float,
-    group: Callable[[dict], str],
-    bar: Callable[[dict], str],
-    color: Callable[[dict], str] | None = None,
-    logy: bool = True,
-) -> None:
-    """Draw one panel per ``group(row)``: a bar of ``key * scale`` per row,
-    labelled ``bar(row)``, on a log scale unless ``logy`` is False."""
-    import matplotlib.pyplot as plt
-
-    groups = list(dict.fromkeys(group(r) for r in results))
-    fig, axes = plt.subplots(
-        1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False
-    )
-    for ax, name in zip(axes[0], groups, strict=True):
-        rows = [r for r in results if group(r) == name and r.get(key) is not None]
-        ax.bar(
-            range(len(rows)),
-            [r[key] * scale for r in rows],
-            color=[color(r) for r in rows] if color else None,
-        )
-        ax.set_xticks(range(len(rows)), [bar(r) for r in rows], rotation=70, fontsize=7)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_ylabel(label)
-        ax.set_title(name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------

@@ -1,44 +1,27 @@
 """Count the cross-process reductions of a loop in XLA's optimized HLO text.
 
 ``jax.jit(f).lower(*args).compile().as_text()`` prints the program that runs, after
-XLA's passes have fused, hoisted, combined or dropped what they could. A solver that
-reads its reductions from there reports what ran, not what it declared: a reduction
-a user's ``matvec`` adds is seen, and one XLA drops is not counted.
+XLA's passes: a count read there is what ran (a reduction a user's ``matvec`` adds
+is seen, one XLA drops is not). The rules of :func:`loop_reductions`:
 
-The rules, in the order :func:`loop_reductions` applies them:
+* **The loop**: the ``while`` whose ``op_name`` ends in ``<loop>/while`` (a
+  ``jax.named_scope(loop)`` around it), else the only ``while`` outside other
+  loops (as in ``jax.scipy.sparse.linalg.cg``); none or several: ``LookupError``.
+* **A reduction**: ``all-reduce``, ``all-reduce-start``, ``reduce-scatter``,
+  mpi4jax's allreduce, reduce and scan custom calls, :func:`mpi4jax_dist.allreduce`
+  and the start of :func:`mpi4jax_dist.iallreduce` (second halves are the same
+  reduction). Collectives that only move data are not. An all-reduce XLA combined
+  from several counts once.
+* **The walk**: the loop's body and condition and all they call (fusions, calls,
+  custom calls' computations, ``async-start``), once per execution of the caller.
+* **A conditional marked** ``<branch>/cond`` counts apart, in
+  :attr:`LoopReductions.branch`, per run of its one reducing branch; any other
+  conditional counts once where its branches reduce alike, else the count is in
+  doubt. **A nested loop** counts its body times XLA's ``known_trip_count`` (its
+  condition once more); without one, a reducing nested loop puts it in doubt.
 
-* **The loop** is the ``while`` instruction whose ``op_name`` metadata ends in
-  ``<loop>/while``: a ``jax.named_scope(loop)`` around the ``lax.while_loop``. Without
-  a name it is the only ``while`` of the program outside other loops (as in
-  ``jax.scipy.sparse.linalg.cg``). Only loops reached from the entry computation
-  without entering another loop's body qualify, so that a solve nested in a
-  ``matvec`` is not taken for the outer one. None or several: ``LookupError``.
-* **A reduction** is an instruction that combines values of several processes:
-  ``all-reduce``, ``all-reduce-start`` (its ``-done`` half is the same reduction),
-  ``reduce-scatter``, mpi4jax's custom calls for allreduce, reduce and scan, and
-  this package's: :func:`mpi4jax_dist.allreduce`'s, and the start of
-  :func:`mpi4jax_dist.iallreduce` (its test and wait complete the same reduction).
-  Collectives that only move data are not: ``collective-permute``, ``all-gather``,
-  ``all-to-all``, send/recv, mpi4jax's ``sendrecv`` (halo exchanges), broadcasts.
-  An all-reduce that XLA combined from several independent ones (a tuple of
-  operands) is one collective and counts once; mpi4jax's calls are never combined.
-* **The walk** covers the loop's body and condition and everything they call:
-  fusions, ``call``, custom calls' computations and ``async-start`` wrappers (their
-  ``async-update``/``async-done`` halves are not walked again); an instruction that
-  calls a computation runs it once per execution of its own.
-* **A conditional marked** ``<branch>/cond`` (``jax.named_scope(branch)`` around the
-  ``lax.cond``) is counted apart, in :attr:`LoopReductions.branch`, per execution of
-  its reducing branch: the caller counts how often that branch runs. At most one of
-  its branches may reduce (the other is expected to pass values through).
-* **Any other conditional** counts once when all its branches reduce alike; when
-  they differ, how many run depends on the data, and the count is in doubt.
-* **A nested loop** counts its body times its trip count and its condition that
-  plus one, when XLA knows the trip count (``known_trip_count``, as for a
-  ``lax.fori_loop`` with static bounds); otherwise a nested loop that reduces puts
-  the count in doubt.
-
-A count in doubt is reported with its reasons (:attr:`LoopReductions.doubts`) rather
-than guessed: the caller decides what to report (``mpi4jax_dist.cg`` reports -1).
+A count in doubt is reported with its reasons (:attr:`LoopReductions.doubts`), not
+guessed: the caller decides (``mpi4jax_dist.cg`` reports -1).
 """
 
 from __future__ import annotations

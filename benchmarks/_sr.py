@@ -1,24 +1,14 @@
 """The stochastic-reconfiguration (SR) problem ``sr.py`` solves (and
 tests/peers/test_cg.py's normal equations), and the user's route to it.
 
-A variational Monte Carlo code's SR step keeps the ``params`` parameters on every
-rank and splits the ``samples`` walkers over the ranks: rank ``r`` holds its rows
-``J_r`` of the Jacobian, and the update solves ``(J^T J / N + eps) x = f`` with ``f =
-J^T e / N`` (``N`` all walkers, ``e`` a standard normal weight per walker), float64.
-Row ``i`` of ``J`` and ``e_i`` come from a generator seeded with ``(seed, i)``, so
-that any rank can make any rows (a test makes them all for a dense answer). The
-columns are scaled so that ``S = J^T J / N`` has a realistic spectrum:
-
-- ``cond=None`` (the tests; ``cg.py``'s retired problem B): eigenvalues ``~ 1 /
-  (1 + j)``, column scales ``1 / sqrt(1 + j)``;
-- ``cond=C`` (``sr.py``): eigenvalues falling exponentially over the rank (at most
-  ``min(N, params)``) from ``lambda_max`` to about ``eps``, ``J`` rescaled (by
-  power iteration) so that ``(lambda_max + eps) / eps = C``: at VMC's conditioning
-  CG stops at ``maxiter`` without converging, as in their runs.
-
-The user's route, :func:`jax_scipy_cg`: ``jax.scipy.sparse.linalg.cg`` with ``A(v) =
-mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v`` (:func:`user_matvec`), in one
-``jax.jit``.
+A VMC code's SR step keeps the ``params`` parameters on every rank and splits the
+``samples`` walkers over the ranks (rows ``J_r`` of the Jacobian); the update solves
+``(J^T J / N + eps) x = f``, ``f = J^T e / N``, float64. Row ``i`` of ``J`` and
+``e_i`` come from a generator seeded with ``(seed, i)``, so that any rank can make
+any rows. ``S = J^T J / N`` has eigenvalues ``~ 1 / (1 + j)`` (``cond=None``, the
+tests) or falling exponentially to about ``eps`` with ``(lambda_max + eps) / eps =
+cond`` (``sr.py``). The user's route, :func:`jax_scipy_cg`:
+``jax.scipy.sparse.linalg.cg`` with :func:`user_matvec`, in one ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -75,10 +65,6 @@ class Jacobian:
         J *= self.scales() * self.factor
         e = np.array([g.standard_normal() for g in gens])
         return J, e
-
-    @property
-    def j_bytes(self) -> int:
-        return self.J.nbytes
 
     @property
     def s_bytes(self) -> int:

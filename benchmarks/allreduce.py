@@ -1,64 +1,36 @@
 """mpi4jax.allreduce against shard_map/psum and XLA's own, with raw mpi4py as the floor.
 
-    mpiexec -n 2 python benchmarks/allreduce.py [--sizes 4,4096,...] [--dtype float32]
-        [--impls mpi4py,mpi4jax,psum,...] [--modes loop,call] [--json PATH] [--plot PNG]
+    mpiexec -n 2 python benchmarks/allreduce.py [--sizes 4,4096,...|pow2]
+        [--dtype float32] [--impls mpi4py,mpi4jax,psum,...] [--modes loop,call]
+        [--iters K] [--loop-iters K] [--samples N] [--json PATH] [--plot PNG]
 
 One initialized job (``import mpi4jax_dist`` and a plain
-``jax.distributed.initialize()``) measures, for each message size (bytes per rank),
-the implementations in ``_allreduce_impls.IMPLS``:
+``jax.distributed.initialize()``) measures, per message size (bytes per rank), the
+implementations of ``_allreduce_impls.IMPLS`` (``mpi4py``, ``mpi4py_inplace``,
+``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``; ``--impls
+...,mpi4jax_dist_unchecked`` adds the op compiled with ``MPI4JAX_DIST_CHECKS=0``).
+docs/benchmarks.rst, *The allreduce*, says how to read the table; in short:
 
-- ``mpi4py``: ``Comm.Allreduce`` on NumPy buffers, out of place (the floor);
-  ``mpi4py_inplace``: the same with ``MPI.IN_PLACE``;
-- ``mpi4jax``: ``mpi4jax.allreduce`` inside ``jax.jit`` on per-rank arrays;
-- ``mpi4jax_dist``: ``mpi4jax_dist.allreduce`` inside ``jax.jit(...,
-  donate_argnums=0)``: the input buffer is the result's, reduced in place (each
-  call reduces the last result again, as ``mpi4py_inplace`` reduces its buffer);
-  ``mpi4jax_dist_unchecked`` (only when asked for): the same compiled with
-  ``MPI4JAX_DIST_CHECKS=0``, what the check against the other ranks' calls costs;
-- ``psum``: ``shard_map`` + ``lax.psum`` on the global array;
-- ``gspmd``: a ``jax.jit`` sum over the sharded axis, the collective left to XLA.
+- ``loop``: ``x <- allreduce(x)`` K and 2K times in one dispatch each (mpi4py: a
+  Python loop), from zeros; :func:`_harness.fit_trips` splits the samples into the
+  time per collective (the row's times) and ``fixed``, one dispatch of the loop.
+- ``call``: K separate allreduces of the held input, one dispatch each, over K.
+- Checked outside the timing, before and after it, on the executables timed:
+  ``call`` and ``loop(1)`` must give ``S(i)`` of ``_allreduce_impls.pattern``,
+  ``loop(2)`` ``P S(i)``, exactly; a wrong element fails the run (exit 1, a
+  ``WRONG:`` line) after the sweep. ``compiles`` counts XLA compilations during
+  the timing: none.
+- Timing (``_harness.time_rounds``): one untimed warm-up of every case, then
+  round-robin samples over the cases of one size and transport (MPI, then gloo:
+  interleaved, gloo slowed the MPI collectives that followed), a barrier before
+  each, the slowest rank per sample; ``algbw = bytes / t``, ``busbw = algbw * 2
+  (P - 1) / P``, ``ratio`` over ``mpi4py``'s median in the same mode.
 
-Two modes. ``loop`` times the collective alone: ``x <- allreduce(x)`` back to back
-from an all-zero input (zeros stay zeros: nothing overflows, nothing can be hoisted),
-for mpi4py a Python loop swapping two buffers, for JAX one jitted ``lax.fori_loop``
-whose trip count is an argument, run with K and with 2K trips in each round. A line
-through those samples against the trip count (:func:`_harness.fit_trips`: the
-median intercept of the lines through every K-trip and every 2K-trip sample, as
-Theil–Sen fits, which a busy machine's slowed samples move little) gives the
-fixed part, one dispatch of the loop (the ``fixed`` column, where the samples
-resolve it, else ``<X``, the most it can be; none for mpi4py's Python loop), which
-a division by K would spread over every collective (hundreds of µs with an ordered
-effect: 3.6x mpi4py at 4 B with K = 50 where the collective itself is at MPI's
-speed); each sample less that part, over its trips, is one time per collective
-(the row's times, never negative). ``call``: K separate allreduces of the held
-input, one dispatch each (for mpi4py a fresh result buffer each, as a functional
-API pays); divided by K, what a Python loop of jitted calls pays. After
-the sweep, ``dispatch`` rows time one jitted call at 4 B of a trivial function, of
-an ordered-effect op that communicates nothing, of mpi4jax and of mpi4jax_dist (the
-JSON's ``dispatch`` key).
-
-Correctness is checked outside the timing, before and after the timed samples, on
-the very executables that are timed: with this rank's pattern ``e_r(i)`` loaded,
-``call`` and ``loop(1)`` must give ``S(i) = sum_r e_r(i)`` and ``loop(2)`` must give
-``P * S(i)``, exactly. ``e_r(i) = a(i) + c(i) r + r^2`` (``_allreduce_impls.pattern``)
-differs between indices and between ranks, so a result that is permuted, one element
-broadcast, one rank's data or P times one rank's data is counted wrong (``loop(1)``
-is there because a reversal undoes itself in ``loop(2)``). ``wrong`` counts the
-wrong elements over ranks, checks and both passes; any wrong element ends the run,
-after the sweep, with exit status 1 and a ``WRONG:`` line naming it. ``compiles``
-counts the XLA compilations during the timing: none, as the checks ran every
-executable first.
-
-Method (OSU ``osu_allreduce`` and nccl-tests ``all_reduce_perf`` style, through
-``benchmarks/_harness.py``): JAX code compiled ahead of time, one untimed warm-up of
-every case, then round-robin samples over the cases of one size and transport (MPI,
-then XLA's gloo: interleaved, gloo's collectives slowed the MPI ones that followed
-them within a few ms), a barrier before each, the slowest rank per sample;
-min/median/max over samples, and the spread, half the quartiles' distance over
-the median (``wide`` above 25 %: a busy machine);
-``algbw = bytes / t`` and ``busbw = algbw * 2 (P - 1) / P``; ``ratio`` is the median
-over the median of ``mpi4py`` in the same mode. Memory is measured by
-``benchmarks/memory.py``, each case in its own job.
+Memory is ``benchmarks/memory.py``'s. (Settled, and retired from this script: the
+``dispatch`` rows, one jitted call at 4 B of a trivial function, of an
+ordered-effect op on ``COMM_SELF``, of mpi4jax and of mpi4jax_dist;
+docs/benchmarks-settled.rst, *Where a dispatch goes*, runs the script as it last
+was, from ``git archive 819e3f9:benchmarks``.)
 """
 
 from __future__ import annotations
@@ -76,10 +48,6 @@ from _allreduce_impls import (  # noqa: E402
     DEFAULT_IMPLS,
     DTYPES,
     IMPLS,
-    JitPlusOne,
-    Mpi4jax,
-    Mpi4jaxDist,
-    Mpi4py,
     count_wrong,
     expected,
     pattern,
@@ -97,54 +65,6 @@ def parse_sizes(text: str) -> list[int]:
     if text.strip().lower() == "pow2":
         return list(POW2_SIZES)
     return _harness.parse_sizes(text)
-
-
-# ---------------------------------------------------------------------------------
-# What one dispatch costs
-
-# (name, what runs, how it is built): one jitted call each, at 4 B, blocked on.
-DISPATCH = (
-    ("mpi4py", "Comm.Allreduce, no dispatch (the floor)", Mpi4py, "world"),
-    ("jit(v + 1)", "a jitted call, no effect", JitPlusOne, "world"),
-    (
-        "alone on COMM_SELF",
-        "mpi4jax_dist.allreduce on COMM_SELF: JAX's path for an op kept in "
-        "program order, nothing sent",
-        Mpi4jaxDist,
-        "self",
-    ),
-    ("mpi4jax", "mpi4jax.allreduce", Mpi4jax, "world"),
-    ("mpi4jax_dist", "mpi4jax_dist.allreduce, donated", Mpi4jaxDist, "world"),
-)
-
-
-def measure_dispatch(dtype, samples: int, calls: int, comm) -> list[dict]:
-    """Time one call of each of :data:`DISPATCH` (``calls`` calls per sample, each
-    waited for, as ``call`` mode does) at one element: what a Python loop of jitted
-    calls pays per call, and what of it is JAX's path for ordered effects."""
-    from mpi4py import MPI
-
-    cases = []
-    for _, _, record, where in DISPATCH:
-        impl = record(1, dtype, comm if where == "world" else MPI.COMM_SELF)
-        impl.load(np.zeros(1, dtype))
-        cases.append(lambda impl=impl: [impl.call() for _ in range(calls)])
-    with _harness.Compiles() as compiled:
-        times = _harness.time_rounds(cases, comm, samples)
-    rows = []
-    for (name, what, _, _), sample in zip(DISPATCH, times, strict=True):
-        rows.append(
-            {
-                "impl": name,
-                "what": what,
-                "bytes": np.dtype(dtype).itemsize,
-                "calls": calls,
-                "samples": samples,
-                **_harness.summary(t / calls for t in sample),
-                "compiles": compiled.count,
-            }
-        )
-    return rows
 
 
 def _percent(spread: float) -> str:
@@ -165,19 +85,6 @@ def _fixed(row: dict) -> str:
     if row.get("fixed_at_most_s") == 0:
         return "~0"
     return "-"
-
-
-DISPATCH_TABLE = _harness.Table(
-    [
-        _harness.Column("impl", "one call of", "", 16, left=True),
-        _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
-        _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
-        _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
-        _harness.Column("t_spread", "spread", "+-", 6, _percent),
-        _harness.Column("t_wide", "", "", 4, _wide, left=True),
-        _harness.Column("what", "  what runs", "", 0, lambda w: f"  {w}", left=True),
-    ]
-)
 
 
 # ---------------------------------------------------------------------------------
@@ -366,61 +273,58 @@ def closing_lines(results: list[dict]) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], path: str, title: str, dispatch: list[dict]) -> None:
+def plot(results: list[dict], path: str, title: str) -> None:
     """Latency (the loop rows' quartiles shaded) and bus bandwidth against size, a
     line per implementation and mode (a colour per implementation; loop: solid
-    with dots, call: dashed with crosses), and the time of one dispatch per kind
-    of call (the ``dispatch`` rows)."""
+    with dots, call: dashed with crosses), the legend right of the panels."""
+    import matplotlib.pyplot as plt
+
     names = IMPLS.names()
-
-    def style(series):
-        impl, mode = series.split(" ")
-        index = names.index(impl) if impl in names else len(names)
-        loop = mode == "(loop)"
-        return {
-            "color": f"C{index}",
-            "linestyle": "-" if loop else "--",
-            "marker": "o" if loop else "x",
-            "markersize": 3 if loop else 5,
-        }
-
-    def draw_dispatch(ax):
-        ax.barh(
-            range(len(dispatch)),
-            [r["t_median_s"] * 1e6 for r in dispatch],
-            xerr=[
-                [(r["t_median_s"] - r["t_q1_s"]) * 1e6 for r in dispatch],
-                [(r["t_q3_s"] - r["t_median_s"]) * 1e6 for r in dispatch],
-            ],
-            color="C7",
-        )
-        ax.set_yticks(range(len(dispatch)), [r["impl"] for r in dispatch])
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("one jitted call at 4 B, median [us]")
-        ax.grid(True, axis="x", which="both", alpha=0.3)
-
-    _harness.plot_lines(
-        results,
-        path,
-        x="bytes",
-        panels=[
-            ("t_median_s", "median time per allreduce [us]", 1e6),
-            ("busbw_GBps", "bus bandwidth [GB/s]", 1.0),
-        ],
-        series=lambda r: f"{r['impl']} ({r['mode']})",
-        title=title,
-        xlabel="message size per rank [bytes]",
-        style=style,
-        bands={"t_median_s": ("t_q1_s", "t_q3_s")},
-        banded=lambda name: name.endswith("(loop)"),
-        titles=[
-            "time per allreduce (loop: the collective alone; call: with a dispatch)",
-            "bus bandwidth (as nccl-tests: algbw * 2(P-1)/P)",
-            "one jitted call at 4 B: where a Python loop's time goes",
-        ],
-        extra=draw_dispatch if dispatch else None,
+    panels = (
+        (
+            "t_median_s",
+            1e6,
+            "median time per allreduce [us]",
+            "time per allreduce " "(loop: the collective alone; call: with a dispatch)",
+        ),
+        (
+            "busbw_GBps",
+            1.0,
+            "bus bandwidth [GB/s]",
+            "bus bandwidth (as nccl-tests: " "algbw * 2(P-1)/P)",
+        ),
     )
+    fig, axes = plt.subplots(1, 2, figsize=(13.5, 4.5), layout="constrained")
+    for ax, (key, scale, label, text) in zip(axes, panels, strict=True):
+        for impl, mode in dict.fromkeys((r["impl"], r["mode"]) for r in results):
+            rows = [r for r in results if (r["impl"], r["mode"]) == (impl, mode)]
+            rows.sort(key=lambda r: r["bytes"])
+            xs, loop = [r["bytes"] for r in rows], mode == "loop"
+            color = f"C{names.index(impl) if impl in names else len(names)}"
+            ax.plot(
+                xs,
+                [r[key] * scale for r in rows],
+                label=f"{impl} ({mode})",
+                color=color,
+                linestyle="-" if loop else "--",
+                marker="o" if loop else "x",
+                markersize=3 if loop else 5,
+            )
+            if loop and key == "t_median_s":  # the quartiles
+                low = [r["t_q1_s"] * scale for r in rows]
+                high = [r["t_q3_s"] * scale for r in rows]
+                ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size per rank [bytes]")
+        ax.set_ylabel(label)
+        ax.set_title(text, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def parse_args(argv):
@@ -454,7 +358,7 @@ def parse_args(argv):
         "dispatch's jitter (tens to hundreds of us) for the difference to show it",
     )
     parser.add_argument("--samples", type=int, default=10, help="timed samples")
-    _harness.add_output_arguments(parser)
+    _harness.add_output_arguments(parser, plot=True)
     args = parser.parse_args(argv)
     for flag, value in (("--iters", args.iters), ("--loop-iters", args.loop_iters)):
         if value < 1:
@@ -545,25 +449,14 @@ def main(argv=None) -> list[dict]:
         results += rows
         _harness.say(comm, *(TABLE.row(r) for r in rows))
     _harness.say(comm, *closing_lines(results))
-    dispatch = measure_dispatch(args.dtype, args.samples, args.iters, comm)
-    _harness.say(
-        comm,
-        "# dispatch: one jitted call at 4 B, each waited for (calls of one "
-        "compiled function in a Python loop); the loop rows above hold one such "
-        "dispatch in their 'fixed' column",
-        DISPATCH_TABLE.header(),
-        *(DISPATCH_TABLE.row(r) for r in dispatch),
-    )
     _harness.save(
         args,
         meta,
         results,
-        extra={"dispatch": dispatch},
         plot=lambda rows, path: plot(
             rows,
             path,
             f"allreduce, {meta['world_size']} ranks, {args.dtype}, {meta['backend']}",
-            dispatch,
         ),
         comm=comm,
     )

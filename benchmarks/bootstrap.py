@@ -1,7 +1,7 @@
 """Time jax.distributed.initialize(): JAX's own mpi4py method against mpi4jax_dist.
 
     python benchmarks/bootstrap.py [--procs 2,4,8] [--repeat 5]
-        [--methods jax-mpi4py,mpi4jax_dist/multiple,...] [--json PATH] [--plot PNG]
+        [--methods jax-mpi4py,mpi4jax_dist/multiple,...] [--json PATH]
 
 For each P, starts ``mpiexec -n P`` jobs, ``--repeat`` of each method, alternating
 (round-robin, so that a drifting machine load touches every method alike). The
@@ -113,18 +113,6 @@ TABLE = _harness.Table(
 )
 
 
-def plot(results: list[dict], path: str) -> None:
-    _harness.plot_lines(
-        results,
-        path,
-        x="procs",
-        panels=[("init_s", "jax.distributed.initialize() [ms]", 1e3)],
-        series=lambda r: r["method"],
-        title="initialize, slowest rank, median over jobs",
-        xlabel="processes",
-    )
-
-
 def main(argv=None) -> list[dict]:
     """Run the jobs; return one row per P and method (medians over jobs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -181,7 +169,7 @@ def main(argv=None) -> list[dict]:
             row["jobs"] = jobs
             results.append(row)
             print(TABLE.row(row), flush=True)
-    _harness.save(args, _harness.meta(repeat=args.repeat), results, plot)
+    _harness.save(args, _harness.meta(repeat=args.repeat), results)
     return results
 
 

@@ -2,48 +2,25 @@
 
     mpiexec -n N python benchmarks/cg.py [--n GRID] [--tol T] [--maxiter K]
         [--backends ...] [--variants ...] [--replace-every K] [--repeat R]
-        [--json PATH] [--plot PATH.png]
+        [--json PATH]
 
-Problem A: the 2D 5-point Poisson operator (Dirichlet) on an ``n x n`` grid, rows
-split in blocks of ``n / N`` grid rows, halo exchange in the matvec, ``b = A x_true``
-with a known random ``x_true``. (Problem B, the stochastic-reconfiguration normal
-equations, is settled and retired from this script: one reduction per iteration in
-every variant, so none gains; docs/benchmarks.rst cites its rows, run by the script
-as it last was, from ``git archive 9d20368:benchmarks``, as ``--problems B``.
-``sr.py`` times that solve as users write it.)
+Problem A (``_poisson.py``): the 2-D Poisson operator on an ``n x n`` grid in row
+blocks. Methods (``--backends``): every ``--variants`` of :mod:`mpi4jax_dist.cg`
+with each backend (``mpi4jax``, ``psum``); the floor ``mpi4py+numpy``; the
+reference ``jax.scipy`` on global sharded arrays. Float64, no preconditioner, timed
+round-robin (``_harness.time_rounds``), t/iter the median solve over its
+iterations; residual and error recomputed in NumPy for all alike. Reductions per
+iteration, counted from what ran: ours in the compiled loop (``_hlo.py``; the
+traced count, ``info.reductions``, beside it), the references' in their compiled
+while loop times their iterations (a debug callback counts them), the floor's by
+its communicator; "design" is what the algorithm needs. docs/benchmarks.rst,
+*Distributed conjugate gradients*, gives the runs. Where the ranks fill the cores,
+run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (recorded in the header).
 
-Methods (``--backends``, default all): every variant (``--variants``) of
-:mod:`mpi4jax_dist.cg` with each of its backends (``mpi4jax``, ``psum``); the floor
-``mpi4py+numpy`` (classic CG in NumPy over mpi4py); the reference ``jax.scipy``
-(``jax.scipy.sparse.linalg.cg`` on global arrays sharded over ``global_mesh()``,
-what a JAX user tries first: XLA inserts the collectives). All in float64, no
-preconditioner.
-
-Timing (``_harness.time_rounds``): every method of a problem runs once untimed
-(compilation, warm-up); then ``--repeat`` rounds time each method once in turn
-(round-robin), each solve after a barrier and ended by ``block_until_ready``; a
-solve's time is the slowest rank's; t/iter is the median over rounds divided by the
-iterations made (set-up and the final residual check included). Residual and error
-are recomputed here in NumPy for every method alike.
-
-Reductions per iteration, counted from what ran: for ``mpi4jax_dist.cg``, the
-reductions in the compiled loop of the solve (called inside a ``jit`` compiled for
-the count; ``benchmarks/_hlo.py``), the matvec's included, times the iterations
-(``info.reductions``, counted in the traced program, is in the JSON beside it as
-``reductions_counted_traced``); for the references,
-the reductions in the one while loop of their compiled program times their
-iterations (counted by a debug callback in an untimed run); for the floor, a counter
-in the communicator it calls. "design" is what the algorithm needs.
-
-Share reducing = counted reductions per iteration x the median time of one
-reduction of that payload, timed as a jitted loop of ``--reduce-loop`` back-to-back
-reductions with the same mechanism (mpi4jax.allreduce, psum in shard_map, or mpi4py
-Allreduce), over t/iter: an estimate of the latency, without the waiting for slower
-ranks that a real iteration adds. Those one-reduction times are printed too.
-
-Where the ranks fill the cores, run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``:
-NumPy's BLAS threads otherwise spin against the other ranks and the floor's dot
-products slow down several-fold (the header and the JSON record these variables).
+Settled, and retired from this script, run as it last was from ``git archive
+<commit>:benchmarks``: problem B, the normal equations (``--problems B``, 9d20368;
+``sr.py`` times that solve as users write it), and the share of an iteration spent
+reducing (``--reduce-loop``, 819e3f9).
 """
 
 from __future__ import annotations
@@ -51,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -69,7 +45,6 @@ METHODS.register(FLOOR, "classic CG in NumPy, reductions by mpi4py")
 METHODS.register("mpi4jax", "mpi4jax_dist.cg, backend mpi4jax")
 METHODS.register("psum", "mpi4jax_dist.cg, backend psum")
 METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays")
-REDUCE_LOOP = 200  # default reductions per timed loop for the share estimate
 
 
 # ---------------------------------------------------------------------------------
@@ -142,79 +117,6 @@ def compiled_loop(jitted, args, *scopes):
         return None
 
 
-class ReductionTimer:
-    """Seconds one reduction of a given payload takes, per mechanism, cached."""
-
-    def __init__(self, comm, mesh, loop):
-        self.comm, self.mesh, self.loop, self.cache = comm, mesh, loop, {}
-
-    def __call__(self, mechanism: str, count: int, dtype) -> float:
-        key = (mechanism, count, np.dtype(dtype).name)
-        if key not in self.cache:
-            run = getattr(self, "_" + mechanism)(count, np.dtype(dtype))
-            samples = _harness.time_rounds([run], self.comm, 5)[0]
-            self.cache[key] = statistics.median(samples) / self.loop
-        return self.cache[key]
-
-    def _mpi4py(self, count, dtype):
-        from mpi4py import MPI
-
-        buf, out = np.ones(count, dtype), np.empty(count, dtype)
-
-        def run():
-            for _ in range(self.loop):
-                self.comm.Allreduce(buf, out, op=MPI.SUM)
-            return out
-
-        return run
-
-    def _mpi4jax(self, count, dtype):
-        import jax
-        import jax.numpy as jnp
-        import mpi4jax
-        from jax import lax
-        from mpi4py import MPI
-
-        scale = 1.0 / self.comm.size
-        loop = jax.jit(
-            lambda v: lax.fori_loop(
-                0,
-                self.loop,
-                lambda i, v: mpi4jax.allreduce(v, op=MPI.SUM, comm=self.comm) * scale,
-                v,
-            )
-        )
-        v = jnp.ones(count, dtype)
-        return lambda: loop(v)
-
-    def _psum(self, count, dtype):
-        import jax
-        import jax.numpy as jnp
-        from jax import lax
-        from jax.sharding import PartitionSpec
-
-        from mpi4jax_dist import _compat
-
-        axis, size = self.mesh.axis_names[0], self.mesh.devices.size
-
-        def body(v):
-            return lax.fori_loop(
-                0, self.loop, lambda i, v: lax.psum(v, axis) * (1.0 / size), v
-            )
-
-        loop = jax.jit(
-            _compat.shard_map(
-                body,
-                mesh=self.mesh,
-                in_specs=PartitionSpec(),
-                out_specs=PartitionSpec(),
-                check=False,
-            )
-        )
-        v = jnp.ones(count, dtype)
-        return lambda: loop(v)
-
-
 TABLE = _harness.Table(
     [
         _harness.Column("problem", "problem", width=7, left=True),
@@ -228,7 +130,6 @@ TABLE = _harness.Table(
         _harness.Column("reductions_per_iter", "red/it", "design", 6),
         _harness.Column("reductions_per_iter_counted", "red/it", "counted", 7, ".2f"),
         _harness.Column("bytes_per_iter", "B/iter", "[bytes]", 8),
-        _harness.Column("reduce_share", "reducing", "[%]", 8, ".0f", 100),
     ]
 )
 
@@ -238,8 +139,7 @@ class Bench:
 
     def __init__(self, args, comm, mesh):
         self.args, self.comm, self.mesh = args, comm, mesh
-        self.results, self.queue, self.notes = [], [], {}
-        self.timer = ReductionTimer(comm, mesh, args.reduce_loop)
+        self.results, self.queue = [], []
 
     def say(self, *lines):
         _harness.say(self.comm, *lines)
@@ -249,7 +149,6 @@ class Bench:
 
     def record(
         self,
-        problem,
         backend,
         variant,
         *,
@@ -260,8 +159,6 @@ class Bench:
         design,
         counted,
         bytes_per_iter,
-        mechanism,
-        payload_dtype,
         recurrence=None,
         extra=None,
     ):
@@ -271,18 +168,12 @@ class Bench:
         reductions made in the loop, counted from what ran (None: not known).
         """
         rel_residual, error = check(np.asarray(x_local, dtype=np.float64))
-        count = bytes_per_iter // max(design, 1) // np.dtype(payload_dtype).itemsize
         timing = _harness.summary(samples, "t_solve")
         t_solve = timing["t_solve_median_s"]
         t_iter = t_solve / max(iterations, 1)
         per_iter = None if counted is None else counted / max(iterations, 1)
-        share = None
-        reductions = design if per_iter is None else per_iter
-        if mechanism is not None and reductions:
-            one = self.timer(mechanism, max(count, 1), payload_dtype)
-            share = reductions * one / t_iter
         row = {
-            "problem": problem,
+            "problem": "A",  # the one problem left (B is settled)
             "backend": backend,
             "variant": variant,
             "iterations": int(iterations),
@@ -296,8 +187,6 @@ class Bench:
             "reductions_per_iter_counted": per_iter,
             "reductions_counted": counted,
             "bytes_per_iter": int(bytes_per_iter),
-            "reduce_share": share,
-            "reduce_timing": mechanism,
         }
         row.update(extra or {})
         self.results.append(row)
@@ -322,25 +211,9 @@ class Bench:
             finish(samples, output)
         self.queue = []
 
-    def reduction_times(self, problem):
-        """Print the one-reduction times this problem's share estimates used."""
-        parts = [
-            f"{mechanism} {count} x {dtype} {seconds * 1e6:.1f} us"
-            for (mechanism, count, dtype), seconds in self.timer.cache.items()
-        ]
-        self.notes.setdefault("one_reduction_s", {}).update(
-            {f"{m}/{c}x{d}": t for (m, c, d), t in self.timer.cache.items()}
-        )
-        if parts:
-            self.say(
-                f"# {problem}: one reduction, median of a jitted loop of "
-                f"{self.args.reduce_loop}: " + ", ".join(parts)
-            )
-        self.timer.cache.clear()
-
     # The kinds of methods ----------------------------------------------------------
 
-    def add_floor(self, problem, prob, check):
+    def add_floor(self, prob, check):
         b, tol, maxiter, comm = prob.b, self.tol, self.maxiter, self.comm
 
         def run():
@@ -351,7 +224,6 @@ class Bench:
         def finish(samples, output):
             x, k, reductions, recurrence = output
             self.record(
-                problem,
                 FLOOR,
                 "classic",
                 samples=samples,
@@ -360,9 +232,7 @@ class Bench:
                 check=check,
                 design=2,
                 counted=reductions,
-                mechanism="mpi4py",
                 bytes_per_iter=16,
-                payload_dtype=np.float64,
                 recurrence=recurrence,
             )
 
@@ -370,14 +240,12 @@ class Bench:
 
     def add_ours(
         self,
-        problem,
         backend,
         label,
         solve,
         check,
         design,
         nbytes,
-        payload_dtype,
         program,
         extra=None,
     ):
@@ -401,7 +269,6 @@ class Bench:
                 counted = int(loop.total(k, (matvecs - k) // 4))
             traced = int(info.reductions)
             self.record(
-                problem,
                 backend,
                 label,
                 samples=samples,
@@ -411,8 +278,6 @@ class Bench:
                 design=design,
                 counted=counted,
                 bytes_per_iter=nbytes,
-                mechanism=backend,
-                payload_dtype=payload_dtype,
                 recurrence=float(info.recurrence_residual),
                 extra={
                     "rel_residual_info": float(info.rel_residual),
@@ -425,9 +290,7 @@ class Bench:
 
         self.add(solve, finish)
 
-    def add_jax_cg(
-        self, problem, backend, make, args_, check, design, nbytes, mechanism, to_numpy
-    ):
+    def add_jax_cg(self, backend, make, args_, check, design, nbytes, to_numpy):
         """Queue a ``jax.scipy.sparse.linalg.cg`` reference.
 
         ``make(counter)`` returns the jitted solve; with a counter, its matvec calls
@@ -453,7 +316,6 @@ class Bench:
             if loop is not None and loop.exact:
                 counted = loop.total(iterations)
             self.record(
-                problem,
                 backend,
                 "cg",
                 samples=samples,
@@ -463,8 +325,6 @@ class Bench:
                 design=design,
                 counted=counted,
                 bytes_per_iter=nbytes,
-                mechanism=mechanism,
-                payload_dtype=np.float64,
             )
 
         self.add(lambda: solve(*args_), finish)
@@ -494,7 +354,7 @@ class Bench:
             f"rank, tol {self.tol:g}, maxiter {self.maxiter}"
         )
         if self.wants(FLOOR):
-            self.add_floor("A", prob, check)
+            self.add_floor(prob, check)
         b_local = jnp.asarray(prob.b)
         b_global = to_global(b_local, mesh)
         for backend in (b for b in cg.BACKENDS if self.wants(b)):
@@ -515,14 +375,12 @@ class Bench:
                 solve = functools.partial(solver, b, tol=tol, maxiter=maxiter)
                 program = jax.jit(functools.partial(solver, tol=tol, maxiter=maxiter))
                 self.add_ours(
-                    "A",
                     backend,
                     variant,
                     solve,
                     check,
                     record.reductions_by_design,
                     8 * record.scalars,
-                    np.float64,
                     (program, (b,)),
                     extra={"replace_every": solver.replace_every},
                 )
@@ -545,18 +403,15 @@ class Bench:
                 )
 
             self.add_jax_cg(
-                "A",
                 JAX_SCIPY,
                 make,
                 (b_global,),
                 check,
                 2,
                 16,
-                "psum",
                 lambda x: np.asarray(to_local(x)),
             )
         self.measure()
-        self.reduction_times("A")
 
     # Helpers --------------------------------------------------------------------
 
@@ -596,43 +451,6 @@ class Bench:
         self.say(*lines)
 
 
-def metadata(args, comm, notes) -> dict:
-    import scipy
-
-    meta = _harness.meta(
-        comm,
-        args=vars(args),
-        timing="median over --repeat solves (round-robin) of the slowest rank's "
-        "wall time, compilation and one warm-up solve excluded; t_iter_s = that / "
-        "iterations",
-        reductions_counted="mpi4jax_dist.cg: its compiled loop (body x iterations "
-        "+ replacement branch x replacements; reductions_counted_traced: "
-        "info.reductions, from the traced loop); jax.scipy references: their "
-        "compiled while body x iterations; floor: a counter in the communicator",
-        reduce_share=f"counted reductions/iter x median time of one reduction of "
-        f"the same payload in a jitted loop of {args.reduce_loop}, / t_iter",
-        **notes,
-    )
-    meta["versions"]["scipy"] = scipy.__version__
-    return meta
-
-
-COLORS = {FLOOR: "0.5", "mpi4jax": "C0", "psum": "C1", JAX_SCIPY: "C2"}
-
-
-def plot(results, path):
-    _harness.plot_bars(
-        results,
-        path,
-        key="t_iter_s",
-        label="time per iteration [us]",
-        scale=1e6,
-        group=lambda r: f"problem {r['problem']}",
-        bar=lambda r: f"{r['backend']}\n{r['variant']}",
-        color=lambda r: COLORS.get(r["backend"], "C4"),
-    )
-
-
 def parse(argv):
     from mpi4jax_dist import cg
 
@@ -660,16 +478,10 @@ def parse(argv):
         f"(pipelined; 0: none; default {cg.DEFAULT_REPLACE_EVERY})",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed solves each")
-    parser.add_argument(
-        "--reduce-loop",
-        type=int,
-        default=REDUCE_LOOP,
-        help="reductions per timed loop of the share estimate",
-    )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    if args.replace_every < 0 or args.repeat < 1 or args.reduce_loop < 1:
-        parser.error("--replace-every must be >= 0, --repeat and --reduce-loop >= 1")
+    if args.replace_every < 0 or args.repeat < 1:
+        parser.error("--replace-every must be >= 0, --repeat >= 1")
     return args
 
 
@@ -678,17 +490,12 @@ def main(argv=None) -> list[dict]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parse(argv)
     import jax
+    import scipy
 
     import mpi4jax_dist
     from mpi4jax_dist import _compat
 
-    x64 = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        mpi4jax_dist.initialize()
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
+    with _harness.float64_world() as comm:
         bench = Bench(args, comm, mpi4jax_dist.global_mesh())
         bench.say(
             f"# distributed CG, {comm.size} ranks, jax {jax.__version__} "
@@ -700,23 +507,26 @@ def main(argv=None) -> list[dict]:
             f"wall, compile excluded, / iterations; methods timed round-robin",
             "# red/it counted: from what ran (the compiled loop body x iterations; "
             "the floor: a counter in its communicator)",
-            f"# reducing: red/it counted x one reduction of that payload, timed in a "
-            f"jitted loop of {args.reduce_loop}, / t/iter",
             TABLE.header(),
         )
         bench.problem_a()
         bench.speedups()
-        _harness.save(
-            args,
-            metadata(args, comm, bench.notes),
-            bench.results,
-            plot=plot,
-            comm=comm,
+        meta = _harness.meta(
+            comm,
+            args=vars(args),
+            timing="median over --repeat solves (round-robin) of the slowest "
+            "rank's wall time, compilation and one warm-up solve excluded; "
+            "t_iter_s = that / iterations",
+            reductions_counted="mpi4jax_dist.cg: its compiled loop (body x "
+            "iterations + replacement branch x replacements; "
+            "reductions_counted_traced: info.reductions, from the traced loop); "
+            "jax.scipy references: their compiled while body x iterations; floor: "
+            "a counter in the communicator",
         )
+        meta["versions"]["scipy"] = scipy.__version__
+        _harness.save(args, meta, bench.results, comm=comm)
         comm.Barrier()
         return bench.results
-    finally:
-        jax.config.update("jax_enable_x64", x64)
 
 
 if __name__ == "__main__":

@@ -1,58 +1,39 @@
 """JAX's coordination service at P = 64 ... 4,096 processes, emulated in one process.
 
     python benchmarks/coordinator_scale.py [--procs 64,256,1024,2048,4096]
-        [--waves 0,256,1024] [--gap-ms 100] [--repeat 3] [--timeout 180]
-        [--init-timeout S] [--json PATH] [--plot PNG]
+        [--waves 0,256,1024/200] [--repeat 3] [--timeout 180] [--init-timeout S]
+        [--json PATH]
 
 Every run is a fresh subprocess (its own session, killed at ``--timeout``) that
 starts one real coordination service (jaxlib's ``get_distributed_runtime_service``,
-as ``jax.distributed.initialize`` does on rank 0) and P clients
-(``get_distributed_runtime_client``), each ``connect()`` called from a thread of its
-own. Client ``i`` connects to its own loopback address ``127.x.y.z:PORT``, so that
-gRPC, which shares one connection between channels to the same address, gives each
-its own TCP connection, as P processes would have. The service therefore listens on
-``0.0.0.0:PORT`` (a kernel-chosen free port) for the run's few seconds; every
-connection made is loopback.
+as ``jax.distributed.initialize`` does on rank 0) and P clients, each ``connect()``
+called from a thread of its own. Client ``i`` connects to its own loopback address
+``127.x.y.z:PORT``, so that gRPC, which shares one connection between channels to
+the same address, gives each its own TCP connection, as P processes would have
+(the service listens on ``0.0.0.0:PORT`` for the run's few seconds; every
+connection made is loopback). Before it, the soft open-file limit is raised as the
+package does for a rank 0 (``limits.ensure_file_limit``), for ``2 * P``: this
+emulation holds both ends of every connection.
 
-Measured per run:
+Measured per run: ``connect``, from the first ``connect()`` until the last has
+returned (it registers the client and is a barrier over all P); ``issued``, until
+the last ``connect()`` was called; ``shutdown``, every client's, then the
+service's; ``fds``, this process's open files after connect (both ends: about twice
+a real rank 0's); ``service fds``, the service side's accepted sockets (ESTABLISHED
+in /proc/net/tcp with the service's local port and an inode this process holds) and
+its listening socket; RSS after connect; and the kernel's TCP counters over the run
+(a burst of SYNs beyond the listen backlog shows in ListenOverflows).
 
-- ``connect``: from the start of the first ``connect()`` until the last one has
-  returned. ``connect()`` registers the client and is a barrier over all P, so this
-  is the time to register the whole job. ``issued``: until the last client's
-  ``connect()`` was called (waking 4,096 threads is not free). (Sampling
-  /proc/net/tcp while clients connect is no cheaper way: one read costs about 25 ms
-  of kernel time at 4,096 clients, and sampling every 100 ms slowed the burst's
-  connect from 3.3 s to 8.3 s.)
-- ``shutdown``: every client's ``shutdown()`` (also a barrier over all P), then the
-  service's.
-- ``fds``: this process's open files (``/proc/self/fd``) at the peak, after connect;
-  both ends live in this process, so this is about twice a real rank 0's.
-- ``service fds``: the service side's file descriptors, counted as the ESTABLISHED
-  TCP sockets in /proc/net/tcp and /proc/net/tcp6 whose *local* port is the
-  service's port and whose inode is one of this process's open sockets (so
-  accepted; the kernel's queued, not yet accepted ones have inode 0 and no file
-  descriptor), plus its listening socket(s). That is what a real rank 0 holds for
-  the service; the clients' ends have the service's port as their remote port.
-- ``RSS``: this process's resident memory after connect and its growth from before
-  the service started (clients, threads and service together).
-- the kernel's TCP counters over the run (ListenOverflows, ListenDrops,
-  TCPSynRetrans from /proc/net/netstat; per network namespace, so another program's
-  traffic counts too): a burst of SYNs beyond the listen backlog shows here.
-
-Waves (``--waves W``, W > 0): client ``i`` starts its ``connect()`` at
-``(i // W) * gap`` after the first, a fixed stagger by rank that an MPI job could
-apply to its released ranks without any feedback from the service; ``0`` is the
-burst, all at once. ``--gap-ms`` sets the gap.
-
-Every run first raises the soft open-file limit as the package does for a rank 0
-(:func:`mpi4jax_dist.launch.limits.ensure_file_limit`), for ``2 * P`` processes:
-this emulation holds both ends of every connection.
+Waves (``--waves W`` or ``W/GAP_MS``, default gap 100 ms): client ``i`` starts at
+``(i // W) * gap`` after the first, a fixed stagger by rank; ``0`` is the burst.
 
 Settled, and retired from this script (their runs stay in docs/benchmarks-scale.rst,
 each command running the script as it last was, from ``mkdir -p old && git archive
 9d20368:benchmarks | tar -x -C old``): JAX's topology exchange after connect
 (``old/coordinator_scale.py --exchange``, *JAX's topology exchange*) and a too-low
 file limit with and without that protection (``--soft-limit``, ``--protection``).
+``--gap-ms`` and ``--shutdown-timeout`` (fixed at 100 ms and 60 s) and ``--plot``
+left with ``git archive 819e3f9:benchmarks``.
 """
 
 from __future__ import annotations
@@ -78,6 +59,8 @@ NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
 # How long past its init_timeout a connect() may take before it counts as failed
 # (jaxlib 0.6.0's can wait on for good).
 CONNECT_GRACE_S = 10
+GAP_MS = 100.0  # between waves, unless --waves says W/GAP_MS
+SHUTDOWN_TIMEOUT_S = 60
 
 
 # ---------------------------------------------------------------------------------
@@ -105,15 +88,14 @@ def free_port() -> int:
 def service_sockets(port: int) -> dict[str, int] | None:
     """Return the TCP sockets whose local port is ``port``, from /proc/net/tcp and
     /proc/net/tcp6: ``accepted`` (ESTABLISHED and open in this process: the
-    service's file descriptors, matched by inode), ``queued`` (ESTABLISHED by the
-    kernel but not yet accepted: inode 0, no file descriptor yet) and ``listening``
-    (LISTEN sockets of this process). None when the tables cannot be read (with the
-    open-file limit reached, even /proc cannot be opened)."""
+    service's file descriptors, matched by inode; the kernel's queued ones have
+    inode 0) and ``listening`` (LISTEN sockets of this process). None when the
+    tables cannot be read (at the open-file limit even /proc cannot be opened)."""
     wanted = f":{port:04X}"
     ours = socket_inodes()
     if ours is None:
         return None
-    counts = {"accepted": 0, "queued": 0, "listening": 0}
+    counts = {"accepted": 0, "listening": 0}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -123,11 +105,8 @@ def service_sockets(port: int) -> dict[str, int] | None:
                     if not fields[1].endswith(wanted):
                         continue
                     inode = fields[9]
-                    if fields[3] == TCP_ESTABLISHED:
-                        if inode == "0":
-                            counts["queued"] += 1
-                        elif inode in ours:
-                            counts["accepted"] += 1
+                    if fields[3] == TCP_ESTABLISHED and inode in ours:
+                        counts["accepted"] += 1
                     elif fields[3] == TCP_LISTEN and inode in ours:
                         counts["listening"] += 1
         except FileNotFoundError:  # no IPv6
@@ -205,14 +184,13 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     limits.ensure_file_limit(2 * procs)
     threading.stack_size(256 * 1024)
     rss0, _ = _harness.rss_bytes()
-    fds0 = open_files()
     port = free_port()
     init_timeout = int(config["init_timeout"])
     service = runtime.get_distributed_runtime_service(
         f"0.0.0.0:{port}",
         procs,
         **_compat.runtime_heartbeat(100),
-        shutdown_timeout=int(config["shutdown_timeout"]),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # JAX's default for a client that hears of a fatal error (a failed peer, a
     # missed heartbeat, a failed connect) terminates the process. A Python callback
@@ -224,13 +202,12 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     def on_fatal(*status) -> None:
         fatal.append(" ".join(map(str, status)))
 
-    t_create = time.perf_counter()
     clients = [
         runtime.get_distributed_runtime_client(
             client_address(i, port),
             i,
             init_timeout=init_timeout,
-            shutdown_timeout=int(config["shutdown_timeout"]),
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             **_compat.runtime_heartbeat(100),
             missed_heartbeat_callback=on_fatal,
             shutdown_on_destruction=False,
@@ -238,7 +215,6 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
         )
         for i in range(procs)
     ]
-    row["create_s"] = time.perf_counter() - t_create
     net0 = netstat()
 
     start = threading.Event()
@@ -278,15 +254,12 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     row["connect_s"] = t1 - t0[0]
     row["issued_s"] = max(issued) - t0[0]
     row["fds"] = open_files()
-    row["fds_before"] = fds0
     counts = service_sockets(port) or {}
     row["service_conns"] = counts.get("accepted")
-    row["service_queued"] = counts.get("queued")
     row["service_fds"] = counts["accepted"] + counts["listening"] if counts else None
-    row["rss_before_mib"] = mib(rss0)
     try:  # at the open-file limit even /proc/self/status cannot be opened
-        rss1, hwm = _harness.rss_bytes()
-        row["rss_mib"], row["hwm_mib"] = mib(rss1), mib(hwm)
+        rss1, _ = _harness.rss_bytes()
+        row["rss_mib"] = mib(rss1)
         row["rss_per_client_kib"] = (rss1 - rss0) / procs / 1024
     except OSError:
         pass
@@ -324,12 +297,8 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
         t.start()
     for t in threads:
         t.join()
-    s1 = max(done_shut)
     service.shutdown()
-    s2 = time.perf_counter()
-    row["shutdown_s"] = s2 - s0
-    row["service_shutdown_s"] = s2 - s1
-    row["fds_after"] = open_files()
+    row["shutdown_s"] = time.perf_counter() - s0
     if errors:
         first = min(errors)
         row.update(
@@ -373,9 +342,6 @@ def run_one(config: dict, timeout: float) -> dict:
         status = re.search(r"Agent status: (?:%s)?([A-Z_]+: [^\n\[]{0,80})", job.stderr)
         if status:
             row["error"] += f"; client status {status.group(1).strip()}"
-    # The distinct kinds of log lines gRPC/XLA printed (timestamps and numbers cut).
-    kinds = {re.sub(r"[0-9]+", "N", line)[:160] for line in job.stderr.splitlines()}
-    row["log_kinds"] = sorted(kinds - {""})[:20]
     return row
 
 
@@ -421,14 +387,7 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         "errors": [r["error"] for r in runs if not r.get("ok")],
         "runs": runs,
     }
-    for key in (
-        "connect_s",
-        "issued_s",
-        "shutdown_s",
-        "rss_mib",
-        "rss_per_client_kib",
-        "hwm_mib",
-    ):
+    for key in ("connect_s", "issued_s", "shutdown_s", "rss_mib", "rss_per_client_kib"):
         values = [r[key] for r in good if r.get(key) is not None]
         row[key] = statistics.median(values) if values else None
     values = [r["connect_s"] for r in good]
@@ -440,31 +399,10 @@ def summarize(runs: list[dict], case: str, procs: int) -> dict:
         (r.get("tcp_counters", {}).get("ListenOverflows", 0) for r in runs),
         default=None,
     )
-    row["syn_retrans"] = max(
-        (r.get("tcp_counters", {}).get("TCPSynRetrans", 0) for r in runs),
-        default=None,
-    )
     return row
 
 
-def plot(results: list[dict], path: str) -> None:
-    _harness.plot_lines(
-        [r for r in results if r.get("connect_s")],
-        path,
-        x="procs",
-        panels=[
-            ("connect_s", "connect + register, all clients [s]", 1.0),
-            ("shutdown_s", "shutdown [s]", 1.0),
-            ("fds", "open files, whole process", 1.0),
-            ("rss_mib", "RSS after connect [MiB]", 1.0),
-        ],
-        series=lambda r: r["case"],
-        title="one coordination service, P emulated clients (median over runs)",
-        xlabel="clients P",
-    )
-
-
-def parse_waves(text: str, gap_ms: float) -> list[tuple[int, float]]:
+def parse_waves(text: str, gap_ms: float = GAP_MS) -> list[tuple[int, float]]:
     """Return ``(W, gap in ms)`` from ``0,256,1024/400``: a wave size, with its own
     gap after a slash (else ``gap_ms``); 0 is the burst."""
     waves = []
@@ -496,9 +434,6 @@ def main(argv=None) -> list[dict]:
         default="0,256,1024",
         help="wave sizes W or W/GAP_MS, comma-separated; 0: burst",
     )
-    parser.add_argument(
-        "--gap-ms", type=float, default=100.0, help="default gap between waves [ms]"
-    )
     parser.add_argument("--repeat", type=int, default=1, help="runs per setting")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per run")
     parser.add_argument(
@@ -507,14 +442,11 @@ def main(argv=None) -> list[dict]:
         default=60,
         help="clients' init_timeout [s]; default 60",
     )
-    parser.add_argument(
-        "--shutdown-timeout", type=int, default=60, help="shutdown barrier [s]"
-    )
     args = _harness.parse_or_work(parser, argv, lambda arg: worker(json.loads(arg)))
     if args is None:
         return []
     try:
-        waves_list = parse_waves(args.waves, args.gap_ms)
+        waves_list = parse_waves(args.waves)
     except ValueError as err:
         parser.error(str(err))
     init_timeout = args.init_timeout
@@ -550,7 +482,6 @@ def main(argv=None) -> list[dict]:
                     "waves": waves[0],
                     "gap_ms": waves[1],
                     "init_timeout": init_timeout,
-                    "shutdown_timeout": args.shutdown_timeout,
                 }
                 runs[waves].append(run_one(config, args.timeout))
         burst = runs.get((0, 0.0))
@@ -568,13 +499,11 @@ def main(argv=None) -> list[dict]:
         args,
         _harness.meta(
             repeat=args.repeat,
-            gap_ms=args.gap_ms,
             somaxconn=somaxconn,
             file_limits=[soft, hard],
             init_timeout=init_timeout,
         ),
         results,
-        plot,
     )
     return results
 

@@ -1,87 +1,47 @@
 """Peak memory of one allreduce, per implementation and size, each in its own job.
 
     python benchmarks/memory.py [--procs 2] [--sizes 1MiB,16MiB,64MiB]
-        [--impls mpi4py,mpi4jax,...] [--order default|reversed|shuffled]
-        [--dtype float32|float64|int32|int8] [--timeout S] [--json PATH] [--plot PNG]
+        [--impls mpi4py,mpi4jax,...] [--order default|reversed]
+        [--dtype float32|float64|int32|int8] [--gpu] [--timeout S] [--json PATH]
 
-    # issue 11's cases: 256 MiB and 1 GiB of float32, then 2^31 + 16 int8
-    python benchmarks/memory.py --sizes 256MiB,1GiB
-    python benchmarks/memory.py --sizes 2147483664 --dtype int8
+Sizes are bytes per rank of one ``--dtype`` (with ``int8`` a size is the element
+count: ``--sizes 2147483664 --dtype int8`` is 2^31 + 16). Run it without
+``mpiexec``: every (implementation, size) is a fresh ``mpiexec -n P`` job, so that
+no figure depends on what ran before it in the process (allocator reuse made
+in-process figures change with the order; ``--order reversed`` shows they do not
+now) and a crash ends that case only (its row says ``crashed (status, signal)`` or
+``timed out (s)``). In the job every rank builds the implementation (JAX ones
+compile ahead of time), loads its checked input (``_allreduce_impls.pattern``, made
+by XLA), lets the set-up settle, resets the peak RSS (VmHWM) and reads the
+baseline; then one allreduce, ``call()``. A row: the rise of the peak over the
+baseline in messages (largest rank), the call's time, the XLA compilations during
+it (none), whether the result is exactly ``S(i)``, for JAX cases the temp XLA plans
+(``xla_temp``), for ``mpi4jax_dist`` cases ``in_place`` (its handler got one buffer
+in and out on every rank: ``mpi4jax_dist.op_counts``, in the JSON as
+``handler_stats``). The cases: the ``IMPLS`` of benchmarks/_allreduce_impls.py, and
+on an intermediate inside the ``jit``, ``allreduce(x + z)`` (``z`` a zero passed at
+run time, not donated), ``mpi4jax_dist_tmp`` (``x + z`` written into the result's
+buffer, reduced in place) and ``mpi4jax_tmp`` (``x + z`` beside mpi4jax's result).
+docs/benchmarks.rst, *Memory*, says what to expect and why the jobs run with
+``MALLOC_MMAP_THRESHOLD_=131072``.
 
-Sizes are bytes per rank, one ``--dtype`` for all of them, and a size must be a
-whole number of elements: with ``int8`` a size is the element count.
-
-Run it without ``mpiexec``: for every (implementation, size) case it starts a fresh
-``mpiexec -n P`` job (``_harness.run_job``), so that no figure depends on what ran
-before it in the same process (allocator reuse made the old in-process figures
-change with the order: mpi4py at 1 MiB was 5.0 messages in one order and 1.0 in the
-other), and so that a crash ends that case only. ``--order`` runs the cases in
-another order to show that the figures do not move. In the job, every rank:
-
-1. builds the implementation (JAX ones compile ahead of time) and loads its
-   checked input, ``_allreduce_impls.pattern`` as XLA makes it
-   (``_allreduce_impls.device_pattern``: NumPy needs 16 GiB of temporaries for 2^31
-   elements; every job imports JAX for this, the mpi4py ones too);
-2. lets the set-up settle (``gc.collect()``, JAX's pending work done, RSS still
-   for 20 ms), resets the peak RSS (VmHWM); baseline = current RSS;
-3. runs one allreduce, ``call()``: the input held (or, for ``mpi4py_inplace`` and
-   the donated ``mpi4jax_dist``, reduced in place), a result produced;
-4. peak = VmHWM; reports ``(peak - baseline) / message bytes``, the time of that
-   call, the XLA compilations during it (none: the executables were compiled in
-   step 1) and whether the result is exactly ``S(i)`` (checked a block at a time
-   by XLA, ``_allreduce_impls.count_wrong_blocks``).
-
-The cases are the ``IMPLS`` of benchmarks/_allreduce_impls.py (``mpi4py``,
-``mpi4py_inplace``, ``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``) and
-two on an intermediate inside the ``jit``, ``allreduce(x + z)`` with ``z`` a zero
-passed at run time (XLA can fold neither it nor the sum away), the input not donated:
-``mpi4jax_dist_tmp`` (XLA writes ``x + z`` into the result's buffer, which the op
-reduces in place) and ``mpi4jax_tmp`` (``x + z`` is a temporary beside mpi4jax's
-result).
-
-A row shows the largest rise over the ranks (``rise``); for JAX cases
-``xla_temp``, the temp bytes XLA plans for the call (``memory_analysis()``) in
-messages; for ``mpi4jax_dist`` cases ``in_place``, ``yes`` when its handler got one
-buffer in and out in every call on every rank (the extension's own counts, also in
-the JSON as ``handler_stats``: MPI calls, large-count calls, largest count); the
-slowest rank's call time; and ``ok``, ``WRONG n``, ``crashed (status, signal)`` or
-``timed out (s)``: such a case is a row, not the end of the run (mpi4jax 0.9.1
-casts the count to ``int`` and segfaults above 2^31 elements). Each job has a
-time limit, ``--timeout``, by default 120 s plus 60 s per GiB of message. Expect,
-at large sizes on 2 ranks with MPICH: mpi4py (out of place) about 1.5 messages (its
-result buffer, and MPI's scratch for the reduction, half a message for 2 ranks),
-mpi4py_inplace about 0.5 (the scratch only), mpi4jax about 1.5 (XLA's result
-buffer and MPI's scratch), mpi4jax_dist about half a chunk
-(``MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES``, 64 MiB) of scratch and no buffer,
-mpi4jax_dist_tmp one message more (the result, which holds ``x + z``), and
-mpi4jax_tmp about 2.5 (``x + z``, the result and MPI's scratch).
-
-The jobs run with ``MALLOC_MMAP_THRESHOLD_=131072``. By default glibc raises its
-mmap threshold to the size of each large block freed, and a call that follows a
-freed block of its own size may reuse it and look as if it needed nothing; a fixed
-threshold gives every block from 128 KiB up its own mapping, returned to the OS
-when freed, so the rise is what the call itself touched. That is settled (it costs
-nothing; docs/benchmarks.rst, *Memory*, gives the runs with glibc's default and
-after a warm-up call, whose options, ``--malloc-default`` and ``--warm``, left
-this script). At 1 MiB a constant of about 0.25 MiB (MPI's and Python's
-first-call allocations, page granularity) adds about 0.25 messages, and the
-figures there move by about 0.2 from run to run.
-
-On a GPU (not run here: this machine has none) a JAX implementation is measured by
-its device's ``memory_stats()``: ``bytes_in_use`` before the call is the baseline
-and ``peak_bytes_in_use`` after it the peak. The peak cannot be reset, but in a
-fresh process it holds only this case; when the peak before the call is already
-as high, set-up dominated and the row's ``rise_upper_bound`` says the rise is only
-an upper bound. mpi4py implementations are measured by RSS everywhere. The jobs get
-``JAX_PLATFORMS=cpu`` unless it is set (``_harness.run_job``): on a GPU machine run
-with ``JAX_PLATFORMS=cuda``.
+``--gpu`` (``tools/gpu_check.sh``): the same on a GPU, by the device's
+``memory_stats()``: the baseline ``bytes_in_use`` before the call, the peak
+``peak_bytes_in_use`` after it. That peak cannot be reset, so the input is made on
+the device with nothing else held, and ``bound <=`` marks a rise that is only an
+upper bound (the peak was that high before). The jobs run with
+``JAX_PLATFORMS=cuda``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the per-rank cases
+without ``jax.distributed`` (ranks may share a GPU), staged or CUDA-aware as
+``MPI4JAX_DIST_CUDA_AWARE_MPI`` says (mpi4jax alike); rows add the mode, the pinned
+host memory and the pieces staged. Default cases: ``mpi4jax_dist``,
+``mpi4jax_dist_tmp``, ``mpi4jax`` and ``psum``. No GPU: one sentence, exit 0; the
+exit status judges the package's rows only (mpi4jax crashes above 2^31).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -91,8 +51,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _allreduce_impls  # noqa: E402
 import _harness  # noqa: E402
 
-ORDERS = ("default", "reversed", "shuffled")
+ORDERS = ("default", "reversed")
 DEFAULT_SIZES = "1MiB,16MiB,64MiB"
+GPU_IMPLS = ["mpi4jax_dist", "mpi4jax_dist_tmp", "mpi4jax", "psum"]
+# What JAX sees in a fresh process, as the --gpu jobs will: its GPUs, or why none.
+PROBE = """
+import importlib.util, json
+try:
+    import jax
+    found = [f"{d.device_kind} ({d})" for d in jax.devices() if d.platform == "gpu"]
+except Exception as e:  # no CUDA plugin, no driver, no device
+    plugins = [p for p in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+               if importlib.util.find_spec(p)]
+    found = f"{type(e).__name__}: {e!r}; CUDA plugin: {', '.join(plugins) or 'none'}"
+print("RESULT " + json.dumps(found))
+"""
 
 # ---------------------------------------------------------------------------------
 # The cases: _allreduce_impls's implementations, and two on an intermediate
@@ -136,29 +109,43 @@ class Mpi4jaxTmp(OnIntermediate, _allreduce_impls.Mpi4jax):
     beside the result (the comparison for ``mpi4jax_dist_tmp``)."""
 
 
-TABLE = _harness.Table(
-    [
-        _harness.Column("bytes", "bytes", "per rank", 10),
-        _harness.Column("impl", "impl", "", 16, left=True),
-        _harness.Column("rise_x", "rise", "x msg", 6, ".2f"),
-        _harness.Column("rise_bytes", "rise", "MiB", 8, ".1f", 1 / 2**20),
-        _harness.Column("xla_temp_x", "xla_temp", "x msg", 8, ".2f"),
-        _harness.Column("in_place", "in_place", "", 8, left=True),
-        _harness.Column("t_call_s", "t_call", "ms", 9, ".2f", 1e3),
-        _harness.Column("measure", "measure", "", 7),
-        _harness.Column("compiles", "compiles", "", 8),
-        _harness.Column("status", "check", "", 10, left=True),
-    ]
-)
+COLUMNS = [
+    _harness.Column("bytes", "bytes", "per rank", 10),
+    _harness.Column("impl", "impl", "", 16, left=True),
+    _harness.Column("rise_x", "rise", "x msg", 6, ".2f"),
+    _harness.Column("rise_bytes", "rise", "MiB", 8, ".1f", 1 / 2**20),
+    _harness.Column("xla_temp_x", "xla_temp", "x msg", 8, ".2f"),
+    _harness.Column("in_place", "in_place", "", 8, left=True),
+    _harness.Column("t_call_s", "t_call", "ms", 9, ".2f", 1e3),
+    _harness.Column("measure", "measure", "", 7),
+    _harness.Column("compiles", "compiles", "", 8),
+    _harness.Column("status", "check", "", 10, left=True),
+]
+# --gpu: the mode that ran, whether the rise is only a bound, and what was staged.
+GPU_COLUMNS = [
+    _harness.Column("mode", "mode", "", 6, left=True),
+    _harness.Column("rise_upper_bound", "bound", "", 5, lambda b: "<=" if b else ""),
+    _harness.Column("pinned_bytes", "pinned", "host MiB", 8, ".1f", 1 / 2**20),
+    _harness.Column("pieces", "pieces", "staged", 6),
+]
 
 
 # ---------------------------------------------------------------------------------
 # One case, inside its own MPI job
 
 
-def load_pattern(impl, rank: int, procs: int) -> None:
+def load_pattern(impl, rank: int, procs: int, device) -> None:
     """Load this rank's checked input (``_allreduce_impls.pattern``), made by XLA: a
-    2^31-element pattern in NumPy takes 16 GiB temporaries and 80 s a rank."""
+    2^31-element pattern in NumPy takes 16 GiB temporaries and 80 s a rank. On a
+    ``device`` (whose peak cannot be reset) it stays there, and nothing else is
+    held while it is made."""
+    if device is not None:
+        impl.x = impl.y = None
+        impl.x = impl.y = impl.to_device(
+            _allreduce_impls.device_pattern(impl.n, rank, procs, impl.dtype)
+        )
+        impl.x.block_until_ready()
+        return
     made = _allreduce_impls.device_pattern(impl.n, rank, procs, impl.dtype)
     made.block_until_ready()
     impl.load(np.asarray(made))  # on the CPU a view of XLA's buffer, not a copy
@@ -166,19 +153,16 @@ def load_pattern(impl, rank: int, procs: int) -> None:
 
 
 def grow_communicator_pool(comm, count: int = 4) -> None:
-    """Make and free ``count`` duplicates of ``comm`` (collective). MPI allocates
-    its communicator objects in blocks (MPICH: a block of them, about 1.8 MiB,
-    once its preallocated ones are used up), and the package's first call makes
-    duplicates of its communicator: whether that call's window holds the block
-    then depends on how many communicators exist already (the watchdog's two, on
-    by default, tipped a 4 MiB call from 0.46 to 0.91 messages, 1.8 MiB at every
-    size). Made and freed before the baseline, the call reuses them."""
+    """Make and free ``count`` duplicates of ``comm`` (collective): MPI allocates
+    communicators in blocks (MPICH: about 1.8 MiB), and the first call's own
+    duplicates must not start one inside the measured window (docs/benchmarks.rst,
+    *Memory*). Made and freed before the baseline, the call reuses them."""
     made = [comm.Dup() for _ in range(count)]
     for duplicate in made:
         duplicate.Free()
 
 
-def run_case(name: str, nbytes: int, dtype: str) -> None:
+def run_case(name: str, nbytes: int, dtype: str, gpu: bool) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
 
     Every job imports JAX, which makes the input and checks the result also for
@@ -187,19 +171,27 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
     import jax
     from mpi4py import MPI
 
+    import mpi4jax_dist  # (registers the MPI cluster env)
     from mpi4jax_dist import _mpi
 
     comm = MPI.COMM_WORLD
     record = IMPLS[name]
     device = None
     if record.uses_jax:
-        import mpi4jax_dist  # noqa: F401  (registers the MPI cluster env)
-
         if dtype == "float64":
             jax.config.update("jax_enable_x64", True)
-        jax.distributed.initialize()
-        if jax.default_backend() != "cpu":
-            device = jax.local_devices()[0]
+        if gpu and record.transport == "mpi":
+            # Plain per-process JAX, so that ranks may share a GPU: this rank's
+            # among those it sees.
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            devices = jax.local_devices()
+            device = devices[local.Get_rank() % len(devices)]
+            local.Free()
+            jax.config.update("jax_default_device", device)
+        else:
+            jax.distributed.initialize()
+            if jax.default_backend() != "cpu":
+                device = jax.local_devices()[0]
     rank, procs = comm.Get_rank(), comm.Get_size()
     itemsize = np.dtype(dtype).itemsize
     n = max(1, nbytes // itemsize)
@@ -208,17 +200,13 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
     if record.uses_jax:
         analysis = impl.executables["one"].memory_analysis()
         xla_temp = None if analysis is None else analysis.temp_size_in_bytes
-    extension = None
-    if getattr(record, "extension", False):
-        from mpi4jax_dist import _ffi
-
-        extension = _ffi.load()
-    load_pattern(impl, rank, procs)
+    counted = getattr(record, "extension", False)
+    load_pattern(impl, rank, procs, device)
     grow_communicator_pool(comm)
     _harness.settle()
     comm.Barrier()
-    if extension is not None:
-        extension.reset_stats()
+    if counted:
+        mpi4jax_dist.op_counts(reset=True)
     peak_before = None
     if device is not None:
         stats = device.memory_stats() or {}
@@ -236,7 +224,7 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
         peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
     else:
         peak = _harness.rss_bytes()[1]
-    handler = None if extension is None else extension.stats()
+    handler = mpi4jax_dist.op_counts() if counted else None
     rise = None if peak is None or base is None else peak - base
     wrong = _allreduce_impls.count_wrong_blocks(impl.result(), n, procs, dtype)
     mine = {
@@ -252,13 +240,20 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
     if rank == 0:
         rises = [r["rise"] for r in everyone]
         handlers = [r["handler"] for r in everyone]
-        in_place = None
-        if extension is not None:
+        in_place = mode = pinned = pieces = None
+        if counted:
             # One buffer in and out on every rank, in every handler call.
             in_place = all(
                 h["handler_calls"] > 0 and h["same_buffer_calls"] == h["handler_calls"]
                 for h in handlers
             )
+            if device is not None:  # the CUDA module's counts
+                aware, staged = (
+                    handlers[0].get(k) for k in ("cuda_aware_calls", "staged_calls")
+                )
+                mode = "aware" if aware else "staged" if staged else None
+                pinned = max(h.get("pinned_peak_bytes", 0) for h in handlers)
+                pieces = max(h.get("staged_chunks", 0) for h in handlers)
         _harness.report(
             rise_bytes=None if None in rises else max(rises),
             rise_per_rank=rises,
@@ -270,6 +265,9 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
             measure="rss" if device is None else "device",
             xla_temp_bytes=xla_temp,
             in_place=in_place,
+            mode=mode,
+            pinned_bytes=pinned,
+            pieces=pieces,
             handler_stats=handlers[0],
             mpi_library=_mpi.mpi_library(),
         )
@@ -277,16 +275,6 @@ def run_case(name: str, nbytes: int, dtype: str) -> None:
 
 # ---------------------------------------------------------------------------------
 # The parent: one job per case
-
-
-def order_cases(cases: list, order: str, seed: int) -> list:
-    """Return ``cases`` in ``order``: as given, reversed, or shuffled by ``seed``."""
-    cases = list(cases)
-    if order == "reversed":
-        cases.reverse()
-    elif order == "shuffled":
-        random.Random(seed).shuffle(cases)
-    return cases
 
 
 def timeout_for(nbytes: int, timeout: float | None) -> float:
@@ -302,18 +290,9 @@ def measure(name, nbytes, args, env) -> dict:
     itemsize = np.dtype(args.dtype).itemsize
     nbytes = max(1, nbytes // itemsize) * itemsize
     timeout = timeout_for(nbytes, args.timeout)
-    job = _harness.run_job(
-        args.procs,
-        [
-            os.path.abspath(__file__),
-            "--case",
-            f"{name}:{nbytes}",
-            "--dtype",
-            args.dtype,
-        ],
-        timeout=timeout,
-        env=env,
-    )
+    argv = [os.path.abspath(__file__), "--case", f"{name}:{nbytes}"]
+    argv += ["--dtype", args.dtype] + ["--gpu"] * args.gpu
+    job = _harness.run_job(args.procs, argv, timeout=timeout, env=env)
     row = {
         "bytes": nbytes,
         "count": nbytes // itemsize,
@@ -348,7 +327,6 @@ def parse_args(argv):
     )
     IMPLS.option(parser, "--impls")
     parser.add_argument("--order", choices=ORDERS, default="default")
-    parser.add_argument("--seed", type=int, default=0, help="for --order shuffled")
     parser.add_argument(
         "--dtype",
         choices=_allreduce_impls.DTYPES,
@@ -363,9 +341,14 @@ def parse_args(argv):
         help="seconds per job before it is killed and reported as timed out "
         "(default 120 plus 60 per GiB of message)",
     )
+    parser.add_argument(
+        "--gpu", action="store_true", help="on a GPU, by its memory_stats()"
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # IMPL:BYTES, in a job
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
+    if args.gpu and args.impls == IMPLS.names():  # --impls not given
+        args.impls = list(GPU_IMPLS)
     try:
         _allreduce_impls.pattern_bound(args.procs, args.dtype)
     except ValueError as err:
@@ -380,32 +363,58 @@ def parse_args(argv):
     return args
 
 
+def job_env(gpu: bool) -> dict:
+    """The jobs' environment (``_harness.memory_job_env``); with ``gpu``, JAX on
+    CUDA without preallocation (ranks may share a GPU, and ``memory_stats`` then
+    counts what the program holds), mpi4jax staged or CUDA-aware as the package."""
+    env = _harness.memory_job_env()
+    if gpu:
+        env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS") or "cuda"
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        aware = env.get("MPI4JAX_DIST_CUDA_AWARE_MPI", "0")
+        env.setdefault("MPI4JAX_USE_CUDA_MPI", aware)
+    return env
+
+
 def main(argv=None) -> list[dict]:
     """Run every case in its own job; return the rows.
 
     Raises:
-        SystemExit: 1 after all cases when one was wrong, crashed or timed out.
+        SystemExit: 1 after all cases when one was wrong, crashed or timed out
+            (with ``--gpu``: one of the package's; 0 where JAX sees no GPU).
     """
     args = parse_args(argv)
     if args.case:
         name, _, nbytes = args.case.partition(":")
-        run_case(name, int(nbytes), args.dtype)
+        run_case(name, int(nbytes), args.dtype, args.gpu)
         return []
     _harness.not_under_mpiexec("memory.py")
-    cases = order_cases(
-        [(name, nbytes) for nbytes in args.sizes for name in args.impls],
-        args.order,
-        args.seed,
-    )
-    env = _harness.memory_job_env()
+    cases = [(name, nbytes) for nbytes in args.sizes for name in args.impls]
+    if args.order == "reversed":  # the figures must not move
+        cases.reverse()
+    env = job_env(args.gpu)
+    table = _harness.Table(COLUMNS + GPU_COLUMNS * args.gpu)
+    gpus, notes = [], []
+    if args.gpu:
+        probe = _harness.run_job(0, ["-c", PROBE], timeout=120, env=env)
+        gpus = probe.results[0] if probe.results else "the probe failed"
+        if not gpus or isinstance(gpus, str):
+            why = f"JAX_PLATFORMS={env['JAX_PLATFORMS']}: {gpus or 'no GPU'}"
+            print(f"memory.py --gpu: JAX sees no GPU here ({why}); nothing to run")
+            raise SystemExit(0)
+        notes.append(
+            f"# on {', '.join(gpus)}: rise = peak_bytes_in_use above bytes_in_use "
+            "before the call (bound <=: the peak was that high before it); pinned = "
+            "host memory the call pinned; pieces = staged copies"
+        )
     threshold = env["MALLOC_MMAP_THRESHOLD_"]
     meta = _harness.meta(
         procs=args.procs,
         dtype=args.dtype,
         order=args.order,
-        seed=args.seed,
         malloc_mmap_threshold=threshold,
         mpiexec=_harness.find_mpiexec(),
+        gpus=gpus,
     )
     _harness.say(
         None,
@@ -414,27 +423,22 @@ def main(argv=None) -> list[dict]:
         f"MALLOC_MMAP_THRESHOLD_={threshold}",
         "# rise = peak RSS (VmHWM) above the RSS before the call, largest rank; "
         "t_call = slowest rank",
-        TABLE.header(),
+        *notes,
+        table.header(),
     )
     results = []
     for name, nbytes in cases:
         row = measure(name, nbytes, args, env)
         results.append(row)
-        _harness.say(None, TABLE.row(row))
+        _harness.say(None, table.row(row))
     # The parent is not in an MPI job: the MPI library is the jobs' word.
     meta["mpi_library"] = next(
         (r["mpi_library"] for r in results if r.get("mpi_library")), None
     )
-    _harness.save(
-        args,
-        meta,
-        results,
-        _harness.rise_plot(
-            f"{args.procs} ranks: peak RSS rise / message",
-            lambda r: _harness.human_bytes(r["bytes"]),
-        ),
-    )
+    _harness.save(args, meta, results)
     bad = [r for r in results if r["status"] != "ok"]
+    if args.gpu:  # others' failures are reported, not judged
+        bad = [r for r in bad if r["impl"].startswith("mpi4jax_dist")]
     if bad:
         for row in bad:
             _harness.say(

@@ -1,48 +1,28 @@
-"""Can a CG's reduction hide behind its matvec? The delay table and an overlap
-microbenchmark, for mpi4jax_dist.cg's mpi4jax backend.
-
-Usage::
+"""Can a CG's reduction hide behind its matvec? The delay table, for
+mpi4jax_dist.cg's mpi4jax backend.
 
     mpiexec -bind-to core -n 2 python benchmarks/overlap.py
         [--delays 0,20,50,100,200] [--grids 64,256]
         [--variants classic,single,pipelined,...] [--iters 100] [--samples 5]
-        [--micro-latencies 0,50] [--json PATH]
+        [--json PATH]
 
-(Open MPI: ``--bind-to core``.) Every case of a table is compiled first and then
-timed round-robin with the others, so that a drift of the machine's speed falls on
-all alike.
+(Open MPI: ``--bind-to core``.) Two ranks on shared memory have almost no
+reduction latency to hide, so every reduction completes ``delay`` µs after it was
+posted, as an 8-byte allreduce over 10^4 ranks does: a PMPI interposer
+(``pmpi_latency.c``, built and preloaded, :mod:`_latency`) holds each
+``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait until then. A blocking
+reduction pays ``delay``, an overlapped one ``max(delay, matvec)``. Each variant
+runs ``--iters`` iterations of the 2-D Poisson problem (``_poisson.py``; tolerance
+below reach, so every solve makes as many), compiled first, then timed round-robin
+per grid; the table gives the slowest rank's time per iteration, the median of
+``--samples`` solves.
 
-Two ranks on one machine's shared memory have almost no reduction latency to hide,
-so the delay table injects what a large machine has: every reduction completes
-``delay`` µs after it was posted, as an 8-byte allreduce over 10^4 ranks does: a
-PMPI interposer (``pmpi_latency.c``, built and preloaded by the benchmark,
-:mod:`_latency`) holds each ``MPI_Allreduce`` and each ``MPI_Iallreduce``'s wait
-until then. A blocking reduction pays ``delay``, an overlapped one ``max(delay,
-matvec)``. (Settled, and retired from this script: a delay on rank 1 alone, load
-imbalance, and on each rank in half the iterations, OS noise, which no variant
-hides; docs/benchmarks.rst cites their rows, run by the script as it last was, from
-``git archive 9d20368:benchmarks``, as ``--mode rank1,noise``.)
-
-Each variant runs
-``--iters`` iterations of the 2-D Poisson problem of ``benchmarks/cg.py`` (tolerance
-below reach, so every solve makes the same number), and the table gives the
-slowest rank's time per iteration, median of ``--samples`` solves, round-robin.
-
-The microbenchmark times, in jitted loops, one non-blocking allreduce of three
-float64 alone (start, wait), the grid's matvec alone, and both overlapped (start,
-matvec, wait), and reports the overlap efficiency
-``(t_reduce + t_matvec - t_both) / min(t_reduce, t_matvec)``: 1 when the smaller
-hides completely, 0 when nothing overlaps.
-
-Progress: what the MPI does with the reduction while the overlapped work runs. The
-extension counts, per wait, whether its first ``MPI_Test`` completed the reduction
-(``done``), the time from the post to the wait (``slack``: the work overlapped) and
-the time the wait then spent waiting (``blocked``: what the work did not hide). The
-progress table (no simulated latency) compares three kinds of overlapped work: the
-matvec (its halo exchange makes MPI calls), the same stencil on the local rows only
-(no MPI call: what the MPI does by itself), and that stencil in two halves with a
-``req.test()`` between them (what one ``MPI_Test`` adds). The CG table gives
-the same counts for ``pipelined_nb``'s waits.
+Settled, and retired from this script, run as it last was from ``git archive
+<commit>:benchmarks`` (docs/benchmarks.rst cites their rows): a delay on rank 1
+alone and OS noise, which no variant hides (``--mode rank1,noise``, 9d20368); the
+overlap microbenchmark (one non-blocking allreduce and the matvec, alone and
+overlapped, with the extension's counts of the waits) and the progress table (the
+reduction overlapped with work that makes no MPI call) (819e3f9).
 """
 
 from __future__ import annotations
@@ -72,15 +52,6 @@ def parse_args(argv=None):
     )
     parser.add_argument("--iters", type=int, default=100, help="CG iterations")
     parser.add_argument("--samples", type=int, default=5, help="timed solves each")
-    parser.add_argument(
-        "--micro-iters", type=int, default=200, help="loop trips of the micro cases"
-    )
-    parser.add_argument(
-        "--micro-latencies",
-        type=_harness.floats,
-        default="0,50",
-        help="simulated reduction latencies (us) of the micro cases, comma-sep.",
-    )
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     return args
@@ -97,124 +68,6 @@ def warmed(case, latency):
 
     _harness.block(run())
     return run
-
-
-def wait_counts(case, comm, runs: int = 1) -> dict:
-    """What the waits of ``case`` found, over all ranks, from the extension's
-    counters, the median over ``runs`` runs (untimed): ``done``, the share whose
-    first ``MPI_Test`` completed the reduction; ``test_done``, the share of
-    ``req.test()`` calls that did (None without tests); ``slack_us``, µs from
-    post to wait, and ``blocked_us``, µs the wait then waited, each per wait."""
-    from mpi4jax_dist import _ffi
-
-    ext = _ffi.load()
-    names = ("waits", "done_before_wait", "tests", "tests_done")
-    names += ("wait_slack_ns", "wait_blocked_ns")
-    per_run = []
-    for _ in range(runs):
-        ext.reset_stats()
-        comm.Barrier()
-        _harness.block(case())
-        stats = ext.stats()
-        mine = [stats[f"iallreduce_{k}"] for k in names]
-        total = dict(zip(names, np.sum(comm.allgather(mine), axis=0), strict=True))
-        waits = max(int(total["waits"]), 1)
-        tests = int(total["tests"])
-        per_run.append(
-            {
-                "done": total["done_before_wait"] / waits,
-                "test_done": total["tests_done"] / tests if tests else None,
-                "slack_us": total["wait_slack_ns"] / waits / 1e3,
-                "blocked_us": total["wait_blocked_ns"] / waits / 1e3,
-            }
-        )
-    return {
-        key: (
-            None
-            if per_run[0][key] is None
-            else float(np.median([r[key] for r in per_run]))
-        )
-        for key in per_run[0]
-    }
-
-
-def looped(prob, trips: int, latency, bodies):
-    """Each ``body(c, v) -> (c, v)`` as a jitted loop of ``trips`` from three
-    float64 ones and the grid's right-hand side, compiled under ``latency``."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    three, v = jnp.ones(3), jnp.asarray(prob.b)
-
-    def case(body):
-        f = jax.jit(
-            lambda c, v: lax.fori_loop(0, trips, lambda i, cv: body(*cv), (c, v))
-        )
-        return warmed(lambda: f(three, v), latency)
-
-    return [case(body) for body in bodies]
-
-
-def micro_cases(prob, comm, trips: int, latency):
-    """The three micro cases, compiled under ``latency``, as loops of ``trips``:
-    the non-blocking allreduce of three float64 alone (start, wait), the grid's
-    matvec alone, and both overlapped (start, matvec, wait)."""
-    import mpi4jax_dist
-
-    matvec = prob.mpi4jax_matvec()
-
-    def reduce_only(c, v):
-        return mpi4jax_dist.iallreduce(c / comm.size).wait(), v
-
-    def matvec_only(c, v):
-        return c, matvec(v) * 1e-3
-
-    def both(c, v):
-        req = mpi4jax_dist.iallreduce(c / comm.size)
-        req, av = req.overlap(matvec, v)
-        return req.wait(), av * 1e-3
-
-    return looped(prob, trips, latency, (reduce_only, matvec_only, both))
-
-
-def progress_cases(prob, comm, trips: int):
-    """Three cases whose overlapped work makes no MPI call, as loops of ``trips``
-    (no simulated latency): the grid's stencil on this rank's rows alone (zero
-    halos, in two halves), the reduction overlapped with it, and the same with an
-    ``req.test()`` between the two halves."""
-    import jax.numpy as jnp
-
-    import mpi4jax_dist
-
-    n = prob.n
-
-    def half(v, top):
-        u = v.reshape(-1, n)
-        u = u[: len(u) // 2] if top else u[len(u) // 2 :]
-        zeros = jnp.zeros(n, v.dtype)
-        return _poisson.stencil(u, zeros, zeros, jnp).reshape(-1) * 1e-3
-
-    def work(v):
-        return jnp.concatenate([half(v, True), half(v, False)])
-
-    def work_only(c, v):
-        return c, work(v)
-
-    def both(c, v):
-        req = mpi4jax_dist.iallreduce(c / comm.size)
-        req, av = req.overlap(work, v)
-        return req.wait(), av
-
-    def both_test(c, v):
-        req = mpi4jax_dist.iallreduce(c / comm.size)
-        # v passes through the first half's work (no copy of it for the second).
-        req, (top, v) = req.overlap(lambda v: (half(v, True), v), v)
-        req = req.test()
-        req, bottom = req.overlap(lambda v: half(v, False), v)
-        return req.wait(), jnp.concatenate([top, bottom])
-
-    return looped(prob, trips, None, (work_only, both, both_test))
 
 
 def main(argv=None):
@@ -246,98 +99,7 @@ def main(argv=None):
         f"# delay d: every reduction completes d us after its post (simulated); "
         f"t/iter: slowest rank, median of {args.samples} solves",
     )
-    rows = []
-    _harness.say(
-        comm,
-        "# overlap: one non-blocking allreduce of 3 float64 (with a simulated "
-        f"latency, us) and the grid's matvec, in jitted loops of "
-        f"{args.micro_iters}; efficiency = (reduce + matvec - both) / "
-        f"min(reduce, matvec)",
-        "# of the overlapped waits (all ranks): done, the share whose first "
-        "MPI_Test completed the reduction; slack, us from post to wait; blocked, "
-        "us the wait then waited",
-        "#      n  latency   reduce_us   matvec_us     both_us  efficiency    done"
-        "  slack_us  blocked_us",
-    )
-    progress = []
-    # Every case of a table is compiled first, then all are timed round-robin, so
-    # that a drift of the machine's speed falls on all of them alike.
-    for n in args.grids:
-        prob = _poisson.Poisson(n, comm)
-        cases = []
-        for latency in args.micro_latencies:
-            cases += micro_cases(prob, comm, args.micro_iters, latency)
-        local = progress_cases(prob, comm, args.micro_iters)
-        times = _harness.time_rounds(cases + local, comm, args.samples, warmup=0)
-        per_trip = [float(np.median(t)) / args.micro_iters * 1e6 for t in times]
-        for i, latency in enumerate(args.micro_latencies):
-            t_red, t_mv, t_both = per_trip[3 * i : 3 * i + 3]
-            efficiency = (t_red + t_mv - t_both) / min(t_red, t_mv)
-            counts = wait_counts(cases[3 * i + 2], comm, args.samples)
-            row = {
-                "micro": True,
-                "n": n,
-                "latency_us": latency,
-                "reduce_us": t_red,
-                "matvec_us": t_mv,
-                "both_us": t_both,
-                "efficiency": efficiency,
-                "done_before_wait": counts["done"],
-                "slack_us": counts["slack_us"],
-                "blocked_us": counts["blocked_us"],
-            }
-            rows.append(row)
-            _harness.say(
-                comm,
-                f"  {n:5d}  {latency:7g}  {t_red:10.2f}  {t_mv:10.2f}  "
-                f"{t_both:10.2f}  {efficiency:10.2f}  {counts['done']:6.2f}  "
-                f"{counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
-            )
-            if latency == 0:
-                progress.append((n, "matvec", t_red, t_mv, t_both, counts))
-        # The reduction alone without a simulated latency (NaN: not measured).
-        zero = 0 in args.micro_latencies
-        t_red = per_trip[3 * args.micro_latencies.index(0)] if zero else np.nan
-        t_work = per_trip[len(cases)]
-        for label, case, t_both in zip(
-            ("stencil", "stencil+test"),
-            local[1:],
-            per_trip[len(cases) + 1 :],
-            strict=True,
-        ):
-            progress.append(
-                (n, label, t_red, t_work, t_both, wait_counts(case, comm, args.samples))
-            )
-    _harness.say(
-        comm,
-        "# progress, no simulated latency: the reduction overlapped with the "
-        "matvec (its halo exchange calls MPI), with the stencil on the local rows "
-        "(no MPI call), and with that stencil in two halves and an "
-        "req.test() between them",
-        "#      n  work            reduce_us     work_us     both_us    done  "
-        "test_done  slack_us  blocked_us",
-    )
-    for n, label, t_red, t_work, t_both, counts in progress:
-        test_done = counts["test_done"]
-        rows.append(
-            {
-                "progress": True,
-                "n": n,
-                "work": label,
-                "reduce_us": t_red,
-                "work_us": t_work,
-                "both_us": t_both,
-                **counts,
-            }
-        )
-        _harness.say(
-            comm,
-            f"  {n:5d}  {label:14s}  {t_red:9.2f}  {t_work:10.2f}  {t_both:10.2f}  "
-            f"{counts['done']:6.2f}  "
-            + (f"{test_done:9.2f}" if test_done is not None else f"{'-':>9}")
-            + f"  {counts['slack_us']:8.2f}  {counts['blocked_us']:10.2f}",
-        )
-    mode = "latency"
+    rows, mode = [], "latency"
     for n in args.grids:
         prob = _poisson.Poisson(n, comm)
         b = jnp.asarray(prob.b)
@@ -359,14 +121,9 @@ def main(argv=None):
             )
         times = _harness.time_rounds(cases, comm, args.samples, warmup=0)
         per_iter = [float(np.median(t)) / args.iters * 1e6 for t in times]
-        # The overlapped variant's waits: what its work hid (slack) and did not
-        # (blocked), per wait, all ranks (median of --samples more solves, untimed).
-        nb = "pipelined_nb" if "pipelined_nb" in variants else None
         _harness.say(
             comm,
-            "# mode     n  delay_us  "
-            + "  ".join(f"{v:>14}" for v in variants)
-            + ("  nb_slack_us  nb_blocked_us" if nb else ""),
+            "# mode     n  delay_us  " + "  ".join(f"{v:>14}" for v in variants),
         )
         for i, delay in enumerate(args.delays):
             row = per_iter[i * len(variants) : (i + 1) * len(variants)]
@@ -379,24 +136,13 @@ def main(argv=None):
             line = f"  {mode:6s}{n:5d}  {delay:8g}  " + "  ".join(
                 f"{t:14.1f}" for t in row
             )
-            if nb:
-                counts = wait_counts(
-                    cases[i * len(variants) + variants.index(nb)], comm, args.samples
-                )
-                result["pipelined_nb_waits"] = counts
-                line += f"  {counts['slack_us']:11.1f}  {counts['blocked_us']:13.1f}"
             rows.append(result)
             _harness.say(comm, line)
     _harness.save(args, meta, rows, comm=comm)
     return rows
 
 
-def needs_latency(args) -> bool:
-    """Whether ``args`` ask for a reduction latency (the interposer)."""
-    return bool(args.delays) or any(args.micro_latencies)
-
-
 if __name__ == "__main__":
-    if needs_latency(parse_args()):
+    if parse_args().delays:
         _latency.preload()  # before MPI starts: runs this script again
     main()

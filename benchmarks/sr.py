@@ -1,80 +1,48 @@
 """The stochastic-reconfiguration (SR) solve as VMC codes write it: three routes.
 
     mpiexec -n 2 python benchmarks/sr.py [--params 1824,9245,50000]
-        [--walkers 256,1024] [--max-j-mib 64] [--eps 1e-3] [--cond 1.7e7]
-        [--tol 1e-5] [--maxiter 200]
-        [--routes jax.scipy,dropin,solve_normal,cholesky] [--variants ...]
-        [--repeat 3] [--max-s-gib 4] [--json PATH]
+        [--walkers 256,1024] [--variants ...] [--repeat 3] [--json PATH]
 
 The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern), made
 by ``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, ``(J^T J / N
 + eps) x = f``, float64, ``tol=1e-5``, ``atol=0``, ``maxiter=200``, ``x0`` zero,
-``eps`` a scalar, the eigenvalues of ``S`` falling exponentially so that ``(lambda_max
-+ eps) / eps`` is ``--cond`` (1.7e7, the user's deuteron): as in their runs CG stops
-at ``maxiter`` without converging.
-
-Routes, every one inside ``jax.jit``, one row each per ``(N_p, walkers)``:
+``eps`` 1e-3, the eigenvalues of ``S`` falling exponentially so that ``(lambda_max
++ eps) / eps`` is 1.7e7 (the user's deuteron): as in their runs CG stops at
+``maxiter`` without converging. The routes, each inside ``jax.jit``, one row each
+per ``(N_p, walkers)`` (docs/benchmarks.rst, *The stochastic-reconfiguration
+solve*, says more):
 
 ``jax.scipy`` (a)
-    their code: ``jax.scipy.sparse.linalg.cg(A, f, x0=x0, tol, atol=0,
-    maxiter)`` with ``A(v) = mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v``.
+    their code: ``jax.scipy.sparse.linalg.cg`` with ``A(v) =
+    mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v``.
 ``dropin/<variant>`` (b)
     the same ``A`` and call, one line changed: ``mpi4jax_dist.cg(A, f, ...,
-    variant=...)`` for every variant (vectors replicated: one reduction per
-    iteration, ``A``'s).
+    variant=...)`` for every ``--variants``.
 ``solve_normal`` (b)
-    ``mpi4jax_dist.cg.solve_normal(J_r, f, eps, variant="classic")``, which forms
-    the matvec itself as ``(J v) J`` (faster than ``J.T @ (J @ v)`` on CPU).
+    ``mpi4jax_dist.cg.solve_normal(J_r, f, eps, variant="classic")``.
 ``cholesky`` (c)
-    ``S_r = (J_r / N)^T J_r`` on each rank, summed with ``mpi4jax_dist.allreduce``
-    donated (reduced in place: S held once), ``eps`` added on the diagonal, then
-    ``jax.scipy.linalg.cho_factor``/``cho_solve`` (S donated), three jitted stages
-    whose times are also shown apart (form, allreduce, factor+solve). Skipped
-    where S would exceed ``--max-s-gib`` per rank (N_p = 50,000 in float64 is 20
-    GB), with the reason printed.
+    ``S_r = (J_r / N)^T J_r`` summed with ``mpi4jax_dist.allreduce`` donated, then
+    ``cho_factor``/``cho_solve``, three jitted stages also timed apart; skipped
+    where S would exceed 4 GiB per rank. A walker count (not the smallest) whose
+    J_r would exceed 64 MiB is skipped too.
 
-Where J_r would exceed ``--max-j-mib`` a walker count is skipped (the smallest is
-always run): at 50,000 x 1,024 one solve of ``(a)`` takes 25 s on this 2-core
-machine.
+Timing (``_harness.time_rounds``): one untimed run of every route of one size, then
+``--repeat`` rounds round-robin, the slowest rank per round, the median. Allreduces
+per solve, counted from what ran: ``loop``, those in the CG loop (``(a)``: its
+compiled while body, ``_hlo.loop_reductions``, times the iterations; the others:
+``info.reductions``); ``all``, every call of ``A`` (a debug callback, in an untimed
+run; ``solve_normal``: ``info.matvecs`` + 2); ``(c)``: 1 by construction, in
+``mpi`` MPI calls. Accuracy, recomputed in NumPy: ``||f - A x|| / ||f||`` and the
+distance from ``(a)``'s answer. Run with ``OMP_NUM_THREADS=1`` where the ranks fill
+the cores (as benchmarks/cg.py says).
 
-Timing (``_harness.time_rounds``): every route of one ``(N_p, walkers)`` runs once
-untimed (compilation, warm-up), then ``--repeat`` rounds time each in turn, each
-after a barrier and ended by ``block_until_ready``; per round the slowest rank
-counts; t_solve is the median, t/iter that over the iterations. Iterations: the
-drop-in's and solve_normal's ``info.iterations``; for ``(a)`` a
-``jax.debug.callback`` in ``A`` (its calls less one, the initial residual), in an
-untimed run after the timed ones.
-
-Allreduces per solve, counted from what ran: ``loop`` = those inside the CG loop
-(``(a)``: the reductions in the compiled while loop body, ``_hlo.loop_reductions``,
-times the iterations; the drop-in and solve_normal: ``info.reductions``); ``all``
-= every call of ``A`` (one allreduce each) counted by the debug callback, set-up
-and final check included (``solve_normal``: ``info.matvecs`` + 2, its set-up and
-check matvecs, read from its code, not counted); ``(c)``: 1 by construction (one
-``mpi4jax_dist.allreduce`` of S), in ``ceil(S / MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES)``
-MPI calls (column ``mpi``). Bytes: per allreduce ``8 N_p`` (``8 N_p^2`` for
-``(c)``), per solve that times ``all``.
-
-Accuracy, recomputed in NumPy for every route alike: the true relative residual
-``||f - A x|| / ||f||`` and ``||x - x_a|| / ||x_a||``, the distance from
-``(a)``'s answer.
-
-Settled, and retired from this script (their rows stay in
-``docs/benchmarks/sr.json``; docs/benchmarks.rst runs the script as it last was, from
-``git archive 9d20368:benchmarks``): the latency study (a route's time where one
-allreduce costs ``L`` more, measured under the PMPI interposer, and the latency
-above which (c) beats CG) and the conditioning study (how far each variant's answer
-moves from the drop-in classic's).
-
-Peak memory (settled; ``docs/benchmarks/sr_memory.json``, recorded by the ``--memory``
-mode this script had, docs/benchmarks.rst says how to run it again): the in-place sum
-holds S once, out of place S, its sum and MPI's scratch; ``cho_factor`` +
-``cho_solve`` need two S-sized temporaries more even with S donated (XLA copies S
-into LAPACK's column-major layout and masks the factor's upper triangle into
-another buffer), so (c)'s factorization, not its allreduce, sets its peak.
-
-Run with ``OMP_NUM_THREADS=1`` where the ranks fill the cores (as benchmarks/cg.py
-says); the header records it.
+Settled, and retired from this script (their rows stay in docs/benchmarks/sr.json
+and sr_memory.json; docs/benchmarks.rst runs the script as it last was, from
+``git archive 9d20368:benchmarks``): the latency study, the conditioning study and
+the peak memory per route (``--memory``). The options that set the problem and its
+limits (``--eps``, ``--cond``, ``--tol``, ``--maxiter``, ``--routes``,
+``--replace-every``, ``--max-j-mib``, ``--max-s-gib``), which no documented run
+changed, are constants here since ``git archive 819e3f9:benchmarks``.
 """
 
 from __future__ import annotations
@@ -101,11 +69,9 @@ DROPIN = "dropin"
 NORMAL = "solve_normal"
 CHOL = "cholesky"
 
-ROUTES = _harness.Registry("SR route")
-ROUTES.register(ROUTE_A, "(a) jax.scipy.sparse.linalg.cg, mpi4jax.allreduce in A")
-ROUTES.register(DROPIN, "(b) mpi4jax_dist.cg with the same A, every --variants")
-ROUTES.register(NORMAL, "(b) mpi4jax_dist.cg.solve_normal, (J v) J")
-ROUTES.register(CHOL, "(c) S summed in place, Cholesky")
+# The problem, and what is too large to run here.
+EPS, COND, TOL, MAXITER, REPLACE_EVERY = 1e-3, 1.7e7, 1e-5, 200, 50
+MAX_J_MIB, MAX_S_GIB = 64, 4.0
 
 
 def cg_module():
@@ -117,11 +83,9 @@ def cg_module():
 # The routes, as jitted functions of (J, f, x0, eps)
 
 
-def problem(params, walkers, comm, args, seed=0) -> Jacobian:
+def problem(params, walkers, comm, seed=0) -> Jacobian:
     """The SR problem of ``params`` parameters, ``walkers`` per rank."""
-    return Jacobian(
-        walkers * comm.size, params, args.eps, comm, cond=args.cond, seed=seed
-    )
+    return Jacobian(walkers * comm.size, params, EPS, comm, cond=COND, seed=seed)
 
 
 def route_dropin(N, comm, tol, maxiter, variant, replace_every, counter=None):
@@ -295,10 +259,10 @@ class Bench:
         for params in args.params:
             for index, walkers in enumerate(sorted(args.walkers)):
                 j_mib = 8 * params * walkers / 2**20
-                if index and j_mib > args.max_j_mib:
+                if index and j_mib > MAX_J_MIB:
                     skipped.append(
                         f"# skipped N_p {params} x {walkers} walkers/rank: J_r "
-                        f"{j_mib:.0f} MiB > --max-j-mib {args.max_j_mib:g}"
+                        f"{j_mib:.0f} MiB > {MAX_J_MIB} MiB"
                     )
                 else:
                     run.append((params, walkers))
@@ -308,10 +272,9 @@ class Bench:
         args, comm = self.args, self.comm
         run, skipped = self.sizes()
         self.say(
-            f"# routes: (J^T J/N + eps) x = f, float64, tol {args.tol:g}, atol 0, "
-            f"maxiter {args.maxiter}, x0 zero, eps {args.eps:g}"
-            ", "
-            f"cond {args.cond:.3g}, {comm.size} ranks; median of {args.repeat} "
+            f"# routes: (J^T J/N + eps) x = f, float64, tol {TOL:g}, atol 0, "
+            f"maxiter {MAXITER}, x0 zero, eps {EPS:g}, "
+            f"cond {COND:.3g}, {comm.size} ranks; median of {args.repeat} "
             f"rounds, slowest rank",
             *skipped,
         )
@@ -323,102 +286,96 @@ class Bench:
         import jax
 
         args, comm = self.args, self.comm
-        prob = problem(params, walkers, comm, args)
+        prob = problem(params, walkers, comm)
         dev = prob.device()
-        N, tol, maxiter = prob.samples, args.tol, args.maxiter
+        N, tol, maxiter, every = prob.samples, TOL, MAXITER, REPLACE_EVERY
         base = {"section": "routes", "params": params, "walkers": walkers}
         cases, finish = [], []
         vec_bytes = 8 * params
 
-        if ROUTE_A in args.routes:
-            solve = jax_scipy_cg(N, comm, tol, maxiter)
-            per_loop = loop_allreduces(solve, dev)
+        solve = jax_scipy_cg(N, comm, tol, maxiter)
+        per_loop = loop_allreduces(solve, dev)
 
-            def done_a(output, per_loop=per_loop, dev_=dev):
-                calls = count_calls(
-                    lambda c: jax_scipy_cg(N, comm, tol, maxiter, counter=c), dev_, comm
-                )
-                k = calls - 1
-                return {
-                    "route": ROUTE_A,
-                    "iterations": k,
-                    "converged": None,
-                    "allreduces_loop": None if per_loop is None else per_loop * k,
-                    "allreduces": calls,
-                    "x": output,
-                }
+        def done_a(output, per_loop=per_loop, dev_=dev):
+            calls = count_calls(
+                lambda c: jax_scipy_cg(N, comm, tol, maxiter, counter=c), dev_, comm
+            )
+            k = calls - 1
+            return {
+                "route": ROUTE_A,
+                "iterations": k,
+                "converged": None,
+                "allreduces_loop": None if per_loop is None else per_loop * k,
+                "allreduces": calls,
+                "x": output,
+            }
 
-            cases.append(functools.partial(solve, *dev))
-            finish.append(done_a)
+        cases.append(functools.partial(solve, *dev))
+        finish.append(done_a)
 
-        if DROPIN in args.routes:
-            for variant in args.variants:
-                solve = route_dropin(N, comm, tol, maxiter, variant, args.replace_every)
+        for variant in args.variants:
+            solve = route_dropin(N, comm, tol, maxiter, variant, every)
 
-                def done_b(output, variant=variant, dev_=dev):
-                    x, info = output
-                    calls = count_calls(
-                        lambda c: route_dropin(
-                            N, comm, tol, maxiter, variant, args.replace_every, c
-                        ),
-                        dev_,
-                        comm,
-                    )
-                    return {
-                        "route": f"{DROPIN}/{variant}",
-                        "variant": variant,
-                        **info_fields(info),
-                        "allreduces": calls,
-                        "x": x,
-                    }
-
-                cases.append(functools.partial(solve, *dev))
-                finish.append(done_b)
-
-        if NORMAL in args.routes:
-            solve = route_normal(comm, tol, maxiter)
-
-            def done_n(output):
+            def done_b(output, variant=variant, dev_=dev):
                 x, info = output
-                fields = info_fields(info)
+                calls = count_calls(
+                    lambda c: route_dropin(N, comm, tol, maxiter, variant, every, c),
+                    dev_,
+                    comm,
+                )
                 return {
-                    "route": NORMAL,
-                    **fields,
-                    "allreduces": fields["matvecs"] + 2,
-                    "note": "all = matvecs + 2",
+                    "route": f"{DROPIN}/{variant}",
+                    "variant": variant,
+                    **info_fields(info),
+                    "allreduces": calls,
                     "x": x,
                 }
 
             cases.append(functools.partial(solve, *dev))
-            finish.append(done_n)
+            finish.append(done_b)
+
+        solve = route_normal(comm, tol, maxiter)
+
+        def done_n(output):
+            x, info = output
+            fields = info_fields(info)
+            return {
+                "route": NORMAL,
+                **fields,
+                "allreduces": fields["matvecs"] + 2,
+                "note": "all = matvecs + 2",
+                "x": x,
+            }
+
+        cases.append(functools.partial(solve, *dev))
+        finish.append(done_n)
 
         chol = None
-        if CHOL in args.routes:
-            s_gib = prob.s_bytes / 2**30
-            if s_gib > args.max_s_gib:
-                self.say(
-                    f"# skipped cholesky at N_p {params}: S is {s_gib:.1f} GiB per "
-                    f"rank (> --max-s-gib {args.max_s_gib:g}; and held with its "
-                    f"factor)"
-                )
-            else:
-                chol = Cholesky(N, comm)
-                chol.compile(dev[0], dev[1], dev[3])
+        s_gib = prob.s_bytes / 2**30
+        if s_gib > MAX_S_GIB:
+            self.say(
+                f"# skipped cholesky at N_p {params}: S is {s_gib:.1f} GiB per "
+                f"rank (> {MAX_S_GIB:g} GiB; and held with its "
+                f"factor)"
+            )
+        else:
+            chol = Cholesky(N, comm)
+            chol.compile(dev[0], dev[1], dev[3])
 
-                def done_c(output):
-                    return {
-                        "route": CHOL,
-                        "iterations": None,
-                        "allreduces_loop": None,
-                        "allreduces": 1,
-                        "mpi_calls": chunks(prob.s_bytes),
-                        "bytes_per_allreduce": prob.s_bytes,
-                        "note": "1 allreduce of S (by construction)",
-                        "x": output,
-                    }
+            def done_c(output):
+                return {
+                    "route": CHOL,
+                    "iterations": None,
+                    "allreduces_loop": None,
+                    "allreduces": 1,
+                    "mpi_calls": chunks(prob.s_bytes),
+                    "bytes_per_allreduce": prob.s_bytes,
+                    "note": "1 allreduce of S (by construction)",
+                    "x": output,
+                }
 
-                cases.append(functools.partial(chol, *dev))
-                finish.append(done_c)
+            cases.append(functools.partial(chol, *dev))
+            finish.append(done_c)
 
         outputs = []
         times = _harness.time_rounds(cases, comm, args.repeat, 1, outputs)
@@ -488,45 +445,22 @@ def parse(argv):
         default=DEFAULT_WALKERS,
         help="walkers per rank, comma-separated",
     )
-    parser.add_argument(
-        "--max-j-mib",
-        type=float,
-        default=64,
-        help="skip a walker count (not the smallest) whose J_r is larger",
-    )
-    parser.add_argument("--eps", type=float, default=1e-3)
-    parser.add_argument("--cond", type=float, default=1.7e7)
-    parser.add_argument("--tol", type=float, default=1e-5)
-    parser.add_argument("--maxiter", type=int, default=200)
-    ROUTES.option(parser, "--routes")
     parser.add_argument("--variants", default=None, help="of the drop-in (default all)")
-    parser.add_argument("--replace-every", type=int, default=50)
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds")
-    parser.add_argument("--max-s-gib", type=float, default=4.0)
     _harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
-    if args.repeat < 1 or args.maxiter < 1:
-        parser.error("--repeat and --maxiter must be >= 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     return args
 
 
 def main(argv=None) -> list[dict]:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parse(argv)
-    import jax
+    with _harness.float64_world() as comm:
+        import jax
 
-    import mpi4jax_dist
-
-    x64 = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        mpi4jax_dist.initialize()
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        variants = cg_module().VARIANTS
         if args.variants is None:
-            args.variants = list(variants)
+            args.variants = list(cg_module().VARIANTS)
         elif isinstance(args.variants, str):
             args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         bench = Bench(args, comm)
@@ -551,8 +485,6 @@ def main(argv=None) -> list[dict]:
         _harness.save(args, meta, bench.results, comm=comm)
         comm.Barrier()
         return bench.results
-    finally:
-        jax.config.update("jax_enable_x64", x64)
 
 
 def _chunk_bytes() -> int:

@@ -35,30 +35,31 @@
 #      tests, tests/gpu/test_inplace_allreduce_gpu.py under mpiexec -n 2 (every
 #      dtype and op against mpi4py, 1 MiB staging in pieces with chunking on and
 #      off, donation in place, order with mpi4jax, 2**31 + 16 int8), then the table,
-#      python3 benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB --impls
-#      ours,ours_jit,mpi4jax: one fresh job per (implementation, size), 256 MiB
-#      float32 and 2**31 + 16 int8. The table runs after failed tests too, and the
-#      step then fails.
+#      python3 benchmarks/memory.py --gpu --sizes 256MiB --impls
+#      mpi4jax_dist,mpi4jax_dist_tmp,mpi4jax, and again at --sizes 2147483664
+#      --dtype int8: one fresh job per (implementation, size), 256 MiB float32 and
+#      2**31 + 16 int8. The table runs after failed tests too, and the step then
+#      fails.
 # Everything printed also goes to $OUT/gpu_check.log, and the table's rows to
-# $OUT/gpu_allreduce.json, where the device tool gives an $OUT.
-# About 3 to 5 minutes once the machine is up.
+# $OUT/gpu_memory.json and $OUT/gpu_memory-int8.json, where the device tool gives
+# an $OUT. About 3 to 5 minutes once the machine is up.
 #
 # Expected output, at the end:
 #   N passed, M skipped in ...        (pytest's summary, from each rank; a skip:
 #                                      the CUDA-aware test, where the MPI does not
 #                                      say it reads device memory)
-#   # device memory of one allreduce, 2 ranks, one fresh mpiexec job per case
-#   # columns: bytes (per rank), dtype, impl, mode, before / peak / after (device
-#   #   MiB: bytes_in_use before the call, peak_bytes_in_use, bytes_in_use after),
-#   #   rise (x msg, and MiB: peak - before), bound, pinned (host MiB), pieces,
-#   #   t_call (ms), compiles, check
-#   one row per (size, impl). Pass, for every row of ours (the script's verdict):
+#   # peak memory of one allreduce (call), 2 ranks, float32, one fresh mpiexec ...
+#   # columns: bytes (per rank), impl, rise (x msg, and MiB: peak_bytes_in_use
+#   #   above bytes_in_use before the call), xla_temp, in_place, t_call (ms),
+#   #   measure, compiles, check, mode, bound, pinned (host MiB), pieces
+#   one row per (size, impl), then the same for int8. Pass, for every row of
+#   mpi4jax_dist* (the script's verdict):
 #   - check "ok" (the sums right on both ranks);
-#   - ours (staged, donated): rise 0.00 x msg (below 0.5), after = before (the
-#     result is the input's buffer), pinned 64.0 host MiB (one staging buffer,
-#     whatever the message), pieces 8 at 256 MiB and 65 at 2**31 + 16 int8
-#     (32 MiB halves), compiles 0;
-#   - ours_jit (an intermediate in jit): rise about 1.00 (the result's buffer);
+#   - mpi4jax_dist (staged, donated): rise 0.00 x msg (below 0.5), in_place yes,
+#     pinned 64.0 host MiB (one staging buffer, whatever the message), pieces 8
+#     at 256 MiB and 65 at 2**31 + 16 int8 (32 MiB halves), compiles 0;
+#   - mpi4jax_dist_tmp (an intermediate in jit): rise about 1.00 (the result's
+#     buffer);
 #   - mpi4jax: reported, not judged (a rise of 1 or more; above 2**31 it is
 #     expected to crash or be wrong: that is the point).
 #   and last "gpu_check: PASS" (exit 0), or "gpu_check: FAIL at <step>" (exit 1).
@@ -192,12 +193,18 @@ JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} \
     MPI4JAX_DIST_CUDA_AWARE_MPI=$aware timeout 360 \
     mpiexec -n 2 "$python" -m pytest --with-mpi -q -rs -p no:cacheprovider "$tests"
 tests_status=$?
-json=()
-[ -n "${OUT:-}" ] && json=(--json "$OUT/gpu_allreduce.json")
-MPI4JAX_DIST_CUDA_AWARE_MPI=$aware timeout $((480 - (SECONDS - start))) \
-    "$python" benchmarks/gpu_allreduce.py --procs 2 --sizes 256MiB \
-    --impls ours,ours_jit,mpi4jax --timeout 120 "${json[@]}" \
-    || fail "benchmarks/gpu_allreduce.py (exit $?)"
+json=() json8=()
+[ -n "${OUT:-}" ] && json=(--json "$OUT/gpu_memory.json") \
+    && json8=(--json "$OUT/gpu_memory-int8.json")
+table() {  # in what is left of the step's 480 s
+    local left=$((480 - (SECONDS - start)))
+    MPI4JAX_DIST_CUDA_AWARE_MPI=$aware timeout $((left > 1 ? left : 1)) \
+        "$python" benchmarks/memory.py --gpu --timeout 120 \
+        --impls mpi4jax_dist,mpi4jax_dist_tmp,mpi4jax "$@"
+}
+table --sizes 256MiB "${json[@]}" || fail "benchmarks/memory.py --gpu (exit $?)"
+table --sizes 2147483664 --dtype int8 "${json8[@]}" \
+    || fail "benchmarks/memory.py --gpu --dtype int8 (exit $?)"
 [ "$tests_status" = 0 ] || fail "$tests (exit $tests_status)"
 echo "gpu_check: PASS (${SECONDS} s)"
 }

@@ -10,7 +10,7 @@ unless ``JAX_PLATFORMS`` says otherwise, so on a GPU machine run
         tests/gpu/test_inplace_allreduce_gpu.py
 
 or ``bash tools/gpu_check.sh``, which builds everything, runs this file and then
-the device-memory table of ``benchmarks/gpu_allreduce.py``, in one command. There,
+the device-memory table of ``benchmarks/memory.py --gpu``, in one command. There,
 results are checked against mpi4py's Allreduce on host copies;
 device memory against ``memory_stats()``; what the handler did (staged or
 CUDA-aware, how many pieces, pinned host bytes) is counted by the extension.

@@ -12,7 +12,7 @@ pytestmark = [util.skip_in_mpi_job, util.same_under_every_jax]
 
 def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
     bench = util.load_benchmark("bootstrap")
-    out, png = tmp_path / "bootstrap.json", tmp_path / "bootstrap.png"
+    out = tmp_path / "bootstrap.json"
     methods = ["jax-mpi4py", "mpi4jax_dist/multiple", "mpi4jax_dist/single"]
     results = bench.main(
         [
@@ -26,8 +26,6 @@ def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
             "120",
             "--json",
             str(out),
-            "--plot",
-            str(png),
         ]
     )
     assert [(r["procs"], r["method"]) for r in results] == [(2, m) for m in methods]
@@ -42,38 +40,27 @@ def test_bootstrap_benchmark_reports_every_method(tmp_path, capsys):
         assert rows[method]["released_s"] > 0
     saved = json.loads(out.read_text())
     assert len(saved["results"]) == 3 and "versions" in saved["meta"]
-    assert png.stat().st_size > 0
     assert "mpi4jax_dist/single" in capsys.readouterr().out
 
 
 def test_overlap_benchmark(tmp_path):
-    """overlap.py's tables (2 ranks, tiny)."""
+    """overlap.py's table (2 ranks, tiny). (Its settled microbenchmark's checks,
+    the wait counters under a held reduction, are
+    test_latency_interposer_holds_every_reduction_until_its_time's.)"""
     out = tmp_path / "overlap.json"
     proc = util.run_mpi(
         util.ROOT / "benchmarks" / "overlap.py",
         2,
         *("--grids", "16", "--delays", "0,40"),
         *("--variants", "single,pipelined_nb", "--iters", "5", "--samples", "1"),
-        *("--micro-iters", "5", "--micro-latencies", "0,40", "--json", str(out)),
+        *("--json", str(out)),
         timeout=300,
     )
     rows = json.loads(out.read_text())["results"]
-    micro = [r for r in rows if r.get("micro")]
-    assert [r["latency_us"] for r in micro] == [0, 40], rows
-    # A reduction held 40 us takes at least that; the counters saw every wait.
-    assert micro[1]["reduce_us"] >= 40 and 0 <= micro[1]["done_before_wait"] <= 1
-    cg_rows = [(r["mode"], r["delay_us"]) for r in rows if "mode" in r]
+    cg_rows = [(r["mode"], r["delay_us"]) for r in rows]
     assert cg_rows == [("latency", 0), ("latency", 40)]
-    held = [r for r in rows if r.get("mode") == "latency" and r["delay_us"] == 40][0]
+    held = [r for r in rows if r["delay_us"] == 40][0]
     assert held["single"] >= 40 and held["pipelined_nb"] > 0, held
-    # pipelined_nb's waits, counted: the work between post and wait, and the wait
-    # for the rest of the 40 us (less each wait's first MPI_Test).
-    waits = held["pipelined_nb_waits"]
-    assert waits["slack_us"] > 0 and waits["slack_us"] + waits["blocked_us"] >= 39
-    # The progress table: the matvec, the local stencil, and it with a test.
-    progress = [r for r in rows if r.get("progress")]
-    assert [r["work"] for r in progress] == ["matvec", "stencil", "stencil+test"]
-    assert [r["test_done"] is None for r in progress] == [True, True, False]
     assert "cores of each rank" in proc.stdout
 
 

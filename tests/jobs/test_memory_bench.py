@@ -33,11 +33,9 @@ def test_rows_do_not_depend_on_order(memory, tmp_path):
                 "120",
                 "--json",
                 str(path),
-                "--plot",
-                str(tmp_path / f"{order}.png"),
             ]
         )
-        assert path.exists() and (tmp_path / f"{order}.png").exists()
+        assert path.exists()
         rows[order] = {(r["impl"], r["bytes"]): r for r in found}
         for row in found:
             assert row["status"] == "ok", row
@@ -141,7 +139,7 @@ def test_pattern_made_by_xla_is_numpys(memory, monkeypatch):
 
 
 def test_a_failed_case_is_a_row(memory):
-    args = argparse.Namespace(dtype="float32", procs=2, timeout=60)
+    args = argparse.Namespace(dtype="float32", procs=2, timeout=60, gpu=False)
     env = memory._harness.memory_job_env()
     row = memory.measure("nosuch", 1 << 20, args, env)
     assert row["status"] == "crashed (1)", row["tail"]
@@ -151,11 +149,5 @@ def test_a_failed_case_is_a_row(memory):
     assert row["status"] == "timed out (0.01 s)"
 
 
-def test_orders_and_environment(memory):
-    cases = [(i, s) for s in (1, 2) for i in ("a", "b", "c")]
-    assert memory.order_cases(cases, "default", 0) == cases
-    assert memory.order_cases(cases, "reversed", 0) == cases[::-1]
-    shuffled = memory.order_cases(cases, "shuffled", 1)
-    assert sorted(shuffled) == sorted(cases)
-    assert shuffled == memory.order_cases(cases, "shuffled", 1)
+def test_environment(memory):
     assert memory._harness.memory_job_env()["MALLOC_MMAP_THRESHOLD_"] == "131072"

@@ -125,11 +125,6 @@ def test_tiny_sweep(world, tmp_path_factory):
             and data["meta"]["impls"] == bench.DEFAULT_IMPLS
             and "pattern" in data["meta"]
             and len(data["results"]) == len(results)
-            and [r["impl"] for r in data["dispatch"]]
-            == [name for name, *_ in bench.DISPATCH]
-            and all(
-                r["t_median_s"] > 0 and r["compiles"] == 0 for r in data["dispatch"]
-            )
             and os.path.exists(png)
         )
     util.all_ranks(ok, "the JSON file lacks meta or results")

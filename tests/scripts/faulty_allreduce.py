@@ -22,7 +22,7 @@ spec.loader.exec_module(bench)
 
 
 @bench.IMPLS.register("mpi4jax_rolled")
-class Rolled(bench.Mpi4jax):
+class Rolled(bench.IMPLS["mpi4jax"]):
     """Right values, every element moved one place along."""
 
     def reduce(self, v):
@@ -30,7 +30,7 @@ class Rolled(bench.Mpi4jax):
 
 
 @bench.IMPLS.register("mpi4jax_reversed")
-class Reversed(bench.Mpi4jax):
+class Reversed(bench.IMPLS["mpi4jax"]):
     """Right values in reverse order."""
 
     def reduce(self, v):

@@ -9,10 +9,10 @@ pytestmark = [util.skip_in_mpi_job, util.same_under_every_jax]
 
 def test_every_client_has_its_own_connection_burst_and_waves(tmp_path):
     bench = util.load_benchmark("coordinator_scale")
-    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    out = tmp_path / "scale.json"
     results = bench.main(
         ["--procs", "16", "--waves", "0,4/20", "--timeout", "60"]
-        + ["--init-timeout", "20", "--json", str(out), "--plot", str(png)]
+        + ["--init-timeout", "20", "--json", str(out)]
     )
     assert [(r["case"], r["procs"]) for r in results] == [
         ("burst", 16),
@@ -31,7 +31,6 @@ def test_every_client_has_its_own_connection_burst_and_waves(tmp_path):
     assert results[1]["issued_s"] >= 0.06
     saved = json.loads(out.read_text())
     assert len(saved["results"]) == 2 and "versions" in saved["meta"]
-    assert png.stat().st_size > 0
 
 
 def test_client_addresses_are_distinct_loopback_addresses():
