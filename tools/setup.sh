@@ -26,6 +26,10 @@
 #   INSTALL editable | copy: this package editable from the tree (default where JAX
 #           is not pinned; the tree's build then serves this environment alone) or
 #           built from a copy of it into the environment alone
+#   MPI4JAX_CUDA  auto | no: mpi4jax's CUDA bridge is built where CUDA's headers are
+#           (auto), or not (no: half of mpi4jax's 43 CPU-s build). The environments
+#           of --with-* take no: only a GPU runs that bridge, and tools/test.sh
+#           runs them on CPU
 # Running it again is cheap: what is installed stays. It ends by printing what the
 # environment holds (Python, jax, jaxlib, mpi4py, mpi4jax, the MPI).
 set -euo pipefail
@@ -79,9 +83,11 @@ py311=$(find_python 3.11 3.11) || py311=
 for other in "${others[@]}"; do
     case "$other" in
         openmpi) start_background "the Open MPI environment" env MPI=openmpi \
-            VENV="$here/.venv-ompi" JAX= INSTALL=copy bash "${BASH_SOURCE[0]}" ;;
+            MPI4JAX_CUDA=no VENV="$here/.venv-ompi" JAX= INSTALL=copy \
+            bash "${BASH_SOURCE[0]}" ;;
         impi) start_background "the Intel MPI environment" env MPI=impi \
-            VENV="$here/.venv-impi" JAX= INSTALL=copy bash "${BASH_SOURCE[0]}" ;;
+            MPI4JAX_CUDA=no VENV="$here/.venv-impi" JAX= INSTALL=copy \
+            bash "${BASH_SOURCE[0]}" ;;
         jaxmin)
             python_jaxmin=${py311:-$(find_python 3.10 3.13)} || python_jaxmin=
             if [ -z "$python_jaxmin" ]; then
@@ -89,8 +95,8 @@ for other in "${others[@]}"; do
                 continue
             fi
             start_background "the oldest-JAX environment" env MPI=mpich \
-                VENV="$here/.venv-jaxmin" PYTHON="$python_jaxmin" JAX=oldest \
-                bash "${BASH_SOURCE[0]}" ;;
+                MPI4JAX_CUDA=no VENV="$here/.venv-jaxmin" PYTHON="$python_jaxmin" \
+                JAX=oldest bash "${BASH_SOURCE[0]}" ;;
         slurm)
             if [ "$(id -u)" -eq 0 ]; then
                 start_background "Slurm's packages" bash "$here/tools/cluster.sh" install
@@ -166,7 +172,13 @@ if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
     # mpi4jax compiles against the MPI found above (about 1.5 minutes). Where nvcc sits
     # in /usr/local/bin but the CUDA headers in /usr/local/cuda, its CUDA detection
     # looks in /usr/local and fails: point it at the real CUDA root.
-    if [ -z "${CUDA_ROOT:-}${CUDA_PATH:-}" ] && [ -d /usr/local/cuda/include ]; then
+    if [ "${MPI4JAX_CUDA:-auto}" = no ]; then
+        # Its setup.py builds the bridge where CUDA_ROOT (or nvcc's folder) holds
+        # include/: an empty folder holds none.
+        CUDA_ROOT=$(mktemp -d)
+        export CUDA_ROOT
+        unset CUDA_PATH
+    elif [ -z "${CUDA_ROOT:-}${CUDA_PATH:-}" ] && [ -d /usr/local/cuda/include ]; then
         export CUDA_ROOT=/usr/local/cuda
     fi
     MPI4JAX_BUILD_MPICC=${MPI4JAX_BUILD_MPICC:-$(command -v mpicc)} \

@@ -54,7 +54,8 @@ def test_the_ops_are_right_and_lock_only_when_serialized(level):
         else:
             assert stats["locked_sections"] == 0, stats
         # A Python thread registering a communicator beside a running program of
-        # 2,000 allreduces: it waits its turn, the program's value is right.
+        # allreduces (2,000 under the lock): it waits its turn, the program's
+        # value is right.
         beside = r["beside"]
         assert beside["value"] == 1.0 and beside["registrations"] >= 1, beside
         if level == "serialized":
