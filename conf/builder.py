@@ -357,7 +357,7 @@ class BuildExt(build_ext):
             # parse is most of a source's compile (2-4 s each, 11 sources), and
             # one unit pays it once. Errors and warnings still name the source
             # and line. The sources stay what the build depends on.
-            ext.sources = [self._one_unit(ext, "core_unit.cc")]
+            ext.sources = [self._core_unit(ext)]
         elif ext.name.endswith("._mpiabi"):
             # The wrapper's generated constants and stubs, written into the build
             # directory (never into the source tree) and compiled as a source of
@@ -374,13 +374,14 @@ class BuildExt(build_ext):
                 ext.include_dirs.append(ffi)
         super().build_extension(ext)
 
-    def _one_unit(self, ext, name: str) -> str:
-        """A file in the build directory that includes ``ext``'s own sources, in
-        order; written only when it changes, so that a kept build stays kept."""
+    def _core_unit(self, ext) -> str:
+        """``core_unit.cc`` in the build directory, which includes the core's
+        sources in order; written only when it changes, so that a kept build
+        stays kept. The sources join the extension's dependencies."""
         sources = [str((ROOT / FFI / n).resolve()) for n in SOURCES["core"]]
         text = "// Written by conf/builder.py: the core as one unit.\n"
         text += "".join(f'#include "{source}"\n' for source in sources)
-        path = Path(os.path.abspath(self.build_temp), name)
+        path = Path(os.path.abspath(self.build_temp), "core_unit.cc")
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)

@@ -101,9 +101,8 @@ other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
 beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
-            -p no:cacheprovider -m "not same_under_every_jax$not_variant" tests/unit \
-            tests/peers \
-            tests/gpu tests/jobs
+            -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
+            tests/unit tests/peers tests/gpu tests/jobs
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
