@@ -125,8 +125,8 @@ same_under_every_jax = pytest.mark.same_under_every_jax
 # A further case of a mechanism that another test of its file already runs under
 # every MPI and JAX (another value of the same variable, another exit code, a
 # second pretend layout): tools/test.sh runs it in .venv, and its stages of another
-# MPI or JAX leave it out (-m "not variant") unless given --full, so that CI stays
-# under 20 minutes on two cores while each mechanism still meets every MPI and JAX.
+# MPI or JAX leave it out (-m "not variant") unless given --full: CI's two cores
+# spend less on what repeats, and each mechanism still meets every MPI and JAX.
 variant = pytest.mark.variant
 
 
