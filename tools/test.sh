@@ -128,17 +128,28 @@ beside_stages() {
     # here rather than in .venv's serial suite, to even the two lanes.
     run timeout -k 10 600 python -m pytest -q -p no:cacheprovider tests/packaging
 }
-beside=$(mktemp)
-beside_stages >"$beside" 2>&1 &
-beside_pid=$!
+# A stage run beside the others, its output kept (start_beside LABEL COMMAND...) and
+# shown with its exit status once it has ended (show_beside; nothing where none
+# runs). One at a time.
+beside_pid=
+start_beside() {
+    beside_label=$1
+    shift
+    beside=$(mktemp)
+    "$@" >"$beside" 2>&1 &
+    beside_pid=$!
+}
 show_beside() {
+    [ -n "$beside_pid" ] || return 0
     local status=0
     wait "$beside_pid" || status=$?
-    echo "+ beside the stage above, those of another JAX and MPI (exit $status):"
+    beside_pid=
+    echo "+ $beside_label (exit $status):"
     cat "$beside"
     rm -f "$beside"
     return "$status"
 }
+start_beside "beside the stage above, those of another JAX and MPI" beside_stages
 # Where a stage fails, this script ends once those beside it have (each has its time
 # limit), and shows what they found.
 trap 'status=$?; show_beside || true; exit "$status"' EXIT
@@ -166,29 +177,17 @@ show_beside || beside_status=$?
 # (tests/cluster/test_slurm_cluster.py), each case's seconds printed. Taken down
 # again whatever happens.
 cluster_stage() {
+    trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
     run bash tools/cluster.sh up 3
     run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
         timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
         tests/cluster
 }
-cluster_status=0
 if [ "$(id -u)" -eq 0 ]; then
-    beside=$(mktemp)
-    cluster_stage >"$beside" 2>&1 &
-    beside_pid=$!
-    show_cluster() {
-        local status=0
-        wait "$beside_pid" || status=$?
-        bash tools/cluster.sh down >/dev/null 2>&1 || true
-        echo "+ beside part 2, the Slurm cluster's tests (exit $status):"
-        cat "$beside"
-        rm -f "$beside"
-        return "$status"
-    }
-    trap 'status=$?; show_cluster || true; exit "$status"' EXIT
+    start_beside "beside part 2, the Slurm cluster's tests" cluster_stage
+    trap 'status=$?; show_beside || true; exit "$status"' EXIT
 else
     echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
-    show_cluster() { return 0; }
 fi
 
 # 2. The runs with peers, one at a time: each keeps both cores busy (a rank that
@@ -225,7 +224,8 @@ if [ -x "$jaxmin/bin/python" ]; then
 fi
 
 trap - EXIT
-show_cluster || cluster_status=$?
+cluster_status=0
+show_beside || cluster_status=$?
 
 # A failure among the stages beside fails the run, after the others ran.
 [ "$beside_status" -eq 0 ] || exit "$beside_status"
