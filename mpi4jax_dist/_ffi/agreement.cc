@@ -24,14 +24,24 @@
 
 namespace mpi4jax_dist {
 
-// The bytes a payload of `bytes` takes behind its header in one message: up
-// to 64 bytes, 64; up to 4 KiB with its header, the power of two that holds
-// both; above, itself. Ranks whose counts differ then mostly send messages of
-// one size, which the header tells apart: MPICH 5's shared-memory
-// MPI_Allreduce aborts the job on a longer message than its own, whatever the
-// communicator's error handler says. Padding a message this small costs no
-// time a benchmark sees (the reduction reads `carried` elements only).
+bool OneSizeFirst() {
+  static const bool open_mpi = [] {
+    char version[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+    int length = 0;
+    MPI_Get_library_version(version, &length);
+    return std::strstr(version, "Open MPI") != nullptr;
+  }();
+  return open_mpi;
+}
+
+size_t CombinedLimit() {
+  return OneSizeFirst() ? kOneSizePayload : kCombinedBytes;
+}
+
+size_t AlonePadBytes() { return OneSizeFirst() ? kOneSizePayload : 0; }
+
 size_t PaddedBytes(size_t bytes) {
+  if (OneSizeFirst()) return kOneSizePayload;
   if (bytes <= 64) return 64;
   size_t total = kHeaderBytes + bytes;
   if (total > 4096) return bytes;

@@ -12,7 +12,8 @@
 //   of one MPI datatype: one collective, as without the check.
 // - Above it, the header goes alone, posted non-blocking before the data and
 //   completed while the data is reduced; it is judged after the first chunk
-//   and before the call returns.
+//   and before the call returns (under Open MPI, before the data is posted:
+//   OneSizeFirst).
 // A disagreement is then explained (Explain): each rank's call and where the
 // user made it, gathered once to the communicator's rank 0, which words one
 // report that every rank raises alike.
@@ -58,9 +59,39 @@ constexpr uint32_t kDisagree = 1;
 // mpi4jax_dist_unchecked shows the checks' cost in the package as built).
 constexpr size_t kCombinedBytes = size_t{16} << 10;
 
-// The bytes a payload of `bytes` takes behind its header in one message: up
-// to 64 bytes, 64; up to 4 KiB with its header, the power of two that holds
-// both; above, itself. Ranks whose counts differ then mostly send messages of
+// Under Open MPI 5 a reduction whose ranks send messages of different sizes
+// does not fail cleanly: where the longer one goes by rendezvous (above 4 KiB
+// over shared memory) the rank that receives it corrupts its heap (then aborts,
+// or hangs in Open MPI's own crash handler), and a non-blocking one leaves the
+// other rank waiting for good (mpi4py alone, 2 ranks, 2026-12-06;
+// tests/scripts/fail_safe.py's imismatch). There the first message of every
+// checked call is one size whatever the call: its header with up to
+// kOneSizePayload bytes of payload, or the header alone padded to as much; a
+// larger payload is posted only once the ranks have agreed on the header. One
+// more message's latency for payloads above kOneSizePayload (the price of
+// checks there; MPICH and Intel MPI fail a longer message cleanly).
+constexpr size_t kOneSizePayload = 192;
+
+// Whether the first message of a call must be one size (the MPI is Open MPI:
+// MPI_Get_library_version, asked once).
+MPI4JAX_DIST_CORE_API bool OneSizeFirst();
+
+// Payloads up to this many bytes go in one message with their header:
+// kCombinedBytes, or kOneSizePayload where OneSizeFirst.
+MPI4JAX_DIST_CORE_API size_t CombinedLimit();
+
+// A header posted apart from its payload, with what pads it to the first
+// message's one size where OneSizeFirst (AlonePadBytes: 0 elsewhere).
+struct alignas(16) HeaderAlone {
+  CallHeader header;
+  char pad[kOneSizePayload] = {};
+};
+MPI4JAX_DIST_CORE_API size_t AlonePadBytes();
+
+// The bytes a payload of `bytes` (at most CombinedLimit) takes behind its
+// header in one message: up to 64 bytes, 64; up to 4 KiB with its header, the
+// power of two that holds both; above, itself; where OneSizeFirst, always
+// kOneSizePayload. Ranks whose counts differ then mostly send messages of
 // one size, which the header tells apart: MPICH 5's shared-memory
 // MPI_Allreduce aborts the job on a longer message than its own, whatever the
 // communicator's error handler says. Padding a message this small costs no

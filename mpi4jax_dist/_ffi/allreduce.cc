@@ -106,10 +106,10 @@ ffi::Error AllreduceChunk(void* data, size_t n, MPI_Datatype dtype, MPI_Op op,
 ffi::Error HeaderCheck::Post(const CallHeader& header, MPI_Comm comm,
                              bool on) {
   if (!on) return ffi::Error::Success();
-  header_ = header;
-  header_.carried = 0;
-  const int rc =
-      ReduceChecked(reinterpret_cast<char*>(&header_), 0, comm, &request_);
+  message_.header = header;
+  message_.header.carried = 0;
+  const int rc = ReduceChecked(reinterpret_cast<char*>(&message_),
+                               AlonePadBytes(), comm, &request_);
   if (rc != MPI_SUCCESS) {
     request_ = MPI_REQUEST_NULL;
     return MpiError("MPI_Iallreduce (the call's header)", rc);
@@ -123,7 +123,8 @@ int HeaderCheck::CompleteWith(MPI_Request* data, bool* disagreed) {
     *disagreed = false;
     return WaitRequest(data);
   }
-  const int rc = CompleteJudged(&request_, header_, data, &rc_, disagreed);
+  const int rc =
+      CompleteJudged(&request_, message_.header, data, &rc_, disagreed);
   judged_ = true;
   return rc;
 }
@@ -136,7 +137,7 @@ bool HeaderCheck::Agreed(int* rc) {
     judged_ = true;
   }
   *rc = rc_;
-  return rc_ == MPI_SUCCESS && header_.flags == 0;
+  return rc_ == MPI_SUCCESS && message_.header.flags == 0;
 }
 
 // Allreduce `count` elements of host memory from `in` into `out`, chunk by
@@ -278,13 +279,13 @@ ffi::Error BeginCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
 
 // The blocking allreduce of host memory from `in` into `out` (one buffer when
 // XLA aliases them), checked against the other ranks' calls unless `checks` is
-// off: up to kCombinedBytes (and one chunk) in one message with its header,
-// above that beside it (HeaderCheck).
+// off: up to CombinedLimit() (and one chunk) in one message with its header,
+// above that beside it (HeaderCheck), or before it under Open MPI.
 ffi::Error AllreduceHost(const Call& call, const void* in, void* out,
                          size_t count, size_t element_bytes,
                          int64_t chunk_bytes, bool checks) {
   const size_t bytes = count * element_bytes;
-  if (checks && bytes <= kCombinedBytes &&
+  if (checks && bytes <= CombinedLimit() &&
       (chunk_bytes <= 0 || bytes <= static_cast<size_t>(chunk_bytes))) {
     // The smallest messages (all of one size: PaddedBytes) go as a blocking
     // MPI_Allreduce, the fastest; larger ones, and all under the collective
@@ -321,12 +322,14 @@ ffi::Error AllreduceHost(const Call& call, const void* in, void* out,
     return error;
   }
   bool disagreed = false;
+  int rc = MPI_SUCCESS;
+  // Under Open MPI no payload goes before the ranks agree (OneSizeFirst).
+  if (OneSizeFirst() && !check.Agreed(&rc)) return call.Disagreed(rc);
   ffi::Error error =
       count == 0 ? ffi::Error::Success()
                  : AllreduceChunked(in, out, count, element_bytes, call.dtype,
                                     call.op, call.comm, chunk_bytes, &check,
                                     &disagreed);
-  int rc = MPI_SUCCESS;
   if (disagreed || !check.Agreed(&rc)) return call.Disagreed(rc);
   call.Finish(error.success() ? kDone : kFailed);
   return error;

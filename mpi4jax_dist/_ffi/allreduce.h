@@ -30,8 +30,9 @@ MPI4JAX_DIST_CORE_API ffi::Error AllreduceChunk(void* data, size_t n,
                                                 MPI_Comm comm);
 
 // The header of a call whose payload goes apart from it (above
-// kCombinedBytes, or from device memory): posted alone before the data and
-// judged as soon as it completes, before the call returns.
+// CombinedLimit(), or from device memory): posted alone before the data and
+// judged as soon as it completes, before the call returns (under Open MPI,
+// before the data is posted: OneSizeFirst).
 class MPI4JAX_DIST_CORE_API HeaderCheck {
  public:
   // Post it (nothing when `on` is false: the checks are off).
@@ -49,7 +50,7 @@ class MPI4JAX_DIST_CORE_API HeaderCheck {
   bool Agreed(int* rc);
 
  private:
-  CallHeader header_;
+  HeaderAlone message_;  // the header, padded where OneSizeFirst
   MPI_Request request_ = MPI_REQUEST_NULL;
   bool posted_ = false;
   bool judged_ = false;
@@ -133,8 +134,8 @@ MPI4JAX_DIST_CORE_API ffi::Error BeginCall(
 
 // The blocking allreduce of host memory from `in` into `out` (one buffer when
 // XLA aliases them), checked against the other ranks' calls unless `checks` is
-// off: up to kCombinedBytes (and one chunk) in one message with its header,
-// above that beside it (HeaderCheck).
+// off: up to CombinedLimit() (and one chunk) in one message with its header,
+// above that beside it (HeaderCheck), or before it under Open MPI.
 MPI4JAX_DIST_CORE_API ffi::Error AllreduceHost(const Call& call,
                                                const void* in, void* out,
                                                size_t count,

@@ -59,6 +59,9 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
     return error;
   }
   const size_t count = x.element_count();
+  int rc = MPI_SUCCESS;
+  // Under Open MPI no payload goes before the ranks agree (OneSizeFirst).
+  if (OneSizeFirst() && !header.Agreed(&rc)) return call.Disagreed(rc);
   ffi::Error error = ffi::Error::Success();
   if (count > 0) {
     error = ReduceDeviceBuffer(
@@ -66,7 +69,6 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Token,
         static_cast<char*>(y->untyped_data()), count, x.size_bytes() / count,
         call.dtype, call.op, call.comm, chunk_bytes, cuda_aware != 0);
   }
-  int rc = MPI_SUCCESS;
   if (!header.Agreed(&rc)) return call.Disagreed(rc);
   call.Finish(error.success() ? kDone : kFailed);
   return error;

@@ -55,11 +55,16 @@ int PostSlot(PendingRequest* slot) {
                          &slot->request, /*guarded=*/true);
   }
   if (slot->checks) {
-    slot->header = call.header;
-    slot->header.carried = 0;
-    const int rc = ReduceChecked(reinterpret_cast<char*>(&slot->header), 0,
-                                 call.comm, &slot->agreement, true);
+    slot->alone.header = call.header;
+    slot->alone.header.carried = 0;
+    const int rc =
+        ReduceChecked(reinterpret_cast<char*>(&slot->alone), AlonePadBytes(),
+                      call.comm, &slot->agreement, true);
     if (rc != MPI_SUCCESS) return rc;
+    if (OneSizeFirst() && count > 0) {  // the payload once the ranks agree
+      slot->deferred = true;
+      return MPI_SUCCESS;
+    }
   }
   // Nothing to reduce: a null request.
   return count > 0 ? PostIallreduce(slot->data.get(), count, call.dtype,
@@ -102,9 +107,9 @@ ffi::Error IallreduceStart(const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
         "into chunks. Use mpi4jax_dist.allreduce, which reduces in chunks.");
   }
   const size_t bytes = x.size_bytes();
-  const bool combined = checks && bytes <= kCombinedBytes;
+  const bool combined = checks && bytes <= CombinedLimit();
   // Made before the locks Take holds.
-  CheckedType(combined ? PaddedBytes(bytes) : 0);
+  CheckedType(combined ? PaddedBytes(bytes) : AlonePadBytes());
   CheckedOp();
   auto post = [&](PendingRequest* slot) {
     slot->call = call;
@@ -157,6 +162,35 @@ ffi::Error PostWhenReady(PendingRequest* slot, bool block, const char* who) {
   return ffi::Error::Success();
 }
 
+// A slot whose payload waits for its header (OneSizeFirst): post the payload
+// once the header has completed (waited for with `block`) and says that the
+// ranks agree. Where it says otherwise, or failed, nothing more is posted and
+// *header_rc holds the header's MPI error. An MPI return code.
+int PostDeferred(PendingRequest* slot, bool block, int* header_rc) {
+  *header_rc = MPI_SUCCESS;
+  if (!slot->deferred) return MPI_SUCCESS;
+  if (slot->agreement != MPI_REQUEST_NULL) {
+    int done = 1;
+    int rc = MPI_SUCCESS;
+    if (block) {
+      rc = WaitRequest(&slot->agreement);
+    } else {
+      MpiGuard guard;
+      rc = MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS) slot->header_rc = rc;
+    if (rc == MPI_SUCCESS && !done) return MPI_SUCCESS;
+  }
+  *header_rc = slot->header_rc;
+  if (*header_rc != MPI_SUCCESS || slot->alone.header.flags != 0) {
+    return MPI_SUCCESS;
+  }
+  slot->deferred = false;
+  MpiGuard guard;
+  return PostIallreduce(slot->data.get(), slot->count, slot->call.dtype,
+                        slot->call.op, slot->call.comm, &slot->request);
+}
+
 }  // namespace
 
 // The wait: complete the request of `handle` (MPI_Wait), judge its header,
@@ -193,8 +227,19 @@ ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
     RequestTable::Get().Free(slot);
     return error;
   }
+  int header_rc = MPI_SUCCESS;
+  int rc = PostDeferred(slot, /*block=*/true, &header_rc);
+  if (rc != MPI_SUCCESS) {
+    slot->call.Finish(kFailed);
+    RequestTable::Get().Free(slot);
+    return MpiError("MPI_Iallreduce", rc, who);
+  }
+  if (slot->deferred) {  // the ranks disagree: no payload was posted
+    const Call call = slot->call;
+    RequestTable::Get().Free(slot);
+    return call.Disagreed(header_rc);
+  }
   int done = 0;
-  int rc = MPI_SUCCESS;
   {
     MpiGuard guard;
     rc = MPI_Test(&slot->request, &done, MPI_STATUS_IGNORE);
@@ -207,10 +252,9 @@ ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
   // The header, in front of the payload or apart: apart, it is judged as soon
   // as it completes, and where the ranks disagree the payload's request may
   // never complete (CompleteJudged).
-  int header_rc = MPI_SUCCESS;
   bool abandoned = false;
   if (rc == MPI_SUCCESS && !done) {
-    rc = CompleteJudged(&slot->agreement, slot->header, &slot->request,
+    rc = CompleteJudged(&slot->agreement, slot->alone.header, &slot->request,
                         &header_rc, &abandoned);
     abandoned = abandoned && slot->request != MPI_REQUEST_NULL;
   } else if (slot->agreement != MPI_REQUEST_NULL) {
@@ -220,7 +264,7 @@ ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
     stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,
                                     std::memory_order_relaxed);
   }
-  CallHeader header = slot->header;
+  CallHeader header = slot->alone.header;
   if (slot->offset > 0) std::memcpy(&header, slot->data.get(), kHeaderBytes);
   const bool checked = slot->checks;
   if (checked && (rc != MPI_SUCCESS || header_rc != MPI_SUCCESS ||
@@ -273,8 +317,12 @@ ffi::Error IallreduceTest(int32_t handle) {
     return error;
   }
   if (slot->setup) return ffi::Error::Success();
+  int header_rc = MPI_SUCCESS;
+  int rc = PostDeferred(slot, /*block=*/false, &header_rc);
+  if (rc != MPI_SUCCESS) return MpiError("MPI_Iallreduce", rc, who);
+  // The payload waits for the header; a disagreement is the wait's to report.
+  if (slot->deferred) return ffi::Error::Success();
   int done = 0;
-  int rc = MPI_SUCCESS;
   {
     MpiGuard guard;
     if (slot->agreement != MPI_REQUEST_NULL) {

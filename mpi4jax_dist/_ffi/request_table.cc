@@ -83,6 +83,8 @@ ffi::Error RequestTable::Take(int64_t uid, std::string_view site,
   free->agreement = MPI_REQUEST_NULL;
   free->offset = offset;
   free->setup = false;
+  free->deferred = false;
+  free->header_rc = MPI_SUCCESS;
   {
     MpiGuard guard;  // after mu_: see MpiGuard's lock order
     *rc = post(free);

@@ -31,9 +31,13 @@ struct PendingRequest {
   // not (`agreement`; MPI_REQUEST_NULL where there is none).
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Request agreement = MPI_REQUEST_NULL;
-  CallHeader header;  // the header posted apart, reduced in place
+  HeaderAlone alone;  // the header posted apart, reduced in place
   size_t offset = 0;  // kHeaderBytes (header and payload as one) or 0
   bool checks = true;
+  // The payload waits for the header apart to agree (OneSizeFirst): the test
+  // or the wait that finds it agreed posts it.
+  bool deferred = false;
+  int header_rc = MPI_SUCCESS;  // the header's MPI error, where it failed
   // Nothing posted yet: the communicator's private duplicate is still being
   // made (its first call); the test or the wait posts once it is there.
   bool setup = false;

@@ -126,17 +126,12 @@ def test_a_later_mismatch_is_caught_too():
 
 def test_non_blocking_starts_that_disagree_fail_in_their_wait():
     """MPICH reduces an MPI_Iallreduce of 1,000 floats on one rank and 2,000 on
-    the other without an error (rank 1's last 1,000 values are its own). The
-    first start on a communicator posts the agreement check beside its reduction,
-    and the wait fails on both ranks; nothing is left pending at exit."""
+    the other without an error (rank 1's last 1,000 values are its own); Open
+    MPI 5 corrupts its heap on the longer message, then aborts or hangs in its
+    crash handler (1 run in 12 hung here). With the header in front (MPICH) or
+    judged before the payload is posted (Open MPI), the wait fails on both ranks
+    with the report; nothing is left pending at exit."""
     proc, took, lines = scenario("imismatch", timeout=90)
-    if util.mpi_family() == "openmpi":
-        # Open MPI crashes on the truncated message of its non-blocking
-        # collective before the header is judged (docs/faults.rst, *Ranks that
-        # disagree*): non-zero, and no rank returned a value.
-        assert proc.returncode != 0, output(proc)
-        assert not any("no error" in line for r in (0, 1) for line in lines[r])
-        return
     assert proc.returncode == 0, output(proc)
     for rank in (0, 1):
         text = " ".join(lines[rank])
