@@ -15,7 +15,11 @@ from . import xla_mpi
 
 xla_mpi.prepare()
 
-from . import _compat  # noqa: E402
+from . import _compat, _config  # noqa: E402
+from .launch import detect as _detect  # noqa: E402
+
+# mpi4jax imported from here on prints its JAX-version warning on rank 0 alone.
+_compat.one_version_warning(_detect.launcher_rank(_config.environ()))
 from .interop import global_mesh, to_global, to_local  # noqa: E402
 from .launch.api import initialize, topology  # noqa: E402
 from .launch.bootstrap import Topology  # noqa: E402

@@ -55,6 +55,7 @@ from .extra import (  # noqa: F401
     has_mpi4jax,
     mpi4jax_missing,
     mpi4jax_ordering,
+    one_version_warning,
     require_mpi4jax,
 )
 from .jax_api import (  # noqa: F401

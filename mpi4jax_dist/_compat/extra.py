@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 
 MPI4JAX_EXTRA = "mpi4jax_dist[mpi4jax]"
+
+# mpi4jax's warning at its import where JAX is newer than its release names (its
+# jax_compat.check_jax_version): the same on every rank (docs/support.rst).
+VERSION_WARNING = r"\s*The latest supported JAX version with this release of mpi4jax"
 
 
 def mpi4jax_missing(what: str) -> str:
@@ -61,3 +66,14 @@ def mpi4jax_effect_if_imported():
     version warning, which the package explains where a user first sees it."""
     utils = sys.modules.get("mpi4jax._src.utils")
     return None if utils is None else utils.ordered_effect
+
+
+def one_version_warning(rank: int | None) -> None:
+    """Leave mpi4jax's JAX-version warning, 12 lines on every rank that imports
+    mpi4jax, to rank 0: an ignore filter on the others (``rank`` None: not known,
+    nothing done). Not where the user chose which warnings to see (``-W``,
+    ``PYTHONWARNINGS``). It acts on an mpi4jax imported after it: the package
+    calls it at its import and again with MPI's rank once the job is set up."""
+    if rank in (None, 0) or sys.warnoptions:
+        return
+    warnings.filterwarnings("ignore", message=VERSION_WARNING, category=UserWarning)

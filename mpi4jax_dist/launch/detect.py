@@ -2,7 +2,8 @@
 
 Nothing here imports ``mpi4py.MPI``: answering must never start MPI. The variables
 only decide whether touching MPI is safe and name the launcher in diagnostics; rank,
-size and local rank always come from MPI itself (:mod:`mpi4jax_dist.launch.bootstrap`).
+size and local rank always come from MPI itself (:mod:`mpi4jax_dist.launch.bootstrap`),
+but for which rank prints mpi4jax's version warning at import (:func:`launcher_rank`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,37 @@ def detect(env: Mapping[str, str]) -> LaunchInfo | None:
             _int_or_none(env.get(launcher.size or "")),
             _variables(launcher, env),
         )
+    return None
+
+
+# The variables that hold this process's rank, where a launcher sets one (the
+# marker variables above that are ranks, and Slurm's task number).
+RANK_VARIABLES = (
+    "PALS_RANKID",
+    "ALPS_APP_PE",
+    "JSM_NAMESPACE_RANK",
+    "FLUX_TASK_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+)
+
+
+def launcher_rank(env: Mapping[str, str]) -> int | None:
+    """Return the rank the launcher's variables give this process, or None.
+
+    Only for what must be decided before MPI is up and costs nothing when wrong
+    (which rank prints mpi4jax's version warning at import); the rank itself
+    comes from MPI.
+    """
+    if detect(env) is None:
+        return None
+    for name in RANK_VARIABLES:
+        rank = _int_or_none(env.get(name))
+        if rank is not None:
+            return rank
     return None
 
 

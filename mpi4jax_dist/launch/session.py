@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 
 from .. import _compat, _config, xla_mpi
 from ..faults import failfast, hangs
@@ -81,7 +80,7 @@ def start(topo: bootstrap.Topology) -> None:
         hangs.quote_record(*xla_record)
     failfast.watch_interrupts()
     _silence_false_proxy_alarm(topo)
-    _one_version_warning(topo.rank)
+    _compat.one_version_warning(topo.rank)
     _choose_gloo_address(topo)
     # mpi4jax's programs too, where no op of ours runs (_compat.reuse_runtime_tokens).
     _compat.reuse_runtime_tokens(_config.token_reuse())
@@ -90,22 +89,6 @@ def start(topo: bootstrap.Topology) -> None:
         # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
         # were before jax.distributed made all but rank 0 stop writing.
         _compat.cache_on_every_process()
-
-
-# mpi4jax's warning at import when JAX is newer than its release knows: the same on
-# every rank (docs/support.rst).
-_MPI4JAX_VERSION_WARNING = (
-    r"\s*The latest supported JAX version with this release of mpi4jax"
-)
-
-
-def _one_version_warning(rank: int) -> None:
-    """Leave mpi4jax's JAX-version warning to rank 0: imported after the
-    bootstrap, mpi4jax would print it on every rank (10^4 times at 10^4 ranks)."""
-    if rank != 0:
-        warnings.filterwarnings(
-            "ignore", message=_MPI4JAX_VERSION_WARNING, category=UserWarning
-        )
 
 
 def _world_for_xla():

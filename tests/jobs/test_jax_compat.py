@@ -366,3 +366,30 @@ def test_the_runtime_token_is_handed_on_as_it_is(setting):
     reused = setting == "1" and jax.__version_info__[:2] in _compat.TOKEN_REUSE_RAN
     assert found["patched"] is reused, found
     assert found["same"] == [reused] * 3, found
+
+
+MPI4JAX_WARNING = "The latest supported JAX version with this release of mpi4jax"
+
+
+def test_mpi4jax_s_version_warning_is_printed_once_a_job():
+    """mpi4jax warns at its import where JAX is newer than its release names: 12
+    lines on every rank (120,000 at 10^4 ranks). Imported after the package, rank
+    0 alone prints them; with ``-W default`` (the user chose which warnings to see)
+    every rank does, as every rank did before."""
+    pytest.importorskip("mpi4jax")
+    code = ["-c", "import mpi4jax_dist, mpi4jax"]
+    alone = subprocess.run(
+        [sys.executable, *code],
+        env=util.clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=util.ROOT,
+    )
+    assert alone.returncode == 0, alone.stderr
+    if MPI4JAX_WARNING not in alone.stderr:
+        pytest.skip("this mpi4jax does not warn with this JAX")
+    job = util.run_mpi(code, 2, timeout=120)
+    assert job.stderr.count(MPI4JAX_WARNING) == 1, job.stderr
+    asked = util.run_mpi(["-W", "default", *code], 2, timeout=120)
+    assert asked.stderr.count(MPI4JAX_WARNING) == 2, asked.stderr

@@ -158,3 +158,21 @@ def test_launchers_detected(env, name, size):
 @pytest.mark.parametrize("env", NOT_LAUNCHES)
 def test_plain_runs_not_detected(env):
     assert detect.detect(env) is None
+    assert detect.launcher_rank(env) is None
+
+
+@pytest.mark.parametrize(
+    "env, rank",
+    [
+        ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, 1),
+        ({"OMPI_COMM_WORLD_RANK": "3", "PMIX_RANK": "3"}, 3),
+        ({"PALS_RANKID": "7", "PALS_APID": "x", "PMI_RANK": "7"}, 7),
+        ({"SLURM_PROCID": "2", "PMIX_RANK": "2"}, 2),
+        ({"PMIX_RANK": "x"}, None),  # not a number: not known
+        ({"SLURM_PROCID": "0"}, None),  # a batch script: no launch
+    ],
+)
+def test_the_launcher_s_rank_where_it_sets_one(env, rank):
+    """Only for which rank prints mpi4jax's warning at import; the rank the
+    package uses comes from MPI."""
+    assert detect.launcher_rank(env) == rank
