@@ -96,6 +96,7 @@ from .proxies import (  # noqa: F401
     PROXY,
     PROXY_SETTINGS,
     PROXY_VARIABLES,
+    caught_by_proxy,
     exempt_from_proxy,
     false_proxy_alarms,
     keep_proxy,

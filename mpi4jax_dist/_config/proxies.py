@@ -54,18 +54,8 @@ def keep_proxy(env: Mapping[str, str] | None = None) -> bool:
     return value == "keep"
 
 
-def exempt_from_proxy(host: str) -> list[str] | None:
-    """Add ``host`` to ``no_grpc_proxy`` when a proxy variable would catch it.
-
-    Returns the proxy variables that made it necessary, or None when nothing changed
-    (no proxy set, ``MPI4JAX_DIST_PROXY=keep``, or ``host`` already exempt).
-    """
-    env = os.environ
-    found = proxies_set(env)
-    if not found or keep_proxy(env):
-        return None
-    # gRPC reads no_grpc_proxy, else no_proxy: start from what it would have used,
-    # so that the user's own exemptions still hold for every gRPC channel.
+def _exempt_hosts(env: Mapping[str, str]) -> list[str]:
+    """The hosts gRPC sends directly: no_grpc_proxy's, else no_proxy's."""
     current = next(
         (
             env[k]
@@ -74,8 +64,27 @@ def exempt_from_proxy(host: str) -> list[str] | None:
         ),
         "",
     )
-    hosts = [h.strip() for h in current.split(",") if h.strip()]
-    if host in hosts:
+    return [h.strip() for h in current.split(",") if h.strip()]
+
+
+def caught_by_proxy(host: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """Return the proxy variables gRPC would send a connection to ``host``
+    through: those set, unless ``host`` is exempt; else an empty list."""
+    env = environ() if env is None else env
+    return [] if host in _exempt_hosts(env) else proxies_set(env)
+
+
+def exempt_from_proxy(host: str) -> list[str] | None:
+    """Add ``host`` to ``no_grpc_proxy`` when a proxy variable would catch it.
+
+    Returns the proxy variables that made it necessary, or None when nothing changed
+    (no proxy set, ``MPI4JAX_DIST_PROXY=keep``, or ``host`` already exempt).
+    """
+    env = os.environ
+    found = caught_by_proxy(host, env)
+    if not found or keep_proxy(env):
         return None
-    env[NO_GRPC_PROXY] = ",".join(hosts + [host])
+    # gRPC reads no_grpc_proxy, else no_proxy: start from what it would have used,
+    # so that the user's own exemptions still hold for every gRPC channel.
+    env[NO_GRPC_PROXY] = ",".join(_exempt_hosts(env) + [host])
     return found

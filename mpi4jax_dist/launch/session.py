@@ -202,10 +202,15 @@ def prepare_connection(topo):
     """
     host, _ = _config.split_host_port(topo.coordinator_address, "coordinator address")
     proxies = _config.exempt_from_proxy(host)
+    if not _config.caught_by_proxy(host):
+        # No proxy can catch the coordinator's traffic: JAX's warning on every rank
+        # that the variables "may cause a hang" would not be true.
+        _compat.silence_proxy_check()
     if proxies and topo.rank == 0:
         logger.warning(
             "mpi4jax_dist: %s set; added %s to no_grpc_proxy so that JAX reaches its "
-            "coordinator directly (%s=keep leaves proxies alone).",
+            "coordinator directly, and turned JAX's proxy warning off (%s=keep leaves "
+            "both alone).",
             ", ".join(proxies),
             host,
             _config.PROXY,

@@ -383,13 +383,17 @@ def test_proxy_exemption(monkeypatch, name):
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
     assert _config.exempt_from_proxy("10.0.0.1") is None  # no proxy: nothing to do
+    assert _config.caught_by_proxy("10.0.0.1") == []
     monkeypatch.setenv(name, "http://proxy.example:3128")
+    assert _config.caught_by_proxy("10.0.0.1") == [name]
     # The user's no_proxy, which gRPC reads when no_grpc_proxy is unset, carries over.
     monkeypatch.setenv("no_proxy", "localhost")
     assert _config.exempt_from_proxy("10.0.0.1") == [name]
     assert os.environ["no_grpc_proxy"] == "localhost,10.0.0.1"
     assert os.environ[name] == "http://proxy.example:3128"  # the user's, untouched
     assert _config.exempt_from_proxy("10.0.0.1") is None  # already exempt
+    assert _config.caught_by_proxy("10.0.0.1") == []
     monkeypatch.setenv("MPI4JAX_DIST_PROXY", "keep")
     assert _config.exempt_from_proxy("10.0.0.2") is None
+    assert _config.caught_by_proxy("10.0.0.2") == [name]  # kept: JAX's warning too
     assert os.environ["no_grpc_proxy"] == "localhost,10.0.0.1"
