@@ -102,3 +102,17 @@ from .proxies import (  # noqa: F401
     keep_proxy,
     proxies_set,
 )
+
+
+def first_bad_setting(env=None) -> str | None:
+    """Return the error of the first of the variables read where they are used
+    (the coordinator port; the allreduce's chunk and staging sizes) whose value
+    is bad, or None. The bootstrap asks on every rank and rank 0's answer rules
+    for the job, as for the fault settings: a bad value every rank shares ends
+    the job once, at its start, instead of on every rank where it is used."""
+    for read in (coordinator_port, allreduce_chunk_bytes, staging_bytes):
+        try:
+            read(env=env)
+        except ValueError as err:
+            return str(err)
+    return None

@@ -73,19 +73,29 @@ class JobValueError(JobError, ValueError):
     """A :class:`JobError` for a bad value (a setting rank 0 rules for the job)."""
 
 
+# What follows a JobError's one line: how to see where it was raised.
+_WHERE = "python -X dev or PYTHONDEVMODE=1 prints the traceback"
+
+
 def quiet_on_other_ranks(rank: int) -> None:
-    """Leave an uncaught :class:`JobError` to rank 0 to print: at 10^4 ranks the
-    same traceback from every rank is 10^4 tracebacks in the job's log. Any other
-    exception prints as it would (a rank's own failure names its rank). Once per
-    process, before the bootstrap's first collective."""
+    """Leave an uncaught :class:`JobError` to rank 0 to print, as one line (its
+    message names the variable and the fix; the traceback, through JAX's frames,
+    under ``-X dev``): at 10^4 ranks the same traceback from every rank is 10^4
+    tracebacks in the job's log. Any other exception prints as it would (a
+    rank's own failure names its rank). Once per process, before the
+    bootstrap's first collective."""
     previous = sys.excepthook
     if getattr(previous, "quiet_rank", None) is not None:
         previous.quiet_rank = rank
         return
 
     def hook(kind, value, tb):
-        if isinstance(value, JobError) and hook.quiet_rank != 0:
-            return  # rank 0 prints it for the job; the status is 1 all the same
+        if isinstance(value, JobError):
+            if hook.quiet_rank != 0:
+                return  # rank 0 prints it for the job; the status is 1 all the same
+            if not sys.flags.dev_mode:  # the error says what and how to fix it
+                sys.stderr.write(f"mpi4jax_dist: {value} ({_WHERE})\n")
+                return
         previous(kind, value, tb)
 
     hook.quiet_rank, hook.wrapped = rank, previous

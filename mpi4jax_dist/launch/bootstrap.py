@@ -98,6 +98,7 @@ class Bootstrap:
 
     def __post_init__(self):
         self.fault_settings, self.setting_error = fault_settings.this_process()
+        self.setting_error = self.setting_error or _config.first_bad_setting()
         self._release = Release(self)
 
     def check_settings(self, comm=None, port=None, timeout_s=None) -> None:
@@ -465,9 +466,11 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
         if _current is None:
             from mpi4py import MPI
 
+            if port is None:
+                port = _variable_port()
             bootstrap = Bootstrap(
                 comm=comm or _chosen_comm or MPI.COMM_WORLD,
-                port=_config.coordinator_port() if port is None else port,
+                port=port,
                 timeout_s=float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s),
                 timeout_explicit=timeout_s is not None,
             )
@@ -476,6 +479,16 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
         else:
             _current.check_settings(comm, port, timeout_s)
         return _current.topology
+
+
+def _variable_port() -> int | None:
+    """``JAX_COORDINATOR_PORT``, or None where it is unset or bad: a bad value is
+    the bootstrap's setting error, which rank 0 reports for the job
+    (:func:`mpi4jax_dist._config.first_bad_setting`)."""
+    try:
+        return _config.coordinator_port()
+    except ValueError:
+        return None
 
 
 def release(on_listening=None) -> None:

@@ -42,7 +42,13 @@ class Mpi4jaxDistCluster(_compat.ClusterEnv):
         # JAX asks for the address only when it has none, just before every rank
         # connects: the place to prepare the connection and hold the other ranks
         # until rank 0's service listens.
-        port = _config.coordinator_port(override_coordinator_port)
+        # JAX hands JAX_COORDINATOR_PORT on (jax >= 0.8.1): a bad value is the
+        # bootstrap's to report, once, for the job (bootstrap._variable_port).
+        variable = _config.environ().get(_config.COORDINATOR_PORT)
+        if override_coordinator_port in (None, "", variable):
+            port = None
+        else:
+            port = _config.coordinator_port(override_coordinator_port)
         topo = session.bootstrapped(port=port, timeout_s=timeout_secs)
         restore = session.prepare_connection(topo)
         bootstrap.release(on_listening=restore)

@@ -359,9 +359,9 @@ def test_hard_file_limit_too_low_fails_every_rank_at_once():
         "200)"
     )
     # Every rank raises rank 0's message (the bootstrap's error broadcast), and
-    # only rank 0 prints it: one traceback for the job.
+    # only rank 0 prints it: one line for the job.
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
-    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert "Traceback (most recent call last)" not in proc.stderr
     assert "RESULT" not in proc.stdout
     assert took < 30, f"job took {took:.0f} s to end"
 

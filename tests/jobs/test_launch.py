@@ -367,17 +367,42 @@ BAD_TIMEOUT = "MPI4JAX_DIST_COLLECTIVE_TIMEOUT='abc' is not a number of seconds"
 
 
 @util.same_under_every_mpi
-def test_a_setting_bad_on_every_rank_is_printed_once():
-    """Rank 0 rules the timeouts for the job: its bad value goes to every rank in
-    the bootstrap's broadcast, every rank raises it, and only rank 0 prints it
-    (one traceback, where there were four); every rank exits with status 1."""
-    env = util.clean_env(MPI4JAX_DIST_COLLECTIVE_TIMEOUT="abc")
-    code = "import jax, mpi4jax_dist; jax.distributed.initialize()"
-    proc = util.run_mpi(["-c", code], 4, env=env, check=False, timeout=120)
+@pytest.mark.parametrize(
+    "variable, value, n, message",
+    [
+        ("MPI4JAX_DIST_COLLECTIVE_TIMEOUT", "abc", 4, BAD_TIMEOUT),
+        ("JAX_COORDINATOR_PORT", "99999", 2, "JAX_COORDINATOR_PORT='99999' is not"),
+        (
+            "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES",
+            "lots",
+            2,
+            "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES='lots' is not a size in bytes",
+        ),
+    ],
+    ids=["timeout", "port", "chunk"],
+)
+def test_a_setting_bad_on_every_rank_is_printed_once(variable, value, n, message):
+    """Rank 0 rules the job's settings (those read where they are used too, such
+    as the allreduce's chunk size): its bad value goes to every rank in the
+    bootstrap's broadcast, every rank raises it, and only rank 0 prints it, as
+    one line that names the variable and the fix, where there were n tracebacks
+    through JAX's frames; every rank exits with status 1. ``-X dev`` gives rank
+    0's traceback."""
+    env = util.clean_env(**{variable: value})
+    code = ["-c", "import jax, mpi4jax_dist; jax.distributed.initialize()"]
+    proc = util.run_mpi(code, n, env=env, check=False, timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.count(BAD_TIMEOUT) == 1, proc.stderr
-    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
-    assert "mpi4jax_dist.faults.failfast.JobValueError: " + BAD_TIMEOUT in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if message in line]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mpi4jax_dist: " + message), lines
+    assert "python -X dev" in lines[0], lines
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr
+    if variable != "MPI4JAX_DIST_COLLECTIVE_TIMEOUT":
+        return
+    dev = util.run_mpi(["-X", "dev", *code], 2, env=env, check=False, timeout=120)
+    assert dev.returncode != 0
+    assert dev.stderr.count("Traceback (most recent call last)") == 1, dev.stderr
+    assert "mpi4jax_dist.faults.failfast.JobValueError: " + BAD_TIMEOUT in dev.stderr
 
 
 @util.same_under_every_mpi
