@@ -375,6 +375,21 @@ std::vector<RequestTable::Info> CompletePending(
         }
         continue;
       }
+      // A payload waiting for its header is posted once the ranks agree: the
+      // other ranks may be waiting for it.
+      int header_rc = MPI_SUCCESS;
+      if (PostDeferred(slot, /*block=*/false, &header_rc) != MPI_SUCCESS) {
+        table.Free(slot);  // failed: MPI has no more use for it
+        continue;
+      }
+      if (slot->deferred) {
+        if (slot->agreement == MPI_REQUEST_NULL) {
+          table.Free(slot);  // the ranks disagree: nothing more to post
+        } else {
+          left.push_back(info);  // its header still pending
+        }
+        continue;
+      }
       int done = 0;
       MPI_Request both[2] = {slot->request, slot->agreement};
       int rc = MPI_SUCCESS;
