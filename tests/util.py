@@ -130,6 +130,11 @@ same_under_every_jax = pytest.mark.same_under_every_jax
 variant = pytest.mark.variant
 
 
+# Minutes of builds that CI's two cores cannot spend on every run (README's install
+# block in a fresh environment): tools/test.sh runs it with --full, before a release.
+full_only = pytest.mark.full_only
+
+
 # What a test asserts needs more than two ranks to show: ranks with two distinct
 # neighbours, a reduction of the package's own over more than a pair, groups of
 # several ranks, a rank order or layout beyond ranks 0 and 1. tools/test.sh runs
@@ -319,6 +324,27 @@ def exact_inputs(dtype: str, op: str, rank: int, seed: int, n: int = 37):
     if dtype.startswith("complex"):
         return (base + 1j * rng.integers(0, 2, n)).astype(dtype)
     return base.astype(dtype)
+
+
+def repository_files() -> list[str]:
+    """Return the tree's files as a clean clone would have them, with uncommitted
+    changes and new files: git's tracked and untracked, less the ignored."""
+    proc = run_command(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        env=clean_env(),
+        timeout=60,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout (git ls-files: {proc.stderr.strip()})")
+    return [f for f in proc.stdout.split("\0") if (ROOT / f).is_file()]
+
+
+def copy_repository(dest: Path) -> None:
+    """Copy :func:`repository_files` to ``dest``: building there writes nothing
+    into the tree."""
+    for name in repository_files():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes((ROOT / name).read_bytes())
 
 
 def result_texts(stdout: str, marker: str = "RESULT ") -> list[str]:

@@ -15,7 +15,8 @@
 #
 #   bash tools/test.sh          # what CI runs (.ci/run)
 #   bash tools/test.sh --full   # and, under the other MPIs and JAX, the tests marked
-#                               # variant too (tests/util.py): before a release
+#                               # variant too, and those marked full_only
+#                               # (tests/util.py): before a release
 set -euo pipefail
 
 full=
@@ -126,7 +127,8 @@ beside_stages() {
     # .venv's tests of the build's MPI compiler wrapper (one build of the extension
     # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
     # here rather than in .venv's serial suite, to even the two lanes.
-    run timeout -k 10 600 python -m pytest -q -p no:cacheprovider tests/packaging
+    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
+        -m "${full:+full_only or }not full_only" tests/packaging
 }
 # A stage run beside the others, its output kept (start_beside LABEL COMMAND...) and
 # shown with its exit status once it has ended (show_beside; nothing where none

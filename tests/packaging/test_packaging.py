@@ -108,19 +108,6 @@ def _mpi_wheel() -> str:
     )
 
 
-def _repository_files() -> list[str]:
-    """Return the tree's files as a clean clone would have them, with uncommitted
-    changes and new files: git's tracked and untracked, less the ignored."""
-    proc = util.run_command(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        env=util.clean_env(),
-        timeout=60,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"not a git checkout (git ls-files: {proc.stderr.strip()})")
-    return [f for f in proc.stdout.split("\0") if (util.ROOT / f).is_file()]
-
-
 def _check(proc, what: str):
     if proc.returncode != 0:
         pytest.fail(f"{what} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -134,9 +121,7 @@ def dists(tmp_path_factory) -> dict[str, Path]:
         pytest.fail("python -m build is missing: pip install build (the test extra)")
     tmp = tmp_path_factory.mktemp("packaging")
     source = tmp / "source"
-    for name in _repository_files():
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        (source / name).write_bytes((util.ROOT / name).read_bytes())
+    util.copy_repository(source)
     out = tmp / "dist"
     # No --sdist/--wheel: build then makes the wheel from the sdist, as pip does.
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)]
@@ -304,7 +289,7 @@ def test_dists_carry_license_changes_and_typing(dists):
     with tarfile.open(dists["sdist"]) as tar:
         top = tar.getnames()[0].split("/")[0]
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    docs = {f for f in _repository_files() if f.startswith("docs/")}
+    docs = {f for f in util.repository_files() if f.startswith("docs/")}
     assert docs, "docs/ holds no files"
     wanted = {"LICENSE", "CHANGES.rst", "CITATION.cff", "README.rst"}
     wanted |= docs | {"mpi4jax_dist/py.typed"}
