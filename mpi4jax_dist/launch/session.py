@@ -181,8 +181,8 @@ def _silence_false_proxy_alarm(topo) -> None:
 
     JAX warns about every variable with "_proxy" in its name ("may cause a hang"):
     under Intel MPI's mpiexec every rank names HYDRA_BSTRAP_PROXY_ID, Hydra's
-    bootstrap proxy process. A real proxy setting keeps JAX's warning (and gets
-    this package's own message, :func:`_prepare_connection`).
+    bootstrap proxy process. A real proxy setting is :func:`prepare_connection`'s
+    (the coordinator exempted, the warning off; kept where the proxy is kept).
     """
     false_alarms = _config.false_proxy_alarms()
     if false_alarms:
