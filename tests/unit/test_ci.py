@@ -91,12 +91,14 @@ def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
     ``timeout`` prints which limit ran out and after how long, and the script ends
     with timeout's status; a stage that passes says nothing of the kind."""
     script = (util.ROOT / "tools" / "test.sh").read_text()
-    run = re.search(r"^run\(\) \{\n.*?^\}\n", script, re.M | re.S)
-    assert run, "tools/test.sh defines no run()"
+    functions = re.findall(
+        r"^(?:children_cpu|run)\(\) \{\n.*?^\}\n", script, re.M | re.S
+    )
+    assert len(functions) == 2, "tools/test.sh defines no run() or children_cpu()"
     probe = tmp_path / "probe.sh"
     probe.write_text(
-        "set -euo pipefail\n" + run.group(0) + "run true\nrun timeout 1 sleep 30\n"
-        "echo not reached\n"
+        "set -euo pipefail\n" + "".join(functions) + "run true\n"
+        "run timeout 1 sleep 30\necho not reached\n"
     )
     proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=30)
     assert proc.returncode == 124, proc.stdout + proc.stderr
@@ -105,3 +107,6 @@ def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
         r"ran out of its time limit after (\d+) s \(exit 124\)", proc.stderr
     )
     assert len(said) == 1 and 1 <= int(said[0]) <= 5, proc.stderr
+    # Each stage's seconds and CPU seconds, the second one's CPU about none.
+    took = re.findall(r"^\+ took (\d+) s, (\d+) s of CPU$", proc.stdout, re.M)
+    assert len(took) == 2 and int(took[1][1]) == 0, proc.stdout
