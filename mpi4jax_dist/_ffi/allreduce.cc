@@ -55,7 +55,9 @@ int AllreduceOnce(void* data, size_t count, MPI_Datatype dtype, MPI_Op op,
   if (CurrentCall().deadline_ns != 0) {  // the collective timeout: polled
     MPI_Request request = MPI_REQUEST_NULL;
     const int rc = PostAllreduce(data, count, dtype, op, comm, &request);
-    return rc == MPI_SUCCESS ? WaitRequest(&request) : rc;
+    int size = 0;
+    MPI_Type_size(dtype, &size);
+    return rc == MPI_SUCCESS ? WaitRequest(&request, count * size) : rc;
   }
   MpiGuard guard;
 #if MPI4JAX_DIST_ALLREDUCE_C
@@ -133,7 +135,7 @@ bool HeaderCheck::Agreed(int* rc) {
   *rc = MPI_SUCCESS;
   if (!posted_) return true;
   if (!judged_) {
-    rc_ = WaitRequest(&request_);
+    rc_ = WaitRequest(&request_, kHeaderBytes);
     judged_ = true;
   }
   *rc = rc_;
@@ -307,7 +309,7 @@ ffi::Error AllreduceHost(const Call& call, const void* in, void* out,
     } else {
       MPI_Request request = MPI_REQUEST_NULL;
       rc = ReduceChecked(buffer, padded, call.comm, &request);
-      if (rc == MPI_SUCCESS) rc = WaitRequest(&request);
+      if (rc == MPI_SUCCESS) rc = WaitRequest(&request, padded);
     }
     std::memcpy(&header, buffer, kHeaderBytes);
     if (rc != MPI_SUCCESS || header.flags != 0) return call.Disagreed(rc);

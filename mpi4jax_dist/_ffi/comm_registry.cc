@@ -223,7 +223,7 @@ ffi::Error PrivateComm(CommRegistry::Entry& entry, bool block, MPI_Comm* dup,
     for (MPI_Request& request : entry.dup_requests) {
       if (request == MPI_REQUEST_NULL) continue;
       if (block) {
-        rc = WaitRequest(&request);
+        rc = WaitRequest(&request, 0);  // a communicator's duplication
       } else {
         MpiGuard guard;
         rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);

@@ -173,7 +173,7 @@ int PostDeferred(PendingRequest* slot, bool block, int* header_rc) {
     int done = 1;
     int rc = MPI_SUCCESS;
     if (block) {
-      rc = WaitRequest(&slot->agreement);
+      rc = WaitRequest(&slot->agreement, kHeaderBytes);
     } else {
       MpiGuard guard;
       rc = MPI_Test(&slot->agreement, &done, MPI_STATUS_IGNORE);
@@ -258,7 +258,7 @@ ffi::Error IallreduceWait(ffi::AnyBuffer& y, int32_t handle) {
                         &header_rc, &abandoned);
     abandoned = abandoned && slot->request != MPI_REQUEST_NULL;
   } else if (slot->agreement != MPI_REQUEST_NULL) {
-    header_rc = WaitRequest(&slot->agreement);
+    header_rc = WaitRequest(&slot->agreement, kHeaderBytes);
   }
   if (!complete) {
     stats.wait_blocked_ns.fetch_add(SteadyNs() - tested_ns,

@@ -8,6 +8,7 @@
 #define MPI4JAX_DIST_FFI_TIMEOUT_H_
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -65,16 +66,26 @@ struct Alarm {
 
 MPI4JAX_DIST_CORE_API Alarm& GetAlarm();
 
-// Complete `request`: MPI_Wait without a timeout; with one, MPI_Test polled
-// (each test under the MPI lock where MPI is serialized) and the deadline
-// checked every 64 tests. Past the deadline the call raises the alarm, and
+// What a wait's request moves, where the caller does not say: as much as
+// may need the polls themselves to progress.
+constexpr size_t kUnknownBytes = SIZE_MAX;
+
+// Complete `request`, which moves `bytes`: MPI_Wait without a timeout; with
+// one, MPI_Test polled (each test under the MPI lock where MPI is
+// serialized) and the deadline checked every 64 tests. A small message's wait
+// (`bytes` up to kPausableBytes, timeout.cc) that lasts past 4 ms is a late
+// rank's: it pauses between tests, for 1/64 of the time waited (at most 1
+// ms), and leaves its core. Past the deadline the call raises the alarm, and
 // where no watchdog ends the job in time, ends it (MPI_Abort).
-MPI4JAX_DIST_CORE_API int WaitRequest(MPI_Request* request);
+MPI4JAX_DIST_CORE_API int WaitRequest(MPI_Request* request,
+                                      size_t bytes = kUnknownBytes);
 
 // Complete one of `n` requests, as WaitRequest does one: MPI_Waitany, or
-// under the collective timeout MPI_Testany polled. *index says which.
+// under the collective timeout MPI_Testany polled. *index says which;
+// `bytes` is the most any of them moves.
 MPI4JAX_DIST_CORE_API int WaitAnyRequest(int n, MPI_Request* requests,
-                                         int* index);
+                                         int* index,
+                                         size_t bytes = kUnknownBytes);
 
 }  // namespace mpi4jax_dist
 

@@ -168,6 +168,7 @@ def test_below_thread_multiple_the_rank_that_timed_out_ends_the_job():
     ), show(proc)
 
 
+@util.same_under_every_jax
 def test_the_bootstrap_waits_at_most_the_timeout():
     env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "3"})
     # MPI_Init is where MPICH's ranks first meet (a PMI fence, no deadline of ours):
@@ -187,6 +188,33 @@ def test_the_bootstrap_waits_at_most_the_timeout():
         in proc.stderr
     ), show(proc)
     assert time.monotonic() - start < 25
+
+
+@util.same_under_every_jax
+def test_a_rank_kept_waiting_under_the_timeout_leaves_its_core():
+    """Under the collective timeout a wait polls MPI_Test; one a late rank
+    prolongs pauses between its tests (timeout.cc), so that the waiting rank
+    does not spin a core for as long as the other is late (with a tight loop,
+    rank 0 spent about its 3 s of waiting in CPU)."""
+    env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "60"})
+    code = (
+        "import time, jax, jax.numpy as jnp, mpi4jax_dist\n"
+        "jax.distributed.initialize()\n"
+        "x = jnp.ones(4)\n"
+        "mpi4jax_dist.allreduce(x).block_until_ready()\n"
+        "if jax.process_index() == 1:\n"
+        "    time.sleep(3)\n"
+        "wall, cpu = time.monotonic(), time.process_time()\n"
+        "mpi4jax_dist.allreduce(x).block_until_ready()\n"
+        "wall, cpu = time.monotonic() - wall, time.process_time() - cpu\n"
+        "print(f'RANK {jax.process_index()} WAITED {wall:.3f} CPU {cpu:.3f}')\n"
+    )
+    proc = util.run_mpi(["-c", code], 2, timeout=90, env=env)
+    wall, cpu = map(
+        float, re.search(r"RANK 0 WAITED (\S+) CPU (\S+)", proc.stdout).groups()
+    )
+    assert wall > 2.5, show(proc)
+    assert cpu < 0.1 * wall, show(proc)
 
 
 def launch(**env):
