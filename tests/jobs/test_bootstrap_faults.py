@@ -17,6 +17,7 @@ def results(stdout: str) -> list[dict]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
+@util.same_under_every_jax
 def test_rank_that_never_arrives_ends_job_after_deadline():
     start = time.monotonic()
     proc = util.run_mpi(
@@ -36,6 +37,7 @@ def test_rank_that_never_arrives_ends_job_after_deadline():
     assert took < 60, f"job took {took:.0f} s to end"
 
 
+@util.same_under_every_jax
 def test_probing_ranks_end_the_job_when_the_coordinator_never_listens():
     start = time.monotonic()
     proc = util.run_mpi("probe_deadline.py", 2, check=False, timeout=90)
@@ -127,6 +129,7 @@ def _free_port():
 
 
 @util.same_under_every_mpi
+@util.same_under_every_jax
 def test_port_in_use_fails_fast_naming_port():
     with socket.socket() as held:
         held.bind(("0.0.0.0", 0))
@@ -154,6 +157,7 @@ def test_port_in_use_fails_fast_naming_port():
         pytest.param("MPI4JAX_DIST_INTERFACE", "no-such-if0", marks=util.variant),
     ],
 )
+@util.same_under_every_jax
 def test_bad_input_names_variable(variable, value):
     proc = util.run_mpi(
         "robust_init.py",
@@ -177,6 +181,7 @@ def test_non_boolean_disable_warns_and_keeps_working():
     assert "MPI4JAX_DIST_DISABLE='maybe' is not a boolean" in proc.stderr
 
 
+@util.same_under_every_jax
 def test_launcher_size_differs_from_mpi_size():
     # What Open MPI's mpiexec does to an mpi4py built for MPICH: every rank a
     # singleton. Faked here with Open MPI's variables around a plain python run.
@@ -234,6 +239,7 @@ OTHER_MPIEXEC = {
 }
 
 
+@util.same_under_every_jax
 def test_another_mpis_mpiexec_on_path_is_named(tmp_path):
     """An mpiexec of another MPI first on PATH (Debian's, Open MPI 4's, beside
     mpi4py's MPICH): a problem where nothing says what started the job; a note
@@ -284,6 +290,7 @@ def test_diagnostics_without_launcher_exit_nonzero():
 
 
 @util.same_under_every_mpi
+@util.same_under_every_jax
 def test_jobs_started_together_on_one_host_all_initialize():
     import subprocess
 
@@ -348,6 +355,7 @@ def test_mpi4py_of_another_mpi_is_caught():
         assert ours, proc.stderr[-3000:]
 
 
+@util.same_under_every_jax
 def test_hard_file_limit_too_low_fails_every_rank_at_once():
     start = time.monotonic()
     proc = util.run_mpi("file_limit.py", 2, check=False, timeout=90, nofile=(200, 200))

@@ -112,6 +112,7 @@ def test_check_prints_what_readme_shows():
     assert all(line.split()[0] in {x.split()[0] for x in more} for line in lines[:-1])
 
 
+@util.same_under_every_jax
 def test_report_under_mpiexec_names_the_launcher_by_its_variables():
     proc = util.run_mpi(["-m", "mpi4jax_dist"], 2, "--verbose")
     lines = proc.stdout.splitlines()
