@@ -22,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -392,6 +393,25 @@ class Table:
 
     def row(self, row: dict) -> str:
         return "  " + " ".join(c.cell(row) for c in self.columns)
+
+
+def within(width: int, *lines: str) -> list[str]:
+    """``lines`` with each ``#`` comment longer than ``width`` wrapped onto ``#``
+    lines (the continuations indented); other lines as they are."""
+    out = []
+    for line in lines:
+        if len(line) <= width or not line.startswith("# "):
+            out.append(line)
+            continue
+        out += textwrap.wrap(
+            line[2:],
+            width,
+            initial_indent="# ",
+            subsequent_indent="#   ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    return out
 
 
 # Where say() prints by default: standard output, or inside results_on_stdout()

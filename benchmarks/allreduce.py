@@ -24,7 +24,10 @@ docs/benchmarks.rst, *The allreduce*, says how to read the table; in short:
   round-robin samples over the cases of one size and transport (MPI, then gloo:
   interleaved, gloo slowed the MPI collectives that followed), a barrier before
   each, the slowest rank per sample; ``algbw = bytes / t``, ``busbw = algbw * 2
-  (P - 1) / P``, ``ratio`` over ``mpi4py``'s median in the same mode.
+  (P - 1) / P``, ``ratio`` over the median of ``mpi4py_inplace`` (in-place
+  rows) or ``mpi4py`` (the others) in the same mode.
+- Printed: a table per mode, one row per size and implementation, within 120
+  columns; the JSON holds every field.
 
 Memory is ``benchmarks/memory.py``'s. (Settled, and retired from this script: the
 ``dispatch`` rows, one jitted call at 4 B of a trivial function, of an
@@ -203,55 +206,71 @@ def measure(
         row["checked"] = checked[(name, mode)]
         row["compiles"] = compiled.count  # during the timing, all cases together
         rows.append(row)
-    floor = {r["mode"]: r["t_median_s"] for r in rows if r["impl"] == "mpi4py"}
     for row in rows:
-        base = floor.get(row["mode"])
-        row["ratio"] = None if base is None else row["t_median_s"] / base
+        base = ratio_base(rows, row)
+        row["ratio_over"] = base and base["impl"]
+        row["ratio"] = base and row["t_median_s"] / base["t_median_s"]
     return rows
 
 
-def _yes(value: bool) -> str:
-    return "yes" if value else "no"
+def ratio_base(rows: list[dict], row: dict) -> dict | None:
+    """The MPI row a row's ``ratio`` is over, in its mode and size: an in-place
+    row's over ``mpi4py_inplace`` (``mpi4py``'s where that was not run), the
+    others' over ``mpi4py``; None where neither ran."""
+    order = ("mpi4py_inplace", "mpi4py") if row["in_place"] else ("mpi4py",)
+    for name in order:
+        for base in rows:
+            if base["impl"] == name and base["mode"] == row["mode"]:
+                return base
+    return None
 
 
-def _iters(row: dict) -> str:
-    """Collectives per sample: K, and K and 2K for the loop."""
-    k = row["steps"]
-    return f"{k},{2 * k}" if row["mode"] == "loop" else str(k)
+WIDTH = 120  # the printed lines', at most
 
-
+# One row per size and implementation, a table per mode, as OSU's and nccl-tests'
+# tables read (within 120 columns); the JSON holds every field (elements, K, the
+# samples, the mean, the samples as timed).
 TABLE = _harness.Table(
     [
         _harness.Column("bytes", "bytes", "per rank", 10),
-        _harness.Column("count", "count", "elements", 10),
         _harness.Column("impl", "impl", "", 22, left=True),
-        _harness.Column("mode", "mode", "", 5, left=True),
-        _harness.Column("in_place", "in-place", "", 8, _yes),
-        _harness.Column("steps", "iters", "/sample", 9, text=_iters),
-        _harness.Column("samples", "samples", "", 7),
         _harness.Column("t_min_s", "t_min", "us", 9, ".1f", 1e6),
-        _harness.Column("t_mean_s", "t_avg", "us", 9, ".1f", 1e6),
         _harness.Column("t_median_s", "t_median", "us", 9, ".1f", 1e6),
         _harness.Column("t_max_s", "t_max", "us", 9, ".1f", 1e6),
         _harness.Column("t_spread", "spread", "+-", 6, _percent),
         _harness.Column("algbw_GBps", "algbw", "GB/s", 7, ".3f"),
         _harness.Column("busbw_GBps", "busbw", "GB/s", 7, ".3f"),
-        _harness.Column("ratio", "ratio", "/mpi4py", 7, ".2f"),
-        _harness.Column("fixed_s", "fixed", "us", 9, text=_fixed),
-        _harness.Column("wrong", "wrong", "", 6),
+        _harness.Column("ratio", "ratio", "/MPI", 5, ".2f"),
+        _harness.Column("fixed_s", "fixed", "us", 7, text=_fixed),
+        _harness.Column("wrong", "wrong", "", 5),
         _harness.Column("t_wide", "", "", 4, _wide, left=True),
     ]
 )
 
-# What the table's header says of its columns, under the titles' line.
+# What the tables' header says of their columns, under the titles' line.
 LEGEND = (
-    "# t_*: per allreduce over the samples (avg the mean); ratio: t_median over "
-    "mpi4py's in the same mode and size; algbw = bytes / t_median, busbw = algbw "
-    "* 2(P-1)/P",
-    "# fixed: what one dispatch adds to the loop; <X: at most X us, the samples "
-    "do not resolve it; ~0: too small to see; -: none (mpi4py's Python loop, "
-    "call mode); wrong: elements that differ from the expected sum",
+    "# t_*: per allreduce over the samples; ratio: t_median over mpi4py_inplace's "
+    "for in-place rows (mpi4py_inplace, mpi4jax_dist), over mpi4py's for the "
+    "others, same mode and size",
+    "# algbw = bytes / t_median, busbw = algbw * 2(P-1)/P; fixed: what one "
+    "dispatch adds to the loop (<X: at most X; ~0: too small to see; -: none)",
+    "# wrong: elements that differ from the expected sum",
 )
+
+
+def mode_title(mode: str, args) -> list[str]:
+    """The lines over a mode's table: what its times are."""
+    if mode == "loop":
+        return [
+            f"# loop: x <- allreduce(x) K and 2K times in one dispatch (K = "
+            f"{args.loop_iters}, fewer for large messages),",
+            "#   less 'fixed' (the dispatch), over K: the collective alone",
+        ]
+    return [
+        f"# call: K jitted calls of one allreduce (K = {args.iters}, fewer for "
+        "large messages), one dispatch each, over K:",
+        "#   the collective with its dispatch",
+    ]
 
 
 def closing_lines(results: list[dict]) -> list[str]:
@@ -278,6 +297,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
     line per implementation and mode (a colour per implementation; loop: solid
     with dots, call: dashed with crosses), the legend right of the panels."""
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = IMPLS.names()
     panels = (
@@ -316,6 +336,19 @@ def plot(results: list[dict], path: str, title: str) -> None:
                 ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # Ticks at the sizes measured, at most about ten of them labelled.
+        sizes = sorted({r["bytes"] for r in results})
+        every = -(-len(sizes) // 10)
+        ax.set_xticks(
+            sizes,
+            [
+                _harness.human_bytes(n) if i % every == 0 else ""
+                for i, n in enumerate(sizes)
+            ],
+            rotation=45,
+            fontsize=7,
+        )
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("message size per rank [bytes]")
         ax.set_ylabel(label)
         ax.set_title(text, fontsize=10)
@@ -412,24 +445,27 @@ def main(argv=None) -> list[dict]:
     )
     _harness.say(
         comm,
-        f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} node(s), "
-        f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
-        f"jax {meta['versions']['jax']} ({meta['backend']}, "
-        f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
-        _harness.pages_line(meta),
-        _harness.hang_line(meta),
-        *filter(None, [mpi4jax_note]),
-        "# time per allreduce, slowest rank per sample, checked outside the timing:"
-        " loop = x <- allreduce(x) K and 2K times in one dispatch, less 'fixed' "
-        "(what the dispatch adds: the median intercept of the lines through the "
-        "samples), over K; call = K dispatches / K",
-        f"# spread: half the quartiles' distance over the median; 'wide' above "
-        f"{100 * _harness.WIDE:.0f}% (a busy machine): read such a row's median as "
-        "no better than a factor of 1.5",
+        *_harness.within(
+            WIDTH,
+            f"# allreduce, {meta['world_size']} ranks on {meta['num_nodes']} node(s), "
+            f"{meta['mpi_library']} (thread level {meta['thread_level']}), "
+            f"jax {meta['versions']['jax']} ({meta['backend']}, "
+            f"CPU collectives {meta['cpu_collectives']}), {args.dtype}",
+            _harness.pages_line(meta),
+            _harness.hang_line(meta),
+            *filter(None, [mpi4jax_note]),
+            f"# time per allreduce, the slowest rank's, {args.samples} samples, each "
+            "result checked outside the timing",
+            f"# spread: half the quartiles' distance over the median; 'wide' above "
+            f"{100 * _harness.WIDE:.0f}% (a busy machine): read such a median to a "
+            "factor of 1.5",
+            *LEGEND,
+            "",
+            *mode_title(args.modes[0], args),
+        ),
         TABLE.header(),
-        *LEGEND,
     )
-    results = []
+    results, later = [], []
     for index, nbytes in enumerate(args.sizes):
         _harness.say(
             comm,
@@ -447,8 +483,18 @@ def main(argv=None) -> list[dict]:
             loop_most=args.loop_iters,
         )
         results += rows
-        _harness.say(comm, *(TABLE.row(r) for r in rows))
-    _harness.say(comm, *closing_lines(results))
+        # The first mode's rows as they come; the others' in tables of their own.
+        _harness.say(comm, *(TABLE.row(r) for r in rows if r["mode"] == args.modes[0]))
+        later += [r for r in rows if r["mode"] != args.modes[0]]
+    for mode in args.modes[1:]:
+        _harness.say(
+            comm,
+            "",
+            *mode_title(mode, args),
+            TABLE.header(),
+            *(TABLE.row(r) for r in later if r["mode"] == mode),
+        )
+    _harness.say(comm, "", *closing_lines(results))
     _harness.save(
         args,
         meta,

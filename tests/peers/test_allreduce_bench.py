@@ -104,7 +104,10 @@ def test_tiny_sweep(world, tmp_path_factory):
             per_call = [t / row["steps"] for t in raw[row["steps"]]]
         assert bench._harness.summary(per_call)["t_median_s"] == row["t_median_s"]
         assert row["ratio"] > 0
-        if row["impl"] == "mpi4py":
+        # In-place rows over the in-place MPI row, the others over mpi4py's.
+        over = "mpi4py_inplace" if row["in_place"] else "mpi4py"
+        assert row["ratio_over"] == over, row
+        if row["impl"] == over:
             assert row["ratio"] == 1.0
         # Counted as compared, on every rank, before and after the timing:
         # call's result once, loop(1)'s and loop(2)'s.
