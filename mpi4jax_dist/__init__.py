@@ -11,12 +11,17 @@ from __future__ import annotations
 
 # Before anything imports jax: MPI4JAX_DIST_CPU_COLLECTIVES=mpi must reach jaxlib's
 # MPItrampoline as it loads.
-from . import xla_mpi
+from . import _config
+from .launch import detect as _detect
+
+# A setting's warning (_config.SettingWarning) on rank 0 alone, from the first.
+_config.setting_warnings_on_rank_0(_detect.launcher_rank(_config.environ()))
+
+from . import xla_mpi  # noqa: E402
 
 xla_mpi.prepare()
 
-from . import _compat, _config  # noqa: E402
-from .launch import detect as _detect  # noqa: E402
+from . import _compat  # noqa: E402
 
 # mpi4jax imported from here on prints its JAX-version warning on rank 0 alone.
 _compat.one_version_warning(_detect.launcher_rank(_config.environ()))

@@ -28,8 +28,11 @@ from .devices import (  # noqa: F401
     visible_devices,
 )
 from .env import (  # noqa: F401
+    SettingWarning,
     environ,
     get_bool,
+    setting_warnings_on_rank_0,
+    warn_setting,
 )
 from .faults import (  # noqa: F401
     COLLECTIVE_TIMEOUT,
@@ -109,10 +112,24 @@ def first_bad_setting(env=None) -> str | None:
     (the coordinator port; the allreduce's chunk and staging sizes) whose value
     is bad, or None. The bootstrap asks on every rank and rank 0's answer rules
     for the job, as for the fault settings: a bad value every rank shares ends
-    the job once, at its start, instead of on every rank where it is used."""
+    the job once, at its start, instead of on every rank where it is used.
+
+    The switches are read here too, whether or not the job uses them: a value
+    none of them can take warns (:class:`SettingWarning`) as the job starts,
+    alone or under a launcher, on rank 0 alone."""
     for read in (coordinator_port, allreduce_chunk_bytes, staging_bytes):
         try:
             read(env=env)
         except ValueError as err:
             return str(err)
+    for switch in (
+        fail_fast,
+        stacks_on_signal,
+        cache_every_process,
+        cuda_aware_mpi,
+        token_reuse,
+        tokens_in_program,
+        keep_proxy,
+    ):
+        switch(env=env)
     return None

@@ -1,4 +1,5 @@
-"""The process environment, and how a boolean switch is read.
+"""The process environment, how a boolean switch is read, and how a value the
+package cannot use as written is warned of.
 
 Precedence everywhere: an explicit argument, then the variable, then the default.
 """
@@ -6,6 +7,7 @@ Precedence everywhere: an explicit argument, then the variable, then the default
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 
@@ -33,10 +35,48 @@ def get_bool(name: str, default: bool = False, env: Mapping[str, str] | None = N
         return True
     if folded in _FALSE:
         return False
-    warnings.warn(
+    warn_setting(
         f"{name}={value!r} is not a boolean; expected one of "
-        f"{', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}. Using {name}={int(default)}.",
-        RuntimeWarning,
-        stacklevel=2,
+        f"{', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}. Using {name}={int(default)}."
     )
     return default
+
+
+class SettingWarning(RuntimeWarning):
+    """A variable's value the package cannot use as written, and what it uses
+    instead. Every rank reads the same environment: rank 0 alone shows it
+    (:func:`setting_warnings_on_rank_0`)."""
+
+
+# Modules whose frames are not where a user set anything: the package's, JAX's,
+# and Python's import and -m machinery.
+_NOT_THE_USER = ("mpi4jax_dist", "jax", "jaxlib", "importlib", "runpy")
+
+
+def _ours(frame) -> bool:
+    """Whether ``frame`` runs code of :data:`_NOT_THE_USER`'s modules (by the
+    module's name: the functions dataclasses write have no file of their own)."""
+    module = frame.f_globals.get("__name__") or ""
+    return module.split(".")[0] in _NOT_THE_USER or frame.f_code.co_filename.startswith(
+        "<frozen "
+    )
+
+
+def warn_setting(message: str) -> None:
+    """Warn with a :class:`SettingWarning`, attributed to the user's line that led
+    here (the first frame outside the package and JAX: what Python 3.12's
+    ``skip_file_prefixes`` does), not to the package's own source."""
+    frame, level = sys._getframe(1), 1  # our caller, at stacklevel 2 of warn()
+    while frame.f_back is not None and _ours(frame):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, SettingWarning, stacklevel=level + 1)
+
+
+def setting_warnings_on_rank_0(rank: int | None) -> None:
+    """Leave :class:`SettingWarning` to rank 0: an ignore filter on the other
+    ranks (``rank`` None: not known, nothing done), not where the user chose
+    which warnings to see (``-W``, ``PYTHONWARNINGS``). The package calls it at its
+    import, with the launcher's rank, and with MPI's once the job is set up."""
+    if rank in (None, 0) or sys.warnoptions:
+        return
+    warnings.filterwarnings("ignore", category=SettingWarning)

@@ -4,10 +4,9 @@ buffer and CUDA-aware MPI, the checks, the runtime token's reuse (``ops/``)."""
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping
 
-from .env import _FALSE, _TRUE, environ, get_bool
+from .env import _FALSE, _TRUE, environ, get_bool, warn_setting
 
 ALLREDUCE_CHUNK_BYTES = "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES"
 # 64 MiB: measured with 1 GiB float32 messages on 2 ranks, MPI's scratch memory
@@ -123,11 +122,9 @@ def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> str:
     if ours == "force":
         return "force"
     if ours and ours not in _TRUE + _FALSE:
-        warnings.warn(
+        warn_setting(
             f"{CUDA_AWARE_MPI}={env[CUDA_AWARE_MPI]!r} is none of force, 1 (on) or "
-            f"0 (off); staging through host memory ({CUDA_AWARE_MPI}=0).",
-            RuntimeWarning,
-            stacklevel=2,
+            f"0 (off); staging through host memory ({CUDA_AWARE_MPI}=0)."
         )
         return "off"
     if ours:

@@ -4,10 +4,9 @@ JAX's proxy check names without being proxy settings (``launch/session.py``)."""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 
-from .env import environ
+from .env import environ, warn_setting
 
 PROXY = "MPI4JAX_DIST_PROXY"
 # Variables that make gRPC send the coordinator's traffic through a proxy, and the
@@ -45,11 +44,9 @@ def keep_proxy(env: Mapping[str, str] | None = None) -> bool:
     env = environ() if env is None else env
     value = env.get(PROXY, "").strip().lower()
     if value not in ("", "keep", "exempt"):
-        warnings.warn(
+        warn_setting(
             f"{PROXY}={env[PROXY]!r}: expected 'keep' (leave proxies alone) or "
-            f"'exempt' (the default: add the coordinator to no_grpc_proxy).",
-            RuntimeWarning,
-            stacklevel=2,
+            f"'exempt' (the default: add the coordinator to no_grpc_proxy)."
         )
     return value == "keep"
 

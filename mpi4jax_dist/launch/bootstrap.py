@@ -138,6 +138,10 @@ class Bootstrap:
         info = detect.detect(env)
         settings.check_launch_size(self.comm, info)
 
+        # MPI4JAX_DIST_INTERFACE on this host, checked before any collective it
+        # may serve; the ranks that cannot use it are counted with the nodes.
+        name = _config.interface(env)
+        interface_error = network.interface_error(name)
         deadline = self.deadline()
         self.log.phase = "arrival"
         # Non-blocking, so that a rank that never comes is noticed, not waited for.
@@ -153,7 +157,13 @@ class Bootstrap:
         try:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
             local_rank, local_size = node.Get_rank(), node.Get_size()
-            node_index, num_nodes = self._node_numbers(comm, node, local_rank, deadline)
+            node_index, num_nodes, unusable = self._node_numbers(
+                comm, node, local_rank, interface_error is not None, deadline
+            )
+            if unusable:  # on every rank alike: rank 0 says it
+                raise failfast.JobValueError(
+                    _interface_message(name, interface_error, unusable, size)
+                )
             explicit = _config.coordinator_address(env)
             address = self._answer(comm, rank, size, explicit, num_nodes, deadline)
             # Kept for the release: the private communicator in thread mode; in
@@ -179,10 +189,14 @@ class Bootstrap:
         self.timestamps["bootstrap_done"] = time.perf_counter()
         return self.topology
 
-    def _node_numbers(self, comm, node, local_rank, deadline) -> tuple[int, int]:
-        """Return (node index, node count): node leaders (local rank 0) count the
-        leaders below them (an exclusive scan) and all of them (an allreduce), both
-        posted at once; then one broadcast within the node.
+    def _node_numbers(
+        self, comm, node, local_rank, unusable, deadline
+    ) -> tuple[int, int, int]:
+        """Return (node index, node count, ranks that cannot use the interface):
+        node leaders (local rank 0) count the leaders below them (an exclusive
+        scan) and all of them (an allreduce, which counts the ranks whose
+        ``unusable`` is true too), both posted at once; then one broadcast within
+        the node.
 
         Nodes are numbered in order of their lowest rank. A ``Split`` of the leaders
         gives the same numbers, but MPICH's gathers every rank's color and key:
@@ -193,20 +207,21 @@ class Bootstrap:
 
         leader = np.array([1 if local_rank == 0 else 0], dtype=np.int64)
         below = np.zeros(1, dtype=np.int64)
-        count = np.zeros(1, dtype=np.int64)
+        counts = np.zeros(2, dtype=np.int64)
+        mine = np.array([leader[0], 1 if unusable else 0], dtype=np.int64)
         scan = comm.Iexscan(leader, below, op=MPI.SUM)
-        total = comm.Iallreduce(leader, count, op=MPI.SUM)
+        total = comm.Iallreduce(mine, counts, op=MPI.SUM)
         what = "every rank to count the nodes"
         waits.wait(scan, deadline, what)
         waits.wait(total, deadline, what)
         # MPI leaves rank 0's exclusive scan undefined: nothing is below it.
-        numbers = np.array([0 if comm.Get_rank() == 0 else below[0], count[0]])
+        numbers = np.array([0 if comm.Get_rank() == 0 else below[0], counts[0]])
         waits.wait(
             node.Ibcast(numbers, root=0),
             deadline,
             "this node's first rank to send the node index",
         )
-        return int(numbers[0]), int(numbers[1])
+        return int(numbers[0]), int(numbers[1]), int(counts[1])
 
     def _answer(self, comm, rank, size, explicit, num_nodes, deadline) -> str:
         """Broadcast rank 0's answer (wire.py): every rank takes its release mode
@@ -479,6 +494,19 @@ def topology(comm=None, port: int | None = None, timeout_s: float | None = None)
         else:
             _current.check_settings(comm, port, timeout_s)
         return _current.topology
+
+
+def _interface_message(name, own_error, unusable: int, size: int) -> str:
+    """The job's one line for ``MPI4JAX_DIST_INTERFACE`` unusable on ``unusable``
+    of ``size`` ranks (``own_error``: this rank's reason, or None)."""
+    fix = "name an interface every node has (ip -brief address, on each)"
+    if own_error is not None:
+        return f"{own_error} So on {unusable} of {size} ranks: {fix}."
+    rank_0 = f"rank 0's {name!r} is usable there" if name else "rank 0 names none"
+    return (
+        f"{_config.INTERFACE} names no usable interface on {unusable} of {size} "
+        f"ranks ({rank_0}): {fix}."
+    )
 
 
 def _variable_port() -> int | None:

@@ -122,9 +122,14 @@ class OneProcessCluster(_compat.ClusterEnv):
     @classmethod
     def get_coordinator_address(cls, timeout_secs=None, override_coordinator_port=None):
         # The settings the bootstrap checks under a launcher, checked alike here:
-        # a bad value is an error in a one-process run too, never ignored.
+        # a bad value is an error (or a switch's, a warning) in a one-process run
+        # too, never ignored.
         _config.collective_timeout()
         _config.hang_timeout()
+        _config.checks()
+        bad = _config.first_bad_setting()
+        if bad is not None:
+            raise ValueError(bad)
         port = _config.coordinator_port(override_coordinator_port)
         host = "127.0.0.1"
         if port is None:

@@ -44,6 +44,18 @@ def coordinator_host(num_nodes: int, interface: str | None = None) -> str:
     return routable_address()
 
 
+def interface_error(name: str | None) -> str | None:
+    """Return why this host cannot use the interface ``name`` (None: it can, or
+    no interface is named)."""
+    if name is None:
+        return None
+    try:
+        interface_address(name)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def interface_address(name: str) -> str:
     """Return an address of the interface ``name``: IPv4 first, then global IPv6."""
     import psutil

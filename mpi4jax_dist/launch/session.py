@@ -81,6 +81,7 @@ def start(topo: bootstrap.Topology) -> None:
     failfast.watch_interrupts()
     _silence_false_proxy_alarm(topo)
     _compat.one_version_warning(topo.rank)
+    _config.setting_warnings_on_rank_0(topo.rank)
     _choose_gloo_address(topo)
     # mpi4jax's programs too, where no op of ours runs (_compat.reuse_runtime_tokens).
     _compat.reuse_runtime_tokens(_config.token_reuse())

@@ -103,6 +103,8 @@ RELAYS = {
     ("mpi4jax_dist/launch/bootstrap.py", "raise failfast.JobValueError(text)"),
     # limits.ensure_file_limit's RuntimeError, quoted from there.
     ("mpi4jax_dist/launch/bootstrap.py", "return (_ERROR, str(err))"),
+    # _config.first_bad_setting's error, in a one-process run: the readers' own.
+    ("mpi4jax_dist/launch/cluster.py", "raise ValueError(bad)"),
 }
 
 # How deep a message is followed through function calls, and how many variants

@@ -378,8 +378,14 @@ BAD_TIMEOUT = "MPI4JAX_DIST_COLLECTIVE_TIMEOUT='abc' is not a number of seconds"
             2,
             "MPI4JAX_DIST_ALLREDUCE_CHUNK_BYTES='lots' is not a size in bytes",
         ),
+        (
+            "MPI4JAX_DIST_INTERFACE",
+            "eth9",
+            4,
+            "MPI4JAX_DIST_INTERFACE='eth9' names no network interface on",
+        ),
     ],
-    ids=["timeout", "port", "chunk"],
+    ids=["timeout", "port", "chunk", "interface"],
 )
 def test_a_setting_bad_on_every_rank_is_printed_once(variable, value, n, message):
     """Rank 0 rules the job's settings (those read where they are used too, such
@@ -397,6 +403,8 @@ def test_a_setting_bad_on_every_rank_is_printed_once(variable, value, n, message
     assert lines[0].startswith("mpi4jax_dist: " + message), lines
     assert "python -X dev" in lines[0], lines
     assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr
+    if variable == "MPI4JAX_DIST_INTERFACE":  # each host checks its own
+        assert f"So on {n} of {n} ranks: name an interface" in lines[0], lines
     if variable != "MPI4JAX_DIST_COLLECTIVE_TIMEOUT":
         return
     dev = util.run_mpi(["-X", "dev", *code], 2, env=env, check=False, timeout=120)
@@ -419,6 +427,48 @@ def test_a_setting_bad_on_another_rank_than_0_is_not_used():
     )
     proc = util.run_mpi(["-c", code], 4, env=util.clean_env(), timeout=120)
     assert proc.stdout.count("STARTED") == 4, proc.stdout + proc.stderr
+
+
+@util.same_under_every_mpi
+@pytest.mark.parametrize("where", ["alone", "mpiexec"])
+def test_a_setting_warning_is_shown_once_at_the_user_s_line(tmp_path, where):
+    """A value the package reads otherwise than written (here fail-fast's switch,
+    read as the job starts) warns once for the job, alone or under mpiexec -n 4 (it
+    did on every rank), at the user's line that led to it (the initialize), not at
+    the package's own."""
+    script = tmp_path / "job.py"
+    script.write_text("import jax\nimport mpi4jax_dist\njax.distributed.initialize()\n")
+    env = util.clean_env(MPI4JAX_DIST_FAIL_FAST="maybe")
+    if where == "alone":
+        proc = util.run_command([sys.executable, str(script)], env=env, timeout=120)
+    else:
+        proc = util.run_mpi(script, 4, env=env, timeout=120)
+    said = "MPI4JAX_DIST_FAIL_FAST='maybe' is not a boolean"
+    lines = [line for line in proc.stderr.splitlines() if said in line]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{script}:3: SettingWarning: "), lines
+    assert "mpi4jax_dist/" not in proc.stderr, proc.stderr
+
+
+@util.same_under_every_mpi
+def test_an_interface_one_rank_cannot_use_is_named_once():
+    """Rank 2 alone names an interface its host lacks: rank 0 says so in one line,
+    with how many ranks, and every rank ends (none waits for the others)."""
+    code = (
+        "import os, jax, mpi4jax_dist\n"
+        "from mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 2:\n"
+        "    os.environ['MPI4JAX_DIST_INTERFACE'] = 'eth9'\n"
+        "jax.distributed.initialize()\n"
+    )
+    proc = util.run_mpi(["-c", code], 4, env=util.clean_env(), check=False, timeout=120)
+    assert proc.returncode != 0
+    said = (
+        "mpi4jax_dist: MPI4JAX_DIST_INTERFACE names no usable interface on 1 of 4 "
+        "ranks (rank 0 names none)"
+    )
+    assert proc.stderr.count(said) == 1, proc.stderr
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr
 
 
 MPI4JAX_WARNING = "The latest supported JAX version with this release of mpi4jax"

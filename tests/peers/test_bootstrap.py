@@ -104,18 +104,18 @@ def test_bootstrap_calls_counted_as_they_ran():
 class ExtraBroadcast(bootstrap.Bootstrap):
     """A bootstrap with one collective more than it needs: what the count must see."""
 
-    def _node_numbers(self, comm, node, local_rank, deadline):
+    def _node_numbers(self, comm, node, local_rank, unusable, deadline):
         spare = np.zeros(1)
         waits.wait(comm.Ibcast(spare, root=0), deadline, "a broadcast nobody needs")
-        return super()._node_numbers(comm, node, local_rank, deadline)
+        return super()._node_numbers(comm, node, local_rank, unusable, deadline)
 
 
 class ExtraBarrier(bootstrap.Bootstrap):
     """A bootstrap calling an MPI function the cost table does not know."""
 
-    def _node_numbers(self, comm, node, local_rank, deadline):
+    def _node_numbers(self, comm, node, local_rank, unusable, deadline):
         comm.Barrier()
-        return super()._node_numbers(comm, node, local_rank, deadline)
+        return super()._node_numbers(comm, node, local_rank, unusable, deadline)
 
 
 def close(made: bootstrap.Bootstrap) -> None:
