@@ -42,8 +42,9 @@ cd "$here"
 # A stage whose time limit (timeout's exit 124, or 137 where -k killed it) ran out
 # says so, with how long it ran, before the script ends.
 # With the seconds, the CPU seconds of what the stage ran (its processes, once
-# ended: each lane keeps less than a core busy, or more), from this shell's
-# children's times in /proc.
+# ended: a lane keeps less than a core busy, or more), from the children's times
+# in /proc of a subshell that runs the stage alone (the shell's own would count a
+# lane beside it that ended meanwhile).
 children_cpu() {
     local stat
     read -r stat </proc/$BASHPID/stat
@@ -52,12 +53,14 @@ children_cpu() {
 }
 run() {
     echo "+ $*"
-    local start=$SECONDS status=0 cpu_start
-    children_cpu
-    cpu_start=$cpu_ticks
-    "$@" || status=$?
-    children_cpu
-    echo "+ took $((SECONDS - start)) s, $(((cpu_ticks - cpu_start) / $(getconf CLK_TCK))) s of CPU"
+    local start=$SECONDS status=0
+    (
+        status=0
+        "$@" || status=$?
+        children_cpu
+        echo "+ took $((SECONDS - start)) s, $((cpu_ticks / $(getconf CLK_TCK))) s of CPU"
+        exit "$status"
+    ) || status=$?
     if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
         echo "tools/test.sh: the stage above ran out of its time limit after" \
             "$((SECONDS - start)) s (exit $status): run it alone, as printed after" \
