@@ -32,6 +32,7 @@ from .env import (  # noqa: F401
     environ,
     get_bool,
     setting_warnings_on_rank_0,
+    warn_at_user_line,
     warn_setting,
 )
 from .faults import (  # noqa: F401

@@ -62,14 +62,19 @@ def _ours(frame) -> bool:
     )
 
 
-def warn_setting(message: str) -> None:
-    """Warn with a :class:`SettingWarning`, attributed to the user's line that led
-    here (the first frame outside the package and JAX: what Python 3.12's
-    ``skip_file_prefixes`` does), not to the package's own source."""
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """Warn, attributed to the user's line that led here (the first frame outside
+    the package and JAX: what Python 3.12's ``skip_file_prefixes`` does), not to
+    the package's own source."""
     frame, level = sys._getframe(1), 1  # our caller, at stacklevel 2 of warn()
     while frame.f_back is not None and _ours(frame):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, SettingWarning, stacklevel=level + 1)
+    warnings.warn(message, category, stacklevel=level + 1)
+
+
+def warn_setting(message: str) -> None:
+    """Warn with a :class:`SettingWarning`, at the user's line."""
+    warn_at_user_line(message, SettingWarning)
 
 
 def setting_warnings_on_rank_0(rank: int | None) -> None:

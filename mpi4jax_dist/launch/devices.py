@@ -113,11 +113,10 @@ def local_device_ids(
     if count % local_size == 0:
         per_rank = count // local_size
         return list(range(local_rank * per_rank, (local_rank + 1) * per_rank))
-    warnings.warn(
+    _config.warn_at_user_line(
         f"{count} accelerators visible ({source}) to each of {local_size} ranks on "
         f"this node: not one each nor an equal block each, so every rank sees all of "
         f"them. Set {_config.LOCAL_DEVICE_IDS} (or pass local_device_ids=) to choose.",
         RuntimeWarning,
-        stacklevel=2,
     )
     return None
