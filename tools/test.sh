@@ -88,6 +88,10 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
 # the second core idle much of the time. The stages of another JAX and MPI run
 # beside .venv's serial suite; their output is kept and shown when they end.
+# .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): its
+# jobs mostly wait out faults' timeouts, and one stream kept 1.56 of the two cores
+# busy with the lane beside (2026-12-07); two made it 583 s alone against 903 in
+# one. (The oldest JAX's in two streams ran its proxy test past its 90 s.)
 #
 # tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
@@ -171,16 +175,17 @@ start_beside "beside the stage above, those of another JAX and MPI" beside_stage
 # limit), and shows what they found.
 trap 'status=$?; show_beside || true; exit "$status"' EXIT
 
-# Serially, with Open MPI's Python at hand (tools/setup.sh --with-openmpi): under
-# MPICH's mpiexec its mpi4py starts as singletons, which the package must catch.
-# 1,100 to 1,300 s on a loaded 2-core machine beside the stages above (2026-12-06);
-# a limit of 1,800 s ends it if one of its jobs outlives its own limits.
+# In two streams (above), with Open MPI's Python at hand (tools/setup.sh
+# --with-openmpi): under MPICH's mpiexec its mpi4py starts as singletons, which the
+# package must catch. In one stream 1,100 to 1,300 s on a loaded 2-core machine
+# beside the stages above (2026-12-06); a limit of 1,800 s ends it if one of its
+# jobs outlives its own limits.
 other=()
 if [ -x "$ompi/bin/python" ]; then
     other=(env TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-run "${other[@]}" timeout -k 10 1800 python -m pytest tests/unit tests/docs tests/peers \
-    tests/gpu tests/jobs
+run "${other[@]}" timeout -k 10 1800 python -m pytest -n 2 --dist loadfile tests/unit \
+    tests/docs tests/peers tests/gpu tests/jobs
 
 trap - EXIT
 beside_status=0
