@@ -176,10 +176,13 @@ def _check_world(results, nodes: int, per_node: int, collectives: str = "gloo"):
     assert len(coordinators) == 1, coordinators
     host = ipaddress.ip_address(coordinators.pop().rpartition(":")[0])
     assert host in _bridge() and not host.is_loopback, host
-    assert str(host) == addresses["node1"]  # rank 0's node
+    # The nodes in rank order, whichever of the cluster's Slurm gave the job.
+    order = list(dict.fromkeys(r["host"] for r in results))
+    assert len(order) == nodes and set(order) <= set(addresses), order
+    assert str(host) == addresses[order[0]]  # rank 0's node
     for r in results:
         node, local = divmod(r["rank"], per_node)
-        name = f"node{node + 1}"
+        name = order[node]
         assert r["host"] == name, r
         assert (r["process_index"], r["process_count"], r["size"]) == (
             r["rank"],
