@@ -10,6 +10,7 @@ import threading
 import time
 
 from .. import _compat, _config
+from ..faults import settings as fault_settings
 from . import bootstrap, detect, devices, network, session
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -124,10 +125,8 @@ class OneProcessCluster(_compat.ClusterEnv):
         # The settings the bootstrap checks under a launcher, checked alike here:
         # a bad value is an error (or a switch's, a warning) in a one-process run
         # too, never ignored.
-        _config.collective_timeout()
-        _config.hang_timeout()
-        _config.checks()
-        bad = _config.first_bad_setting()
+        _, bad = fault_settings.this_process()
+        bad = bad or _config.first_bad_setting()
         if bad is not None:
             raise ValueError(bad)
         port = _config.coordinator_port(override_coordinator_port)
