@@ -83,6 +83,7 @@ SOURCES = {
         "record.cc",
         "request_table.cc",
         "stats.cc",
+        "timeline.cc",
         "timeout.cc",
     ],
     "cpu": ["cpu.cc"],

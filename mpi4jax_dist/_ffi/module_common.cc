@@ -19,6 +19,7 @@
 #include "mpi_base.h"
 #include "record.h"
 #include "stats.h"
+#include "timeline.h"
 #include "timeout.h"
 
 namespace mpi4jax_dist {
@@ -147,6 +148,33 @@ void DefineCommon(nb::module_& m) {
       "count, site, waiting): the key is alike on every member (0 before the "
       "communicator's first call has made its duplicates); waiting is False "
       "for a non-blocking start whose wait is not yet entered.");
+  m.def(
+      "timeline_start",
+      [](int fd, int64_t capacity) { Timeline::Get().Start(fd, capacity); },
+      nb::arg("fd"), nb::arg("capacity"),
+      "Time every call the record finishes from now on: `capacity` events "
+      "held at a time, written to the open descriptor `fd` whenever they "
+      "fill it (Timeline in timeline.h).");
+  m.def(
+      "timeline_stop",
+      [] {
+        const Timeline::Totals totals = Timeline::Get().Stop();
+        return nb::make_tuple(totals.written, totals.lost, totals.error);
+      },
+      "Stop timing and write the events held; return (events written since "
+      "the start, events lost to a failed write, that write's errno or 0).");
+  m.def(
+      "site_text", [](int64_t id) { return std::string(Record::Get().Site(id)); },
+      nb::arg("id"), "Return the text of a call site's id ('' if unknown).");
+  m.def(
+      "describe_comm",
+      [](int64_t id) {
+        const CommRegistry::Description comm = CommRegistry::Get().Describe(id);
+        return nb::make_tuple(comm.key, comm.name, comm.size);
+      },
+      nb::arg("id"),
+      "Return (key, name, size) of a registered communicator by id: the key "
+      "is alike on every member once its first call has run.");
   m.def(
       "disagreement",
       []() -> nb::object {

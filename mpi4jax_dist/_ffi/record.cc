@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "timeline.h"
 #include "timeout.h"
 
 namespace mpi4jax_dist {
@@ -89,6 +90,7 @@ Record::Handle Record::Enter(int64_t comm_id, int64_t seq, int32_t kind,
   e.count = count;
   e.site = site;
   e.entered_ns = now_ns;
+  e.waited_ns = now_ns;
   e.kind = kind;
   e.op = op;
   e.type = type;
@@ -100,10 +102,23 @@ Record::Handle Record::Enter(int64_t comm_id, int64_t seq, int32_t kind,
 }
 
 void Record::Finish(const Handle& handle, CallState state) {
-  SetState(handle, state);
+  const int64_t now_ns = SetState(handle, state);
+  Timeline& timeline = Timeline::Get();
+  if (!timeline.On() || handle.entry == nullptr) return;
+  const Entry& e = *handle.entry;
+  if (e.serial.load(std::memory_order_acquire) != handle.serial) return;
+  timeline.Add({e.entered_ns, e.waited_ns, now_ns, e.comm_id, e.seq, e.count,
+                e.site, e.kind, static_cast<uint8_t>(e.op),
+                static_cast<uint8_t>(e.type), static_cast<uint8_t>(state), 0});
 }
 
-void Record::Waiting(const Handle& handle) { SetState(handle, kEntered); }
+void Record::Waiting(const Handle& handle) {
+  const int64_t now_ns = SetState(handle, kEntered);
+  if (handle.entry != nullptr &&
+      handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
+    handle.entry->waited_ns = now_ns;
+  }
+}
 
 int64_t Record::RegisterSite(const std::string& text,
                              const std::string& compared) {
@@ -173,12 +188,14 @@ size_t Record::InFlightText(char* out, size_t capacity) const {
   return used;
 }
 
-void Record::SetState(const Handle& handle, CallState state) {
+int64_t Record::SetState(const Handle& handle, CallState state) {
   if (handle.entry != nullptr &&
       handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
     handle.entry->state.store(state, std::memory_order_release);
   }
-  Get().Touch(SteadyNs());
+  const int64_t now_ns = SteadyNs();
+  Get().Touch(now_ns);
+  return now_ns;
 }
 
 void Record::Touch(int64_t now_ns) {

@@ -64,6 +64,7 @@ class MPI4JAX_DIST_CORE_API Record {
     int64_t count = 0;
     int64_t site = 0;
     int64_t entered_ns = 0;
+    int64_t waited_ns = 0;  // a non-blocking call's wait entered (Waiting)
     int32_t kind = 0;
     int32_t op = 0;
     int32_t type = 0;
@@ -92,7 +93,8 @@ class MPI4JAX_DIST_CORE_API Record {
                const char* comm_name = "", CallState state = kEntered);
 
   // A call's state changes: done or failed (Finish), or a posted start's wait
-  // entered (Waiting). Each is an event of the record (Events).
+  // entered (Waiting). Each is an event of the record (Events). Finish adds
+  // the call to the timeline where it is on (timeline.h).
   static void Finish(const Handle& handle, CallState state);
   static void Waiting(const Handle& handle);
 
@@ -144,7 +146,8 @@ class MPI4JAX_DIST_CORE_API Record {
   size_t InFlightText(char* out, size_t capacity) const;
 
  private:
-  static void SetState(const Handle& handle, CallState state);
+  // Returns the time it was set (steady clock, ns).
+  static int64_t SetState(const Handle& handle, CallState state);
   void Touch(int64_t now_ns);
 
   Entry entries_[kEntries];
