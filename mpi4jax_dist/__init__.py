@@ -33,6 +33,7 @@ from .ops.allreduce import allreduce  # noqa: E402
 from .ops.counts import op_counts  # noqa: E402
 from .ops.iallreduce import iallreduce  # noqa: E402
 from .ops.request import Request  # noqa: E402
+from .timing.timeline import timeline  # noqa: E402
 
 __all__ = [
     "Request",
@@ -43,6 +44,7 @@ __all__ = [
     "iallreduce",
     "initialize",
     "op_counts",
+    "timeline",
     "to_global",
     "to_local",
     "topology",

@@ -25,7 +25,7 @@ PACKAGE = "mpi4jax_dist"
 LAYERS = (
     ("_config", "_mpi", "_compat"),
     ("_ffi",),
-    ("faults",),
+    ("faults", "timing"),
     ("xla_mpi",),
     ("ops",),
     ("launch",),

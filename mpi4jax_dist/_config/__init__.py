@@ -8,8 +8,9 @@ Launcher variables (``PMI_RANK`` and friends) are read through :func:`environ` a
 interpreted in ``launch/detect.py``; this package only owns the ones that configure
 us, in one module of each concern: ``env`` (the environment, boolean switches),
 ``launch`` (the cluster envs, the coordinator, the CPU collectives), ``devices``
-(which devices a process sees), ``faults`` (fail-fast, stacks, timeouts), ``ops``
-(what a compiled call reads) and ``proxies``. Callers import the package
+(which devices a process sees), ``faults`` (fail-fast, stacks, timeouts),
+``diagnostics`` (the timeline), ``ops`` (what a compiled call reads) and
+``proxies``. Callers import the package
 (``from mpi4jax_dist import _config``) and use the names gathered here
 (``_config.COLLECTIVE_TIMEOUT``, ``_config.collective_timeout()``).
 """
@@ -27,6 +28,7 @@ from .devices import (  # noqa: F401
     platforms,
     visible_devices,
 )
+from .diagnostics import TIMELINE, timeline_dir  # noqa: F401
 from .env import (  # noqa: F401
     SettingWarning,
     environ,

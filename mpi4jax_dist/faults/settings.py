@@ -2,8 +2,9 @@
 
 The collective timeout, the hang timeout and the checks (whose watchdog finds
 ranks that wait in calls that cannot match) decide whether a rank makes the
-watchdog's communicators, collective ``Dup`` s: every rank must decide alike, so
-every rank takes rank 0's values. They travel packed in the bootstrap's one
+watchdog's communicators, collective ``Dup`` s, and the timeline whether it
+measures its clock against rank 0's: every rank must decide alike, so every rank
+takes rank 0's values. They travel packed in the bootstrap's one
 broadcast (mpi4jax_dist/launch/wire.py), which carries them without reading them.
 """
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 
 from .. import _config
 
-# Each timeout as float64 seconds, 0 for off, and the checks as a byte, in this
-# machine's byte order (every rank of a job runs on the same kind of machine).
-_PACKED = struct.Struct("=2d?")
+# Each timeout as float64 seconds, 0 for off, the checks and the timeline as a
+# byte each, in this machine's byte order (every rank of a job runs on the same
+# kind of machine).
+_PACKED = struct.Struct("=2d??")
 
 
 @dataclass(frozen=True)
@@ -28,23 +30,29 @@ class JobSettings:
         hang_timeout_s: ``MPI4JAX_DIST_HANG_TIMEOUT`` (None: off).
         checks: ``MPI4JAX_DIST_CHECKS``: with them, the watchdog also ends a job
             whose ranks all wait in calls that cannot match (standstill.py).
+        timeline: whether ``MPI4JAX_DIST_TIMELINE`` is set (each rank writes to
+            its own value of it: mpi4jax_dist/diagnostics/timeline.py).
     """
 
     collective_timeout_s: float | None = None
     hang_timeout_s: float | None = None
     checks: bool = True
+    timeline: bool = False
 
     def pack(self) -> bytes:
         """Return the settings as bytes for :meth:`unpack` on another rank."""
         return _PACKED.pack(
-            self.collective_timeout_s or 0.0, self.hang_timeout_s or 0.0, self.checks
+            self.collective_timeout_s or 0.0,
+            self.hang_timeout_s or 0.0,
+            self.checks,
+            self.timeline,
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> JobSettings:
         """Return the settings :meth:`pack` gave (on rank 0)."""
-        collective, hang, checks = _PACKED.unpack(data[: _PACKED.size])
-        return cls(collective or None, hang or None, checks)
+        collective, hang, checks, timeline = _PACKED.unpack(data[: _PACKED.size])
+        return cls(collective or None, hang or None, checks, timeline)
 
     @property
     def watchdog(self) -> bool:
@@ -68,4 +76,5 @@ def this_process() -> tuple[JobSettings, str | None]:
             values[name] = read()
         except ValueError as err:
             error = error or str(err)
+    values["timeline"] = _config.timeline_dir() is not None
     return JobSettings(**values), error

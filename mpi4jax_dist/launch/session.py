@@ -13,6 +13,7 @@ import threading
 
 from .. import _compat, _config, xla_mpi
 from ..faults import failfast, hangs
+from ..timing import timeline
 from . import bootstrap, network
 
 logger = logging.getLogger("mpi4jax_dist")
@@ -40,6 +41,10 @@ def bootstrapped(**settings) -> bootstrap.Topology:
 def start(topo: bootstrap.Topology) -> None:
     """Install, in this order, what a process of a bootstrapped JAX world runs with:
 
+    0. the timeline of the collectives, to the program's end, where rank 0's
+       ``MPI4JAX_DIST_TIMELINE`` is set (:mod:`mpi4jax_dist.timing.timeline`):
+       first, so that a folder no rank can write is one line from rank 0 (a
+       JobError, before fail-fast would print every rank's);
     1. JAX's CPU collectives as asked (``MPI4JAX_DIST_CPU_COLLECTIVES``), checked
        before the CPU backend exists (:func:`mpi4jax_dist.xla_mpi.settle`);
     2. for MPI collectives, a private duplicate of the world for XLA's
@@ -62,11 +67,13 @@ def start(topo: bootstrap.Topology) -> None:
 
     The duplicates are collectives: every rank makes them here, in this order.
     """
+    current = bootstrap.current()
+    agreed = current.fault_settings
+    if agreed.timeline:
+        timeline.start_from_environment(current.comm)
     xla_mpi.settle()
     xla_mpi.use_private_world(_world_for_xla)
     failfast.install(topo.rank, topo.size)
-    current = bootstrap.current()
-    agreed = current.fault_settings
     watchdog_comm = _watchdog_comm(current)
     hangs.install(
         topo.rank,

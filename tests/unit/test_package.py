@@ -360,6 +360,7 @@ def test_public_api():
         "iallreduce",
         "initialize",
         "op_counts",
+        "timeline",
         "to_global",
         "to_local",
         "topology",

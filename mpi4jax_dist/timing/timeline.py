@@ -1,0 +1,248 @@
+"""The timeline of the collectives: when each call entered and left, on every rank.
+
+``MPI4JAX_DIST_TIMELINE=DIR`` times every collective the package records (its
+``allreduce`` and ``iallreduce``) from ``jax.distributed.initialize()`` to the
+end of the program; :func:`start` and :func:`stop` (or ``with
+mpi4jax_dist.timeline(DIR):``) time a region. The extension appends each call
+to fixed memory (``CAPACITY`` events of 64 bytes; ``_ffi/timeline.h``), written
+to the rank's file whenever it fills and at the end; off, a call pays one load.
+Each rank writes, in DIR:
+
+- ``rank-NNNNN.events``: the calls, :data:`EVENT` records;
+- ``rank-NNNNN.json``: what reads them (:data:`FORMAT`): the rank, the job's size,
+  the host, its clock's offset to rank 0's at the start and at the end
+  (:mod:`~mpi4jax_dist.diagnostics.clocks`), the names of the call sites and
+  communicators, how many events were written. Written at the start and again
+  at the end: a rank that dies keeps the start's, and its events written so far.
+
+``python -m mpi4jax_dist timeline DIR`` merges them
+(:mod:`mpi4jax_dist.diagnostics.timeline`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import _config
+from ..faults.failfast import JobError
+from . import clocks
+
+FORMAT = "mpi4jax_dist timeline 1"
+# Events held in memory before they go to the file: 4 MiB.
+CAPACITY = 1 << 16
+# The extension's TimelineEvent (_ffi/timeline.h), as the file holds it.
+EVENT = np.dtype(
+    [
+        ("enter_ns", "=i8"),
+        ("wait_ns", "=i8"),
+        ("leave_ns", "=i8"),
+        ("comm", "=i8"),
+        ("seq", "=i8"),
+        ("count", "=i8"),
+        ("site", "=i8"),
+        ("kind", "=i4"),
+        ("op", "u1"),
+        ("type", "u1"),
+        ("state", "u1"),
+        ("reserved", "u1"),
+    ]
+)
+assert EVENT.itemsize == 64
+# How long the clocks' measurement waits for a rank: at the start every rank is
+# there (a collective call); at the end one may have died.
+CLOCK_TIMEOUT_S = 10.0
+
+
+class TimelineError(JobError):
+    """The timeline cannot be started or written where it was asked for: every
+    rank raises it alike, and rank 0 alone prints it when uncaught."""
+
+
+class _Run:
+    """A timeline being written: this rank's files and what its JSON says."""
+
+    def __init__(self, directory: Path | None, comm, module, what: str):
+        self.directory, self.comm, self.module = directory, comm, module
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.fd = None
+        self.meta = {
+            "format": FORMAT,
+            "rank": self.rank,
+            "size": self.size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "clock": "CLOCK_MONOTONIC, ns",
+            "asked_by": what,
+            "event_bytes": EVENT.itemsize,
+        }
+
+    def name(self, suffix: str) -> Path:
+        return self.directory / f"rank-{self.rank:05d}{suffix}"
+
+    def open(self) -> str | None:
+        """Open this rank's events file; return why it cannot be, or None."""
+        if self.directory is None:
+            return None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(
+                self.name(".events"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+            )
+        except OSError as err:
+            return f"{err.strerror or err} ({self.name('.events')})"
+        return None
+
+    def write_meta(self) -> None:
+        if self.directory is None:
+            return
+        path = self.name(".json")
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.meta, indent=1))
+        os.replace(partial, path)
+
+
+_lock = threading.Lock()
+_run: _Run | None = None
+
+
+def _module():
+    from .. import _ffi
+
+    return _ffi.load()
+
+
+def active() -> bool:
+    """Whether a timeline is being written in this process."""
+    return _run is not None
+
+
+def start(directory, comm=None, *, what: str = "mpi4jax_dist.timeline.start") -> None:
+    """Time every collective from now on, written to ``directory``.
+
+    Collective on ``comm`` (default ``MPI.COMM_WORLD``): every rank calls it.
+    Each rank measures its clock against rank 0's (O(log P) rounds).
+
+    Raises:
+        TimelineError: a timeline is being written already, or ``directory``
+            cannot be written on some rank (every rank raises it alike).
+    """
+    global _run
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    with _lock:
+        if _run is not None:
+            raise TimelineError(
+                f"a timeline is being written already (to {_run.directory}): "
+                "stop it first (mpi4jax_dist.timeline.stop())"
+            )
+        own = comm.Dup()
+        folder = None if directory is None else Path(directory)
+        run = _Run(folder, own, _module(), what)
+        problem = run.open()
+        # Every rank learns whether one cannot write (8 bytes): all raise, or none.
+        failed = own.allreduce(1 if problem else 0)
+        if failed:
+            first = own.allreduce(run.rank if problem else run.size, op=MPI.MIN)
+            if run.fd is not None:
+                os.close(run.fd)
+            own.Free()
+            raise TimelineError(
+                _cannot_write(what, directory, problem, failed, first, run)
+            )
+        run.meta["start"] = clocks.measure(own, CLOCK_TIMEOUT_S).as_dict()
+        run.meta["started_ns"] = time.monotonic_ns()
+        if run.fd is not None:
+            run.module.timeline_start(run.fd, CAPACITY)
+        run.write_meta()
+        _run = run
+
+
+def _cannot_write(what, directory, problem, count, first, run) -> str:
+    where = f"on {count} of {run.size} ranks (the first: rank {first})"
+    why = f": {problem}" if problem else ""
+    return (
+        f"{what}: the timeline's folder {str(directory)!r} cannot be written "
+        f"{where}{why}. Name a folder every rank can create and write to."
+    )
+
+
+def stop() -> Path | None:
+    """Stop the timeline and write the rest of it; return its folder (None on a
+    rank that writes none). Collective on the timeline's communicator: each rank
+    measures its clock against rank 0's again (waiting at most
+    ``CLOCK_TIMEOUT_S`` for a rank that does not come). Nothing where no timeline
+    is being written."""
+    global _run
+    with _lock:
+        run, _run = _run, None
+    if run is None:
+        return None
+    if run.fd is not None:
+        written, lost, error = run.module.timeline_stop()
+        os.close(run.fd)
+        run.meta.update(
+            events=written,
+            lost=lost,
+            write_error=os.strerror(error) if error else None,
+        )
+    run.meta["stopped_ns"] = time.monotonic_ns()
+    run.meta["end"] = clocks.measure(run.comm, CLOCK_TIMEOUT_S).as_dict()
+    run.meta["sites"], run.meta["comms"] = _names(run)
+    run.write_meta()
+    return run.directory
+
+
+def _names(run: _Run) -> tuple[dict, dict]:
+    """The call sites' texts and the communicators' (key, name, size) by the ids
+    this rank's events carry."""
+    if run.directory is None:
+        return {}, {}
+    try:
+        events = np.fromfile(run.name(".events"), dtype=EVENT)
+    except OSError:
+        return {}, {}
+    sites = {str(i): run.module.site_text(int(i)) for i in np.unique(events["site"])}
+    comms = {}
+    for i in np.unique(events["comm"]):
+        key, name, size = run.module.describe_comm(int(i))
+        comms[str(i)] = {"key": f"{key:x}", "name": name, "size": size}
+    return sites, comms
+
+
+@contextlib.contextmanager
+def timeline(directory, comm=None):
+    """Time the collectives of the ``with`` block into ``directory``, for
+    ``python -m mpi4jax_dist timeline DIR`` (:func:`start`, then :func:`stop`).
+
+    Collective on ``comm`` (default ``MPI.COMM_WORLD``): every rank enters and
+    leaves the block. Entering measures each rank's clock against rank 0's;
+    leaving writes the rest of the timeline and measures them again.
+
+    Raises:
+        TimelineError: a timeline is being written already (one at a time), or
+            ``directory`` cannot be written on some rank (every rank raises it).
+    """
+    start(directory, comm, what="mpi4jax_dist.timeline")
+    try:
+        yield Path(directory)
+    finally:
+        stop()
+
+
+def start_from_environment(comm) -> None:
+    """Where the job's ranks agreed on ``MPI4JAX_DIST_TIMELINE`` (rank 0's is
+    set), start the timeline on the job's communicator ``comm``, to the program's
+    end. A rank whose own variable is unset takes part in the clocks and writes
+    nothing."""
+    start(_config.timeline_dir(), comm, what=_config.TIMELINE)
+    atexit.register(stop)
