@@ -250,8 +250,16 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument(
         "command",
         nargs="?",
-        choices=["env"],
-        help="env: print the shell lines that make JAX's CPU collectives use MPI",
+        choices=["env", "timeline"],
+        help="env: print the shell lines that make JAX's CPU collectives use MPI; "
+        "timeline DIR: merge the ranks' timelines in DIR (MPI4JAX_DIST_TIMELINE) "
+        "into a trace and print where the collectives' time goes",
+    )
+    cli.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
+    cli.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="with timeline: where the trace goes (default: DIR/trace.json)",
     )
     cli.add_argument("--json", action="store_true", help="print JSON (everything)")
     cli.add_argument(
@@ -302,6 +310,17 @@ def main(argv=None) -> int:
             print(summarize(args.hangs))
         except (FileNotFoundError, NotADirectoryError) as err:
             print(f"python -m mpi4jax_dist --hangs: {err}", file=sys.stderr)
+            return 1
+        return 0
+    if (args.command == "timeline") != (args.folder is not None):
+        cli.error("timeline takes the timeline's folder: timeline DIR")
+    if args.command == "timeline":
+        from .timeline import report
+
+        try:
+            print(report(args.folder, args.trace))
+        except OSError as err:
+            print(f"python -m mpi4jax_dist timeline: {err}", file=sys.stderr)
             return 1
         return 0
     if args.command == "env":
