@@ -497,6 +497,34 @@ class Mpi4jaxDistUnchecked(Mpi4jaxDist):
                 os.environ[_config.CHECKS] = before
 
 
+@IMPLS.register("mpi4jax_dist_timeline")
+class Mpi4jaxDistTimeline(Mpi4jaxDist):
+    """``mpi4jax_dist`` with the timeline on for its own timed blocks (turned on
+    and off around each, as ``around`` wraps them: in ``loop`` its fixed part),
+    its events written to a temporary file, so that one run shows what the
+    timeline costs (not among the defaults: ``--impls ...,mpi4jax_dist_timeline``)."""
+
+    def __init__(self, n, dtype, comm):
+        import tempfile
+
+        from mpi4jax_dist import _ffi
+
+        super().__init__(n, dtype, comm)
+        self.events, self.module = tempfile.TemporaryFile(), _ffi.load()
+
+    def around(self, block):
+        from mpi4jax_dist.timing.timeline import CAPACITY
+
+        def timed():
+            self.module.timeline_start(self.events.fileno(), CAPACITY)
+            try:
+                block()
+            finally:
+                self.module.timeline_stop()
+
+        return timed
+
+
 class GlobalJax(JaxAllreduce):
     """Shared by psum and gspmd: a global array over ``mpi4jax_dist.global_mesh()``,
     the trip count replicated."""
@@ -603,5 +631,7 @@ class Gspmd(GlobalJax):
 
 
 # What a run measures unless --impls says otherwise: every implementation
-# registered above (so after the last of them), but the unchecked variant.
-DEFAULT_IMPLS = [name for name in IMPLS.names() if name != "mpi4jax_dist_unchecked"]
+# registered above (so after the last of them), but the variants that show what
+# a setting costs.
+VARIANTS = ("mpi4jax_dist_unchecked", "mpi4jax_dist_timeline")
+DEFAULT_IMPLS = [name for name in IMPLS.names() if name not in VARIANTS]

@@ -8,7 +8,8 @@ One initialized job (``import mpi4jax_dist`` and a plain
 ``jax.distributed.initialize()``) measures, per message size (bytes per rank), the
 implementations of ``_allreduce_impls.IMPLS`` (``mpi4py``, ``mpi4py_inplace``,
 ``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``; ``--impls
-...,mpi4jax_dist_unchecked`` adds the op compiled with ``MPI4JAX_DIST_CHECKS=0``).
+...,mpi4jax_dist_unchecked`` adds the op compiled with ``MPI4JAX_DIST_CHECKS=0``,
+``mpi4jax_dist_timeline`` the op with the timeline on, docs/timeline.rst).
 docs/benchmarks.rst, *The allreduce*, says how to read the table; in short:
 
 - ``loop``: ``x <- allreduce(x)`` K and 2K times in one dispatch each (mpi4py: a
@@ -150,16 +151,20 @@ def measure(
     # loop: K and 2K collectives in one dispatch each, in the same round; the
     # difference over K is the collective alone, what is left the fixed part.
     groups = {}
+    # A variant that turns a setting on for its own blocks wraps them (around).
     for name, impl in impls.items():
         group = groups.setdefault(impl.transport, ([], []))
+        around = getattr(impl, "around", lambda block: block)
         for mode in modes:
             if mode == "loop":
                 for trips in (loop_steps, 2 * loop_steps):
                     group[0].append((name, mode, trips))
-                    group[1].append(lambda impl=impl, k=trips: impl.loop(k))
+                    group[1].append(around(lambda impl=impl, k=trips: impl.loop(k)))
             else:
                 group[0].append((name, mode, steps))
-                group[1].append(lambda impl=impl: [impl.call() for _ in range(steps)])
+                group[1].append(
+                    around(lambda impl=impl: [impl.call() for _ in range(steps)])
+                )
     keys, times = [], []
     # The checks have run every executable: nothing is left to compile.
     with _harness.Compiles() as compiled:
@@ -372,7 +377,10 @@ def parse_args(argv):
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     IMPLS.option(
-        parser, "--impls", DEFAULT_IMPLS, " (default: all but mpi4jax_dist_unchecked)"
+        parser,
+        "--impls",
+        DEFAULT_IMPLS,
+        " (default: all but the variants mpi4jax_dist_unchecked and _timeline)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="loop,call")
     parser.add_argument(
