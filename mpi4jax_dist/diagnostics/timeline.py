@@ -251,10 +251,7 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
             f"(least: rank {shares[0][1]}, {100 * shares[0][0]:.1f} %; most: rank "
             f"{shares[-1][1]}, {100 * shares[-1][0]:.1f} %)"
         )
-    lines.append(
-        "per call site, the most time first (each rank's time in each call: median "
-        "and p99, the median's wait for the last rank to arrive and transfer after it):"
-    )
+    lines.append("per call site, the most time first:")
     sites = {}
     for i, site in enumerate(table["site"]):
         key = (site, table["text"][i], table["comm_name"][i])
@@ -265,11 +262,12 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
         in_call, waiting = table["in_call"][rows], table["waiting"][rows]
         count = len(np.unique(table["call"][rows]))
         lines.append(f"  {site}: {text} on {comm}")
+        waited = 100 * float(waiting.sum()) / (float(in_call.sum()) or 1.0)
         lines.append(
-            f"    {count} call{'s' if count != 1 else ''}; in the call "
-            f"{_ms(np.median(in_call))} median, "
-            f"{_ms(np.percentile(in_call, 99))} p99; waiting for the last "
-            f"{_ms(np.median(waiting))}, transfer {_ms(np.median(in_call - waiting))}"
+            f"    {count} call{'s' if count != 1 else ''}; a rank's time in one: "
+            f"{_ms(np.median(in_call))} median, {_ms(np.percentile(in_call, 99))} "
+            f"p99; of all of it, {waited:.0f} % waiting for the last rank to "
+            f"arrive, {100 - waited:.0f} % after"
         )
         lines.append("    " + _last_text(table, rows))
     lines.append(_clocks_text(ranks))

@@ -180,8 +180,9 @@ def stop() -> Path | None:
     """Stop the timeline and write the rest of it; return its folder (None on a
     rank that writes none). Collective on the timeline's communicator: each rank
     measures its clock against rank 0's again (waiting at most
-    ``CLOCK_TIMEOUT_S`` for a rank that does not come). Nothing where no timeline
-    is being written."""
+    ``CLOCK_TIMEOUT_S`` for a rank that does not come). A rank's files are whole
+    once it has returned: read them once every rank has (after a barrier, or the
+    job). Nothing where no timeline is being written."""
     global _run
     with _lock:
         run, _run = _run, None

@@ -58,15 +58,15 @@ def test_the_summary_names_the_rank_that_arrives_late_and_the_trace_holds_every_
     site = re.search(
         r"  timeline_job\.py:\d+ in <lambda>: allreduce SUM float32\[4\] on "
         r"communicator 'MPI_COMM_WORLD' \(3 ranks\)\n"
-        r"    11 calls; in the call ([\d.]+) ms median, [\d.]+ ms p99; "
-        r"waiting for the last ([\d.]+) ms, transfer [\d.]+ ms\n"
+        r"    11 calls; a rank's time in one: [\d.]+ ms median, [\d.]+ ms p99; of "
+        r"all of it, (\d+) % waiting for the last rank to arrive, \d+ % after\n"
         r"    last to arrive: rank 1 in (\d+) of 11",
         merged.stdout,
     )
     assert site, show(merged)
-    assert int(site.group(3)) >= 10, show(merged)
-    # Ranks 0 and 2 wait ~30 ms for rank 1 in each: the median rank's wait.
-    assert float(site.group(2)) > 15, show(merged)
+    assert int(site.group(2)) >= 10, show(merged)
+    # Ranks 0 and 2 wait ~30 ms for rank 1 in each call, rank 1 ~0: ~2/3 of it.
+    assert int(site.group(1)) >= 50, show(merged)
     trace = json.loads((folder / "trace.json").read_text())
     for calls in slices(trace).values():
         names = [c["name"] for c in calls]

@@ -45,7 +45,7 @@ def test_the_last_rank_from_files(tmp_path):
     write_rank(tmp_path, 0, 2, [(0, 10), (20, 30)])
     write_rank(tmp_path, 1, 2, [(9, 10), (21, 30)])
     text = report.report(tmp_path)
-    assert "2 calls; in the call" in text, text
+    assert "2 calls; a rank's time in one" in text, text
     assert "last to arrive: rank 1 in 2 of 2" in text, text
     assert (tmp_path / "trace.json").exists()
 
@@ -90,3 +90,16 @@ def test_a_folder_without_a_timeline(tmp_path):
         report.read(tmp_path)
     with pytest.raises(FileNotFoundError, match="is not a folder"):
         report.read(tmp_path / "nothing")
+
+
+def test_each_rank_is_moved_onto_rank_0_s_clock(tmp_path):
+    """Rank 1's clock runs 1 s ahead of rank 0's: it entered at 5 ms (rank 0's
+    clock), written 1,005 ms, and rank 0 at 8 ms; so rank 0 came last. Read on
+    their own clocks, rank 1 would."""
+    clock = {"offset_ns": 10**9, "error_ns": 0, "at_ns": 10**9}
+    write_rank(tmp_path, 0, 2, [(8, 10)])
+    write_rank(tmp_path, 1, 2, [(1005, 1010)], start=clock, end=clock)
+    text = report.report(tmp_path)
+    assert "last to arrive: rank 0 in 1 of 1" in text, text
+    # Rank 1 waited 3 ms of its 5 in the call, rank 0 none of its 2: 3 of 7 ms.
+    assert "of all of it, 43 % waiting for the last rank to arrive" in text, text
