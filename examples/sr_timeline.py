@@ -25,7 +25,7 @@ jax.config.update("jax_enable_x64", True)
 jax.distributed.initialize()
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
-N_PARAMS, WALKERS, MOVES = 2000, 256, 40
+N_PARAMS, WALKERS, MOVES = 2000, 256, 200
 N = WALKERS * size
 moves = int(MOVES * (float(os.environ.get("SLOW", "1.2")) if rank == 1 else 1))
 

@@ -275,19 +275,22 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
 
 
 def _clocks_text(ranks: list[Rank]) -> str:
-    """How far the clocks' alignment can be off, and how far they drifted."""
+    """How far the clocks' alignment can be off at the start and the end (half
+    the round trips on each rank's path to rank 0), and how far the offsets
+    moved between them (drift, or the errors)."""
     error = max(r.meta["start"].get("error_ns") or 0 for r in ranks)
-    ends = [r.meta.get("end") or {} for r in ranks]
-    drifts = [
-        abs(e["offset_ns"] - r.meta["start"]["offset_ns"])
-        for r, e in zip(ranks, ends, strict=True)
-        if e.get("offset_ns") is not None
-    ]
     text = f"clocks: on rank 0's within {error / 1e3:.1f} µs at the start"
-    if len(drifts) < len(ranks):
-        text += f"; {len(ranks) - len(drifts)} ranks' end not measured"
-    if drifts:
-        text += f"; drifted at most {max(drifts) / 1e3:.1f} µs by the end"
+    ends = [(r, r.meta.get("end") or {}) for r in ranks]
+    ends = [(r, e) for r, e in ends if e.get("offset_ns") is not None]
+    if ends:
+        end_error = max(e.get("error_ns") or 0 for _, e in ends)
+        moved = max(abs(e["offset_ns"] - r.meta["start"]["offset_ns"]) for r, e in ends)
+        text += (
+            f", {end_error / 1e3:.1f} µs at the end; the offsets moved at most "
+            f"{moved / 1e3:.1f} µs between them"
+        )
+    if len(ends) < len(ranks):
+        text += f"; {len(ranks) - len(ends)} ranks' end not measured"
     return text
 
 

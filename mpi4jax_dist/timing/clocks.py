@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # Ping-pongs per pair; the one with the shortest round trip is kept.
-PROBES = 8
+PROBES = 16
 _TAG = 7301
 
 
