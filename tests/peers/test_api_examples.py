@@ -1,6 +1,7 @@
-"""docs/api.rst holds what it says: its examples run, its signatures are the code's.
+"""docs/api.rst and docs/api-cg.rst hold what they say: their examples run, their
+signatures are the code's.
 
-Every ``.. code-block:: python`` of the page is an example: under ``mpiexec -n 2
+Every ``.. code-block:: python`` of the pages is an example: under ``mpiexec -n 2
 python -m pytest --with-mpi tests/peers/test_api_examples.py`` each runs on every rank,
 in this process's JAX world (the ``world`` fixture) and a namespace of its own, so
 that all of them cost one process per rank. An example that defines ``test_*``
@@ -31,7 +32,7 @@ from util import all_ranks
 import mpi4jax_dist
 from mpi4jax_dist import cg
 
-PAGE = util.ROOT / "docs" / "api.rst"
+PAGES = [util.ROOT / "docs" / name for name in ("api.rst", "api-cg.rst")]
 
 # The names the page documents, each in a section headed ``name``.
 NAMES = [n for n in mpi4jax_dist.__all__ if n != "cg"] + [
@@ -57,9 +58,10 @@ class Block(NamedTuple):
     line: int  # the page's line of the block's first line of code
     code: str  # dedented
     section: str  # the nearest heading above, without its ``
+    page: str = "docs/api.rst"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: str = "docs/api.rst") -> list[Block]:
     """The page's ``.. code-block:: python`` and ``::`` blocks, in order."""
     lines = text.splitlines()
     found, section, i = [], "", 0
@@ -81,12 +83,14 @@ def blocks(text: str) -> list[Block]:
         while end < len(lines) and (not lines[end].strip() or lines[end][0] == " "):
             end += 1
         body = "\n".join(lines[start:end]).rstrip()
-        found.append(Block(kind, start + 1, textwrap.dedent(body), section))
+        found.append(Block(kind, start + 1, textwrap.dedent(body), section, page))
         i = end
     return found
 
 
-BLOCKS = blocks(PAGE.read_text())
+BLOCKS = [
+    block for path in PAGES for block in blocks(path.read_text(), f"docs/{path.name}")
+]
 EXAMPLES = [b for b in BLOCKS if b.kind == "python"]
 SIGNATURES = [b for b in BLOCKS if b.kind == "literal"]
 
@@ -99,7 +103,8 @@ def example_id(block: Block) -> str:
 @pytest.mark.parametrize("example", EXAMPLES, ids=example_id)
 def test_example_runs(example, world):
     # Padded to the page's line, under the page's name: a traceback quotes the page.
-    code = compile("\n" * (example.line - 1) + example.code, str(PAGE), "exec")
+    page = util.ROOT / example.page
+    code = compile("\n" * (example.line - 1) + example.code, str(page), "exec")
     namespace = {"__name__": f"api_example_{example.line}"}
     fixtures = {"jax_world": world}
     error = None
@@ -110,7 +115,7 @@ def test_example_runs(example, world):
                 test(**{p: fixtures[p] for p in inspect.signature(test).parameters})
     except Exception:
         error = traceback.format_exc()
-    all_ranks(error is None, f"the example at docs/api.rst:{example.line}:\n{error}")
+    all_ranks(error is None, f"the example at {example.page}:{example.line}:\n{error}")
 
 
 # --- serially: the page against the code ------------------------------------------
@@ -169,7 +174,7 @@ def check_signature(block: Block) -> list[str]:
     # One call per unindented line, its continuation lines indented.
     for call in re.split(r"\n(?=\S)", block.code):
         match = re.match(r"([\w.]+)\(", call)
-        assert match, f"docs/api.rst:{block.line}: not a call: {call!r}"
+        assert match, f"{block.page}:{block.line}: not a call: {call!r}"
         dotted = match.group(1)
         tree = ast.parse("def f(" + call[match.end() :] + ": ...")
         page = _page_parameters(tree.body[0].args)
@@ -219,7 +224,7 @@ def _check_class(node: ast.ClassDef) -> list[str]:
 @pytest.mark.parametrize("block", SIGNATURES, ids=example_id)
 def test_signature_is_the_codes(block):
     problems = check_signature(block)
-    assert not problems, f"docs/api.rst:{block.line}:\n" + "\n".join(problems)
+    assert not problems, f"{block.page}:{block.line}:\n" + "\n".join(problems)
 
 
 @util.serial_only
