@@ -2,8 +2,8 @@
 
 Ten stochastic-reconfiguration steps of a variational Monte Carlo code, timed by
 the package's timeline (docs/timeline.rst): each step samples (here: a chain of
-matrix products standing for the walkers' moves, ``SLOW`` times longer on rank
-1, default 1.2), forms this rank's rows J_r of the Jacobian, and solves
+matrix products standing for the walkers' moves; ``SLOW=2`` makes rank 1's twice
+as long), forms this rank's rows J_r of the Jacobian, and solves
 ``(J^T J / N + eps) x = f`` by ``mpi4jax_dist.cg`` with one
 ``mpi4jax_dist.allreduce`` of the ``N_PARAMS`` floats per matvec (the parameters
 are replicated, so the CG's dot products need none). Rank 0 then prints the
@@ -27,7 +27,7 @@ comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 N_PARAMS, WALKERS, MOVES = 2000, 256, 200
 N = WALKERS * size
-moves = int(MOVES * (float(os.environ.get("SLOW", "1.2")) if rank == 1 else 1))
+moves = int(MOVES * (float(os.environ.get("SLOW", "1")) if rank == 1 else 1))
 
 
 @jax.jit
