@@ -29,6 +29,8 @@ import numpy as np
 from ..timing.timeline import EVENT, FORMAT
 
 MAX_META_BYTES = 16 << 20
+# The most calls the trace holds: Perfetto opens a few million slices.
+MAX_TRACE_SLICES = 2_000_000
 _NAME = re.compile(r"rank-(\d+)\.json")
 _KINDS = {1: "allreduce", 2: "iallreduce"}
 _OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
@@ -74,10 +76,21 @@ class Rank:
         return f"{kind} {op} {dtype}[{int(e['count'])}]"
 
     def site(self, site_id: int) -> str:
-        return self.meta.get("sites", {}).get(str(site_id)) or "(no site)"
+        text = self.meta.get("sites", {}).get(str(site_id))
+        return text if isinstance(text, str) and text else "(no site)"
 
     def comm(self, comm_id: int) -> dict:
-        return self.meta.get("comms", {}).get(str(comm_id)) or {}
+        """The communicator's key, name and size, as far as the file gives them
+        rightly typed."""
+        comm = self.meta.get("comms", {}).get(str(comm_id))
+        if not isinstance(comm, dict):
+            return {}
+        size = comm.get("size")
+        return {
+            "key": str(comm.get("key", f"?{self.rank}")),
+            "name": str(comm.get("name", "a communicator")),
+            "size": size if isinstance(size, int) else 0,
+        }
 
 
 def _regular(path: Path) -> bool:
@@ -101,13 +114,19 @@ def _check_meta(meta, rank: int) -> str | None:
         isinstance(start.get(k), int) for k in ("offset_ns", "at_ns")
     ):
         return "its clock was not measured against rank 0's: it cannot be aligned"
+    if not isinstance(start.get("error_ns"), (int, type(None))):
+        return "its start's clock error is not a number"
     end = meta.get("end")
     if end is not None and not (
         isinstance(end, dict)
         and isinstance(end.get("at_ns"), int)
         and isinstance(end.get("offset_ns"), (int, type(None)))
+        and isinstance(end.get("error_ns"), (int, type(None)))
     ):
         return "its end's clock offset is not a number"
+    for key in ("started_ns", "stopped_ns", "events", "lost"):
+        if not isinstance(meta.get(key, 0), int):
+            return f"its {key!r} is not a number"
     for key in ("sites", "comms"):
         if not isinstance(meta.get(key, {}), dict):
             return f"its {key!r} is not a table"
@@ -178,27 +197,67 @@ def read(directory) -> tuple[list[Rank], list[str]]:
     return ranks, notes
 
 
+class _Names:
+    """Texts numbered as met, so that the table holds small integers, not
+    strings: at 10^5 ranks a string per call would not fit."""
+
+    def __init__(self):
+        self.index: dict = {}
+        self.texts: list = []
+
+    def codes(self, texts: list) -> np.ndarray:
+        for text in texts:
+            if text not in self.index:
+                self.index[text] = len(self.texts)
+                self.texts.append(text)
+        return np.array([self.index[t] for t in texts], dtype=np.int64)
+
+
+def _coded(values: np.ndarray, text_of, names: _Names) -> np.ndarray:
+    """Each of ``values`` (a rank's ids) as the number of its text in
+    ``names``: one lookup per distinct id, not per call."""
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return names.codes([text_of(v) for v in distinct])[inverse]
+
+
+def _columns(r: Rank, names: dict) -> dict:
+    """Rank ``r``'s calls as the table's columns (texts as ``names``' numbers)."""
+    e = r.events
+    comm = e["comm"]
+    distinct, inverse = np.unique(comm, return_inverse=True)
+    sizes = np.array([r.comm(int(c)).get("size", 0) for c in distinct])
+    return {
+        "rank": np.full(len(e), r.rank),
+        "seq": e["seq"],
+        "enter": r.to_rank_0(e["enter_ns"]),
+        "wait": r.to_rank_0(e["wait_ns"]),
+        "leave": r.to_rank_0(e["leave_ns"]),
+        "size": sizes[inverse],
+        "comm": _coded(
+            comm, lambda c: r.comm(int(c)).get("key", f"?{r.rank}"), names["comm"]
+        ),
+        "comm_name": _coded(
+            comm,
+            lambda c: r.comm(int(c)).get("name", "a communicator"),
+            names["comm_name"],
+        ),
+        "site": _coded(e["site"], lambda s: r.site(int(s)), names["site"]),
+        "text": _coded(e[["kind", "op", "type", "count"]], r.call_text, names["text"]),
+    }
+
+
 def calls(ranks: list[Rank]) -> dict:
     """Every rank's calls on rank 0's clock, matched across ranks: a dict of
-    columns, one row per call of a rank, sorted by communicator, number, entry."""
-    cols: dict = {k: [] for k in ("rank", "comm", "seq", "enter", "wait", "leave")}
-    cols.update(site=[], text=[], size=[], comm_name=[])
+    columns, one row per call of a rank, sorted by communicator, number, entry;
+    ``site``, ``text``, ``comm`` and ``comm_name`` are numbers of the texts in
+    ``table["names"]``."""
+    names = {k: _Names() for k in ("site", "text", "comm", "comm_name")}
+    cols: dict = {}
     for r in ranks:
-        e = r.events
-        if not len(e):
-            continue
-        cols["rank"].append(np.full(len(e), r.rank))
-        keys = [r.comm(int(c)) for c in e["comm"]]
-        cols["comm"].append(np.array([k.get("key", f"?{r.rank}") for k in keys]))
-        names = [k.get("name", "a communicator") for k in keys]
-        cols["comm_name"].append(np.array(names, dtype=object))
-        cols["size"].append(np.array([k.get("size", 0) for k in keys]))
-        cols["seq"].append(e["seq"])
-        for name in ("enter", "wait", "leave"):
-            cols[name].append(r.to_rank_0(e[f"{name}_ns"]))
-        cols["site"].append(np.array([r.site(int(s)) for s in e["site"]], dtype=object))
-        cols["text"].append(np.array([r.call_text(x) for x in e], dtype=object))
-    if not cols["rank"]:
+        if len(r.events):
+            for k, v in _columns(r, names).items():
+                cols.setdefault(k, []).append(v)
+    if not cols:
         return {}
     table = {k: np.concatenate(v) for k, v in cols.items()}
     order = np.lexsort((table["enter"], table["seq"], table["comm"]))
@@ -216,6 +275,7 @@ def calls(ranks: list[Rank]) -> dict:
     waiting = np.clip(np.repeat(table["enter"][last], lengths) - table["wait"], 0, None)
     table["in_call"] = in_call
     table["waiting"] = np.minimum(waiting, in_call)
+    table["names"] = {k: v.texts for k, v in names.items()}
     return table
 
 
@@ -237,14 +297,16 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
         f"timeline of {len(ranks)} of {size} ranks: {n_calls} calls, "
         f"{_ms(span)} from the first entry to the last return (rank 0's clock)"
     )
-    shares = []
-    for r in ranks:
-        run = r.meta.get("stopped_ns", 0) - r.meta.get("started_ns", 0)
-        mine = table["rank"] == r.rank
-        if run > 0:
-            shares.append((float(table["in_call"][mine].sum()) / run, r.rank))
+    ranks_in = np.array([r.rank for r in ranks])
+    spent = np.bincount(
+        table["rank"], weights=table["in_call"], minlength=max(ranks_in) + 1
+    )
+    shares = sorted(
+        (float(spent[r.rank]) / run, r.rank)
+        for r in ranks
+        if (run := r.meta.get("stopped_ns", 0) - r.meta.get("started_ns", 0)) > 0
+    )
     if shares:
-        shares.sort()
         median = shares[len(shares) // 2][0]
         lines.append(
             f"in collectives: {100 * median:.1f} % of the median rank's time "
@@ -252,13 +314,18 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
             f"{shares[-1][1]}, {100 * shares[-1][0]:.1f} %)"
         )
     lines.append("per call site, the most time first:")
-    sites = {}
-    for i, site in enumerate(table["site"]):
-        key = (site, table["text"][i], table["comm_name"][i])
-        sites.setdefault(key, []).append(i)
-    by_time = sorted(sites.items(), key=lambda kv: -table["in_call"][kv[1]].sum())
-    for (site, text, comm), rows in by_time:
-        rows = np.array(rows)
+    names = table["names"]
+    # A site: its place, call and communicator's name, as one number per row.
+    key = np.stack([table["site"], table["text"], table["comm_name"]], axis=1)
+    sites, which = np.unique(key, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    time_at = np.bincount(which, weights=table["in_call"])
+    for s in np.argsort(-time_at, kind="stable"):
+        rows = np.flatnonzero(which == s)
+        site, text, comm = (
+            names[k][c]
+            for k, c in zip(("site", "text", "comm_name"), sites[s], strict=True)
+        )
         in_call, waiting = table["in_call"][rows], table["waiting"][rows]
         count = len(np.unique(table["call"][rows]))
         lines.append(f"  {site}: {text} on {comm}")
@@ -311,10 +378,15 @@ def _last_text(table: dict, rows: np.ndarray) -> str:
     return f"last to arrive: {said}"
 
 
-def write_trace(ranks: list[Rank], table: dict, path: Path) -> None:
-    """The Chrome trace-event file: a row per rank, a slice per call (and its
-    wait, for a non-blocking call), times in µs from the first entry."""
+def write_trace(ranks: list[Rank], table: dict, path: Path) -> int:
+    """The Chrome trace-event file: a row per rank, a slice per call, times in
+    µs from the first entry; the ranks in order as long as their calls together
+    stay within ``MAX_TRACE_SLICES`` (what Perfetto opens). Returns how many
+    ranks it holds."""
     t0 = int(table["enter"].min()) if table else 0
+    counts = np.bincount(table["rank"]) if table else np.zeros(0, dtype=np.int64)
+    within = np.cumsum(counts) <= MAX_TRACE_SLICES
+    ranks = [r for r in ranks if r.rank < len(within) and within[r.rank]]
     with open(path, "w") as out:
         out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         first = True
@@ -342,12 +414,15 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> None:
                     "args": {"sort_index": r.rank},
                 }
             )
-        for i in range(len(table.get("rank", ()))):
+        held = [r.rank for r in ranks]
+        kept = np.flatnonzero(np.isin(table["rank"], held)) if table else ()
+        for i in kept:
             rank = int(table["rank"][i])
             start = (int(table["enter"][i]) - t0) / 1e3
             # "allreduce #12 SUM float32[4] at step.py:40 in body"
-            kind, rest = table["text"][i].split(" ", 1)
-            name = f"{kind} #{int(table['seq'][i])} {rest} at {table['site'][i]}"
+            kind, rest = table["names"]["text"][table["text"][i]].split(" ", 1)
+            site = table["names"]["site"][table["site"][i]]
+            name = f"{kind} #{int(table['seq'][i])} {rest} at {site}"
             emit(
                 {
                     "ph": "X",
@@ -365,6 +440,7 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> None:
                 }
             )
         out.write("\n]}\n")
+    return len(ranks)
 
 
 def report(directory, trace: str | None = None) -> str:
@@ -373,5 +449,9 @@ def report(directory, trace: str | None = None) -> str:
     ranks, notes = read(directory)
     table = calls(ranks)
     path = Path(trace) if trace else Path(directory) / "trace.json"
-    write_trace(ranks, table, path)
-    return summary(ranks, table, notes) + f"\ntrace: {path} (https://ui.perfetto.dev)"
+    held = write_trace(ranks, table, path)
+    which = "" if held == len(ranks) else f", its first {held} ranks of {len(ranks)}"
+    return (
+        summary(ranks, table, notes)
+        + f"\ntrace: {path}{which} (https://ui.perfetto.dev)"
+    )

@@ -120,11 +120,6 @@ def _module():
     return _ffi.load()
 
 
-def active() -> bool:
-    """Whether a timeline is being written in this process."""
-    return _run is not None
-
-
 def start(directory, comm=None, *, what: str = "mpi4jax_dist.timeline.start") -> None:
     """Time every collective from now on, written to ``directory``.
 

@@ -103,3 +103,24 @@ def test_each_rank_is_moved_onto_rank_0_s_clock(tmp_path):
     assert "last to arrive: rank 0 in 1 of 1" in text, text
     # Rank 1 waited 3 ms of its 5 in the call, rank 0 none of its 2: 3 of 7 ms.
     assert "of all of it, 43 % waiting for the last rank to arrive" in text, text
+
+
+def test_the_trace_holds_whole_ranks_up_to_its_limit(tmp_path, monkeypatch):
+    """At 10^5 ranks every call would not open in Perfetto: the trace keeps the
+    first ranks whose calls fit, and the summary says which."""
+    monkeypatch.setattr(report, "MAX_TRACE_SLICES", 5)
+    for rank in range(3):
+        write_rank(tmp_path, rank, 3, [(0, 1), (2, 3)])
+    text = report.report(tmp_path)
+    assert "trace.json, its first 2 ranks of 3" in text, text
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in slices}) == [0, 1] and len(slices) == 4
+
+
+def test_values_of_the_wrong_type_are_named_not_raised(tmp_path):
+    write_rank(tmp_path, 0, 2, [(0, 1)], stopped_ns="soon")
+    write_rank(tmp_path, 1, 2, [(0, 1)], comms={"1": 5}, sites={"1": ["a list"]})
+    text = report.report(tmp_path)
+    assert "rank-00000.json: its 'stopped_ns' is not a number: left out" in text
+    assert "(no site): allreduce SUM float32[4] on a communicator" in text, text
