@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Run every test, in three parts. First the suites that start their own jobs, in
-# three lanes: in .venv (Python >= 3.12, the newest JAX) the suite in two streams
-# (unit tests, and launch tests that start their own mpiexec; not the build's);
-# beside it, on the oldest JAX that setup.cfg allows, the serial tests of what
-# meets JAX, then .venv's tests of the build's MPI compiler wrapper; and the launch
-# tests under Open MPI's and Intel MPI's mpiexec. Then the runs with peers, one at
-# a time: under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
+# Run every test, in three parts. First the suites that start their own jobs, two
+# at a time: in .venv (Python >= 3.12, the newest JAX) the suite serially (unit
+# tests, and launch tests that start their own mpiexec; not the build's); beside
+# it, the serial tests of what meets JAX on the oldest JAX that setup.cfg allows,
+# then the launch tests under Open MPI's and Intel MPI's mpiexec, then .venv's
+# tests of the build's MPI compiler wrapper. Then the runs with peers, one at a
+# time: under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
 # oldest JAX; beside them, the tests on a Slurm cluster of network namespaces (as
 # root).
@@ -84,10 +84,10 @@ run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 
-# 1. The suites that start their own jobs, in three lanes: a serial suite keeps 1.3
+# 1. The suites that start their own jobs, two at a time: a serial suite keeps 1.3
 # to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
 # the second core idle much of the time. The stages of another JAX and MPI run
-# beside .venv's suite; their output is kept and shown when they end.
+# beside .venv's serial suite; their output is kept and shown when they end.
 # .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): its
 # jobs mostly wait out faults' timeouts, and one stream kept 1.56 of the two cores
 # busy with the lane beside (2026-12-07); two made it 583 s alone against 903 in
@@ -118,36 +118,19 @@ if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
-# Two lanes beside .venv's suite, each its stages one after the other: the oldest
-# JAX's serial suite then the packaging, and the other MPIs' launch tests. Their
-# launch stages mostly wait out faults' timeouts (Open MPI's kept 0.4 of a core
-# busy, 2026-12-07), so that one lane of them all beside the suite left the second
-# core idle much of the time. (The oldest JAX's runs with peers in part 1 too
-# slowed the suite to 827 s and failed a timing test: they stay in part 2.)
-jaxmin_lane() {
-    local status=0
+beside_stages() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
             -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
-            tests/unit tests/peers tests/gpu tests/jobs || status=$?
+            tests/unit tests/peers tests/gpu tests/jobs
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
-    # .venv's tests of the build's MPI compiler wrapper (one build of the extension
-    # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
-    # here rather than in .venv's suite, to even the lanes.
-    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-        -m "${full:+full_only or }not full_only" tests/packaging || status=$?
-    return "$status"
-}
-other_mpi_lane() {
-    local status=0
     # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
     # under the other's mpiexec: the mismatch must be caught.
     if [ -x "$ompi/bin/mpiexec" ]; then
         run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 900 \
-            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}" \
-            || status=$?
+            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}"
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
@@ -156,42 +139,38 @@ other_mpi_lane() {
     # bootstrap benchmark once, printing its table.
     if [ -x "$impi/bin/mpiexec" ]; then
         run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
-            -p no:cacheprovider "${other_mpi[@]}" || status=$?
+            -p no:cacheprovider "${other_mpi[@]}"
     else
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
-    return "$status"
+    # .venv's tests of the build's MPI compiler wrapper (one build of the extension
+    # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
+    # here rather than in .venv's serial suite, to even the two lanes.
+    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
+        -m "${full:+full_only or }not full_only" tests/packaging
 }
-# Stages run beside the others, their output kept (start_beside LABEL COMMAND...)
-# and shown with their exit status once they have ended (show_beside, in the order
-# they started; nothing where none runs). show_beside fails where one of them did.
-beside_pids=()
-beside_labels=()
-beside_logs=()
+# A stage run beside the others, its output kept (start_beside LABEL COMMAND...) and
+# shown with its exit status once it has ended (show_beside; nothing where none
+# runs). One at a time.
+beside_pid=
 start_beside() {
-    beside_labels+=("$1")
+    beside_label=$1
     shift
-    beside_logs+=("$(mktemp)")
-    "$@" >"${beside_logs[-1]}" 2>&1 &
-    beside_pids+=("$!")
+    beside=$(mktemp)
+    "$@" >"$beside" 2>&1 &
+    beside_pid=$!
 }
 show_beside() {
-    local i status=0 one
-    for i in "${!beside_pids[@]}"; do
-        one=0
-        wait "${beside_pids[$i]}" || one=$?
-        echo "+ ${beside_labels[$i]} (exit $one):"
-        cat "${beside_logs[$i]}"
-        rm -f "${beside_logs[$i]}"
-        [ "$status" -ne 0 ] || status=$one
-    done
-    beside_pids=()
-    beside_labels=()
-    beside_logs=()
+    [ -n "$beside_pid" ] || return 0
+    local status=0
+    wait "$beside_pid" || status=$?
+    beside_pid=
+    echo "+ $beside_label (exit $status):"
+    cat "$beside"
+    rm -f "$beside"
     return "$status"
 }
-start_beside "beside the stage above, the oldest JAX's and the packaging's" jaxmin_lane
-start_beside "beside the stage above, the other MPIs'" other_mpi_lane
+start_beside "beside the stage above, those of another JAX and MPI" beside_stages
 # Where a stage fails, this script ends once those beside it have (each has its time
 # limit), and shows what they found.
 trap 'status=$?; show_beside || true; exit "$status"' EXIT
