@@ -31,7 +31,7 @@ class JobSettings:
         checks: ``MPI4JAX_DIST_CHECKS``: with them, the watchdog also ends a job
             whose ranks all wait in calls that cannot match (standstill.py).
         timeline: whether ``MPI4JAX_DIST_TIMELINE`` is set (each rank writes to
-            its own value of it: mpi4jax_dist/diagnostics/timeline.py).
+            its own value of it: mpi4jax_dist/timing/timeline.py).
     """
 
     collective_timeout_s: float | None = None
