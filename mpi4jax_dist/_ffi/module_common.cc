@@ -164,8 +164,16 @@ void DefineCommon(nb::module_& m) {
       "Stop timing and write the events held; return (events written since "
       "the start, events lost to a failed write, that write's errno or 0).");
   m.def(
-      "site_text", [](int64_t id) { return std::string(Record::Get().Site(id)); },
-      nb::arg("id"), "Return the text of a call site's id ('' if unknown).");
+      "sites",
+      [] {
+        const Record& record = Record::Get();
+        std::vector<std::string> texts;
+        for (int64_t id = 1; id <= record.SiteCount(); ++id) {
+          texts.emplace_back(record.Site(id));
+        }
+        return texts;
+      },
+      "Return the texts of the registered call sites, site id 1 first.");
   m.def(
       "describe_comm",
       [](int64_t id) {

@@ -104,20 +104,17 @@ Record::Handle Record::Enter(int64_t comm_id, int64_t seq, int32_t kind,
 void Record::Finish(const Handle& handle, CallState state) {
   const int64_t now_ns = SetState(handle, state);
   Timeline& timeline = Timeline::Get();
-  if (!timeline.On() || handle.entry == nullptr) return;
-  const Entry& e = *handle.entry;
-  if (e.serial.load(std::memory_order_acquire) != handle.serial) return;
-  timeline.Add({e.entered_ns, e.waited_ns, now_ns, e.comm_id, e.seq, e.count,
-                e.site, e.kind, static_cast<uint8_t>(e.op),
-                static_cast<uint8_t>(e.type), static_cast<uint8_t>(state), 0});
+  if (!timeline.On()) return;
+  const Entry* e = Live(handle);
+  if (e == nullptr) return;
+  timeline.Add({e->entered_ns, e->waited_ns, now_ns, e->comm_id, e->seq,
+                e->count, e->site, e->kind, static_cast<uint8_t>(e->op),
+                static_cast<uint8_t>(e->type), static_cast<uint8_t>(state), 0});
 }
 
 void Record::Waiting(const Handle& handle) {
   const int64_t now_ns = SetState(handle, kEntered);
-  if (handle.entry != nullptr &&
-      handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
-    handle.entry->waited_ns = now_ns;
-  }
+  if (Entry* e = Live(handle)) e->waited_ns = now_ns;
 }
 
 int64_t Record::RegisterSite(const std::string& text,
@@ -188,11 +185,16 @@ size_t Record::InFlightText(char* out, size_t capacity) const {
   return used;
 }
 
-int64_t Record::SetState(const Handle& handle, CallState state) {
-  if (handle.entry != nullptr &&
-      handle.entry->serial.load(std::memory_order_acquire) == handle.serial) {
-    handle.entry->state.store(state, std::memory_order_release);
+Record::Entry* Record::Live(const Handle& handle) {
+  if (handle.entry == nullptr ||
+      handle.entry->serial.load(std::memory_order_acquire) != handle.serial) {
+    return nullptr;
   }
+  return handle.entry;
+}
+
+int64_t Record::SetState(const Handle& handle, CallState state) {
+  if (Entry* e = Live(handle)) e->state.store(state, std::memory_order_release);
   const int64_t now_ns = SteadyNs();
   Get().Touch(now_ns);
   return now_ns;

@@ -119,6 +119,11 @@ class MPI4JAX_DIST_CORE_API Record {
   // thread, no lock (a site once published never changes or goes).
   const char* Site(int64_t id) const;
 
+  // How many sites are registered: their ids are 1 to this.
+  int64_t SiteCount() const {
+    return published_.load(std::memory_order_acquire);
+  }
+
   // The key the ranks compare for site `id` (CallHeader::site_key; 0 for an
   // unknown id): any thread, no lock.
   int64_t Key(int64_t id) const;
@@ -146,6 +151,8 @@ class MPI4JAX_DIST_CORE_API Record {
   size_t InFlightText(char* out, size_t capacity) const;
 
  private:
+  // The handle's entry, or nullptr where a later call has taken it over.
+  static Entry* Live(const Handle& handle);
   // Returns the time it was set (steady clock, ns).
   static int64_t SetState(const Handle& handle, CallState state);
   void Touch(int64_t now_ns);

@@ -1,7 +1,7 @@
 // The timeline: when each collective of the record entered and left, for
-// MPI4JAX_DIST_TIMELINE (mpi4jax_dist/diagnostics/timeline.py). Off by default,
-// and then a call pays one relaxed load (Timeline::On). On, each call the record
-// finishes appends one Event to fixed memory, which goes to the rank's file
+// MPI4JAX_DIST_TIMELINE (mpi4jax_dist/timing/timeline.py). Off by default, and
+// then a call pays one relaxed load (Timeline::On). On, each call the record
+// finishes appends one TimelineEvent to fixed memory, which goes to the rank's file
 // (a descriptor Python opened) whenever it is full and at Stop: no allocation
 // per call, one uncontended lock.
 

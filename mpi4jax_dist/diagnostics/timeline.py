@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ops.common import OPS
 from ..timing.timeline import EVENT, FORMAT
 
 MAX_META_BYTES = 16 << 20
@@ -33,7 +34,6 @@ MAX_META_BYTES = 16 << 20
 MAX_TRACE_SLICES = 2_000_000
 _NAME = re.compile(r"rank-(\d+)\.json")
 _KINDS = {1: "allreduce", 2: "iallreduce"}
-_OPS = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
 # XLA's element types (xla_data.proto's PrimitiveType) as NumPy names them.
 _TYPES = {
     1: "bool",
@@ -71,7 +71,7 @@ class Rank:
 
     def call_text(self, e) -> str:
         kind = _KINDS.get(int(e["kind"]), "call")
-        op = _OPS[e["op"]] if e["op"] < len(_OPS) else "?"
+        op = OPS[e["op"]] if e["op"] < len(OPS) else "?"
         dtype = _TYPES.get(int(e["type"]), "?")
         return f"{kind} {op} {dtype}[{int(e['count'])}]"
 

@@ -199,18 +199,13 @@ def stop() -> Path | None:
 
 
 def _names(run: _Run) -> tuple[dict, dict]:
-    """The call sites' texts and the communicators' (key, name, size) by the ids
-    this rank's events carry."""
-    if run.directory is None:
-        return {}, {}
-    try:
-        events = np.fromfile(run.name(".events"), dtype=EVENT)
-    except OSError:
-        return {}, {}
-    sites = {str(i): run.module.site_text(int(i)) for i in np.unique(events["site"])}
+    """Every registered call site's text and communicator's (key, name, size), by
+    the ids events carry: from the extension's tables, without reading the
+    events back."""
+    sites = {str(i): text for i, text in enumerate(run.module.sites(), start=1)}
     comms = {}
-    for i in np.unique(events["comm"]):
-        key, name, size = run.module.describe_comm(int(i))
+    for i in range(1, len(run.module.call_counts()) + 1):
+        key, name, size = run.module.describe_comm(i)
         comms[str(i)] = {"key": f"{key:x}", "name": name, "size": size}
     return sites, comms
 
