@@ -229,6 +229,8 @@ class Allreduce:
     - ``result()``: this rank's result of the last ``call`` or ``loop``, a NumPy
       array of ``n`` elements, valid until the next ``load``, ``call`` or ``loop``
       (it may be a view of the implementation's own buffer).
+    - ``around(block)``: ``block`` (a timed block of calls or a loop) as it is
+      timed; a variant that turns a setting on for its own blocks wraps it.
 
     ``call`` and ``loop`` may overwrite the loaded input (in-place ones do): load
     again before a check. Class attribute ``uses_jax`` says whether results live on
@@ -257,6 +259,9 @@ class Allreduce:
 
     def result(self) -> np.ndarray:
         raise NotImplementedError
+
+    def around(self, block):
+        return block
 
 
 @IMPLS.register("mpi4py")

@@ -151,10 +151,9 @@ def measure(
     # loop: K and 2K collectives in one dispatch each, in the same round; the
     # difference over K is the collective alone, what is left the fixed part.
     groups = {}
-    # A variant that turns a setting on for its own blocks wraps them (around).
     for name, impl in impls.items():
         group = groups.setdefault(impl.transport, ([], []))
-        around = getattr(impl, "around", lambda block: block)
+        around = impl.around  # a variant's setting on around its own blocks
         for mode in modes:
             if mode == "loop":
                 for trips in (loop_steps, 2 * loop_steps):
