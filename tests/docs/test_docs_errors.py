@@ -61,10 +61,17 @@ pytestmark = [util.serial_only, util.same_under_every_mpi]
 
 ROOT = util.ROOT
 PAGE = ROOT / "docs" / "troubleshooting.rst"
-# The pages that quote messages, and the page whose autodoc directives name the
+# The pages that quote messages, and the pages whose autodoc directives name the
 # public API whose docstrings quote the argument errors.
 PAGES = [PAGE, ROOT / "docs" / "configuration.rst"]
 API_PAGES = [ROOT / "docs" / name for name in ("api.rst", "api-cg.rst")]
+
+
+def api_text() -> str:
+    """The API pages' text, one after the other."""
+    return "\n".join(page.read_text() for page in API_PAGES)
+
+
 FFI = ROOT / "mpi4jax_dist" / "_ffi"
 
 # Source files whose messages are not for users, with the reason.
@@ -885,11 +892,7 @@ def documented_quotes(
 ) -> list[Quote]:
     """Every quote: the pages', and the API docstrings'."""
     package = the_package() if package is None else package
-    api_page = (
-        "\n".join(page.read_text() for page in API_PAGES)
-        if api_page is None
-        else api_page
-    )
+    api_page = api_text() if api_page is None else api_page
     found = [q for p in pages for q in quotes(p.read_text(), f"docs/{p.name}")]
     for where, first, doc in api_docstrings(package, api_page):
         found += quotes(doc, where, first)
@@ -1031,11 +1034,9 @@ def test_page_has_quotes():
 
 
 def test_api_docstrings_are_read():
-    """Every autodoc directive of api.rst is found in the source, docstrings and
-    methods included."""
-    docs = api_docstrings(
-        the_package(), "\n".join(page.read_text() for page in API_PAGES)
-    )
+    """Every autodoc directive of the API pages is found in the source,
+    docstrings and methods included."""
+    docs = api_docstrings(the_package(), api_text())
     names = {where.split()[2] for where, *_ in docs}
     assert {
         "mpi4jax_dist.initialize",
