@@ -119,6 +119,15 @@ void DefineCommon(nb::module_& m) {
       "Return a capsule of the C function size_t(char* out, size_t capacity) "
       "that writes in_flight()'s text without Python, for _stacks's thread.");
   m.def(
+      "totals_reader",
+      [] {
+        return nb::capsule(reinterpret_cast<void*>(&mpi4jax_dist_totals),
+                           "mpi4jax_dist.totals");
+      },
+      "Return a capsule of the C function void(int64_t out[3]) that reads the "
+      "calls entered, the ns blocked in them and the first's entry, for "
+      "_stacks's status lines.");
+  m.def(
       "record_events",
       [] {
         const Record& record = Record::Get();

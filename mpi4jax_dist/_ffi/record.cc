@@ -97,16 +97,18 @@ Record::Handle Record::Enter(int64_t comm_id, int64_t seq, int32_t kind,
   e.comm_name = comm_name;
   e.state.store(state, std::memory_order_relaxed);
   e.serial.store(serial, std::memory_order_release);
+  if (serial == 1) first_ns_.store(now_ns, std::memory_order_relaxed);
   Touch(now_ns);
   return {&e, serial};
 }
 
 void Record::Finish(const Handle& handle, CallState state) {
   const int64_t now_ns = SetState(handle, state);
-  Timeline& timeline = Timeline::Get();
-  if (!timeline.On()) return;
   const Entry* e = Live(handle);
   if (e == nullptr) return;
+  Get().blocked_ns_.fetch_add(now_ns - e->waited_ns, std::memory_order_relaxed);
+  Timeline& timeline = Timeline::Get();
+  if (!timeline.On()) return;
   timeline.Add({e->entered_ns, e->waited_ns, now_ns, e->comm_id, e->seq,
                 e->count, e->site, e->kind, static_cast<uint8_t>(e->op),
                 static_cast<uint8_t>(e->type), static_cast<uint8_t>(state), 0});
@@ -167,6 +169,18 @@ std::vector<Record::Copy> Record::Entries() const {
   return out;
 }
 
+Record::Totals Record::Sums(int64_t now_ns) const {
+  Totals totals{next_.load(std::memory_order_relaxed),
+                blocked_ns_.load(std::memory_order_relaxed),
+                first_ns_.load(std::memory_order_relaxed)};
+  for (const Copy& e : Entries()) {
+    if (e.state != kEntered) continue;
+    const Entry& entry = entries_[(e.serial - 1) % kEntries];
+    totals.blocked_ns += std::max<int64_t>(0, now_ns - entry.waited_ns);
+  }
+  return totals;
+}
+
 size_t Record::InFlightText(char* out, size_t capacity) const {
   if (capacity == 0) return 0;
   size_t used = 0;
@@ -209,4 +223,12 @@ void Record::Touch(int64_t now_ns) {
 
 extern "C" size_t mpi4jax_dist_in_flight(char* out, size_t capacity) {
   return mpi4jax_dist::Record::Get().InFlightText(out, capacity);
+}
+
+extern "C" void mpi4jax_dist_totals(int64_t out[3]) {
+  const mpi4jax_dist::Record::Totals totals =
+      mpi4jax_dist::Record::Get().Sums(mpi4jax_dist::SteadyNs());
+  out[0] = totals.entered;
+  out[1] = totals.blocked_ns;
+  out[2] = totals.first_ns;
 }

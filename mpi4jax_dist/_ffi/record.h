@@ -106,6 +106,16 @@ class MPI4JAX_DIST_CORE_API Record {
     return last_event_ns_.load(std::memory_order_relaxed);
   }
 
+  // What `python -m mpi4jax_dist status` reads of this process: the calls
+  // entered so far, the time spent blocked in them (a blocking call from its
+  // entry, a non-blocking one from its wait's, to its end, or to `now_ns` for
+  // a call still waited in), and when the first was entered (steady clock,
+  // ns; 0 before any). Any thread, no lock.
+  struct Totals {
+    int64_t entered, blocked_ns, first_ns;
+  };
+  Totals Sums(int64_t now_ns) const;
+
   // A place in the user's code ("step.py:12 in body"), registered when a call
   // is lowered; its id goes into the compiled call. `compared` is what the
   // ranks compare of it (the line's text, or the name the call was given:
@@ -161,6 +171,8 @@ class MPI4JAX_DIST_CORE_API Record {
   std::atomic<int64_t> next_{0};
   std::atomic<int64_t> events_{0};
   std::atomic<int64_t> last_event_ns_{0};
+  std::atomic<int64_t> blocked_ns_{0};
+  std::atomic<int64_t> first_ns_{0};
   static constexpr int64_t kSites = 4096;
   std::mutex mu_;
   std::atomic<const std::string*> sites_[kSites] = {};
@@ -174,5 +186,10 @@ class MPI4JAX_DIST_CORE_API Record {
 // _stacks's thread calls (the modules hand it over as in_flight_reader()).
 extern "C" MPI4JAX_DIST_CORE_API size_t mpi4jax_dist_in_flight(char* out,
                                                                size_t capacity);
+
+// Record::Sums of the process's record as a plain C function, for the same
+// thread's status lines (the modules hand it over as totals_reader()):
+// `out` receives entered, blocked_ns and first_ns.
+extern "C" MPI4JAX_DIST_CORE_API void mpi4jax_dist_totals(int64_t out[3]);
 
 #endif  // MPI4JAX_DIST_FFI_RECORD_H_
