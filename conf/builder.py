@@ -91,6 +91,7 @@ SOURCES = {
     "stacks": [
         "stacks.c",
         "stacks_answer.c",
+        "stacks_status.c",
         "stacks_dump.c",
         "stacks_interrupt.c",
         "stacks_sources.c",

@@ -28,7 +28,7 @@ from .devices import (  # noqa: F401
     platforms,
     visible_devices,
 )
-from .diagnostics import TIMELINE, timeline_dir  # noqa: F401
+from .diagnostics import STATUS_DIR, TIMELINE, status_dir, timeline_dir  # noqa: F401
 from .env import (  # noqa: F401
     SettingWarning,
     environ,

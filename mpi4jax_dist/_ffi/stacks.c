@@ -35,6 +35,8 @@ stacks_interrupt.c, stacks_text.c) over one header of the module's, stacks.h. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -51,17 +53,21 @@ static void *run(void *unused) {
   (void)unused;
   double deadline = 0; /* a SIGINT's grace ends then (0: none) */
   for (;;) {
-    struct pollfd p[3] = {{dumps.read_fd, POLLIN, 0},
+    /* poll() leaves out a descriptor of -1 (no SIGINT pipe, no socket). */
+    struct pollfd p[4] = {{dumps.read_fd, POLLIN, 0},
                           {g.wake[0], POLLIN, 0},
-                          {interrupts.pipe[0], POLLIN, 0}};
+                          {interrupts.pipe[0], POLLIN, 0},
+                          {status.listen_fd, POLLIN, 0}};
     int wait_ms = atomic_load(&answers.on) ? answers.poll_ms : -1;
     if (deadline > 0) {
       int left = (int)((deadline - now_s()) * 1000) + 1;
       if (left < 0) left = 0;
       if (wait_ms < 0 || left < wait_ms) wait_ms = left;
     }
-    int ready = poll(p, interrupts.pipe[0] >= 0 ? 3 : 2, wait_ms);
+    int ready = poll(p, 4, wait_ms);
     if (ready < 0 && errno != EINTR) return NULL;
+    int client = ready > 0 && p[3].fd >= 0 && p[3].revents;
+    ready -= client;
     if (ready > 0 && p[1].revents) {
       char byte;
       if (read(g.wake[0], &byte, 1) <= 0) return NULL;
@@ -103,7 +109,9 @@ static void *run(void *unused) {
         return NULL;
       }
     }
+    if (client && status.listen_fd >= 0) answer_status_client();
     answer_requests();
+    answer_status_asks();
     pthread_mutex_unlock(&g.mu);
   }
 }
@@ -151,10 +159,10 @@ static PyObject *start(PyObject *self, PyObject *args) {
 static PyObject *answer(PyObject *self, PyObject *args) {
   (void)self;
   long long handle;
-  int signum, tag_ask, tag_reply;
+  int signum, tag_ask, tag_reply, tag_status_ask, tag_status_reply;
   double poll_s;
-  if (!PyArg_ParseTuple(args, "Liiid", &handle, &signum, &tag_ask, &tag_reply,
-                        &poll_s)) {
+  if (!PyArg_ParseTuple(args, "Liiiiid", &handle, &signum, &tag_ask, &tag_reply,
+                        &tag_status_ask, &tag_status_reply, &poll_s)) {
     return NULL;
   }
   Py_BEGIN_ALLOW_THREADS
@@ -163,6 +171,8 @@ static PyObject *answer(PyObject *self, PyObject *args) {
   answers.signum = signum;
   answers.tag_ask = tag_ask;
   answers.tag_reply = tag_reply;
+  status.tag_ask = tag_status_ask;
+  status.tag_reply = tag_status_reply;
   answers.poll_ms = (int)(poll_s * 1000);
   atomic_store(&answers.on, 1);
   pthread_mutex_unlock(&g.mu);
@@ -233,6 +243,73 @@ static PyObject *set_in_flight(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *set_totals(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *capsule;
+  if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
+  void *reader = PyCapsule_GetPointer(capsule, "mpi4jax_dist.totals");
+  if (reader == NULL) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  pthread_mutex_lock(&g.mu);
+  status.totals = (void (*)(int64_t *))reader;
+  pthread_mutex_unlock(&g.mu);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *listen_status(PyObject *self, PyObject *args) {
+  (void)self;
+  const char *path, *job;
+  int signum;
+  if (!PyArg_ParseTuple(args, "ssi", &path, &job, &signum)) return NULL;
+  if (dumps.read_fd < 0) {
+    PyErr_SetString(PyExc_RuntimeError, "_stacks: start() first");
+    return NULL;
+  }
+  struct sockaddr_un address = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof address.sun_path) {
+    PyErr_Format(PyExc_ValueError,
+                 "the status socket's path is longer than %d bytes: %s",
+                 (int)sizeof address.sun_path - 1, path);
+    return NULL;
+  }
+  if (status.listen_fd >= 0) Py_RETURN_NONE; /* once a process */
+  snprintf(address.sun_path, sizeof address.sun_path, "%s", path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+  unlink(path); /* a socket an earlier process of this pid left */
+  if (bind(fd, (struct sockaddr *)&address, sizeof address) || listen(fd, 8)) {
+    int error = errno;
+    close(fd);
+    errno = error;
+    return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+  }
+  pthread_mutex_lock(&g.mu);
+  snprintf(status.path, sizeof status.path, "%s", path);
+  snprintf(status.job, sizeof status.job, "%s", job);
+  status.signum = signum;
+  status.listen_fd = fd;
+  pthread_mutex_unlock(&g.mu);
+  write_all(g.wake[1], "", 1); /* poll the socket from now on */
+  Py_RETURN_NONE;
+}
+
+static PyObject *stop_status(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  Py_BEGIN_ALLOW_THREADS /* waits for a client being answered */
+  pthread_mutex_lock(&g.mu);
+  if (status.listen_fd >= 0) {
+    close(status.listen_fd);
+    unlink(status.path);
+    status.listen_fd = -1;
+  }
+  pthread_mutex_unlock(&g.mu);
+  if (dumps.read_fd >= 0) write_all(g.wake[1], "", 1);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 static PyObject *write_stacks(PyObject *self, PyObject *args) {
   (void)self;
   const char *dump, *reason;
@@ -265,8 +342,17 @@ static PyMethodDef methods[] = {
      "start(read_fd, rank, size, directory, host, main_thread): write each dump "
      "faulthandler writes into the pipe's other end (directory '': stderr)."},
     {"answer", answer, METH_VARARGS,
-     "answer(fortran_comm, signum, tag_ask, tag_reply, poll_s): answer rank 0's "
-     "requests for stacks on the communicator, dumping on signum."},
+     "answer(fortran_comm, signum, tag_ask, tag_reply, tag_status_ask, "
+     "tag_status_reply, poll_s): answer rank 0's requests for stacks and any "
+     "rank's for its status line on the communicator, dumping on signum."},
+    {"listen_status", listen_status, METH_VARARGS,
+     "listen_status(path, job, signum): answer `python -m mpi4jax_dist status` "
+     "on a Unix socket at path, dumping on signum (0: no Python line)."},
+    {"stop_status", stop_status, METH_NOARGS,
+     "Close the status socket and remove its file."},
+    {"set_totals", set_totals, METH_VARARGS,
+     "set_totals(capsule): read the record's totals (an extension's "
+     "totals_reader()) for the status lines."},
     {"stop_answering", stop_answering, METH_NOARGS,
      "Make no MPI call more (before MPI_Finalize)."},
     {"watch_interrupts", watch_interrupts, METH_VARARGS,

@@ -1,6 +1,7 @@
 /* The declarations _stacks's sources share (stacks.c, the Python module and its
-   thread, over stacks_text.c, stacks_sources.c, stacks_dump.c, stacks_answer.c
-   and stacks_interrupt.c): what each keeps, and what the others call of it.
+   thread, over stacks_text.c, stacks_sources.c, stacks_dump.c, stacks_answer.c,
+   stacks_status.c and stacks_interrupt.c): what each keeps, and what the
+   others call of it.
    Nothing here is exported from the module (it is built with
    -fvisibility=hidden): its one public name is PyInit__stacks. */
 
@@ -13,6 +14,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <time.h>
 
 /* ---- stacks_text.c: what the thread writes with ---- */
@@ -84,6 +86,30 @@ extern Answers answers;
 
 /* Answer the requests that have come (the thread's mutex held, stacks.c). */
 void answer_requests(void);
+
+/* ---- stacks_status.c: `python -m mpi4jax_dist status` answered ---- */
+
+typedef struct {
+  /* listen_status(): the rank's Unix socket (-1: none), its path, the job as
+     the replies name it, and the signal faulthandler dumps on, for the main
+     thread's line (0: none). */
+  int listen_fd;
+  char path[108];
+  char job[256];
+  int signum;
+  /* answer(): the tags of the ranks' requests for their lines and of the
+     replies, on the watchdog's communicator (answers.comm; 0: none). */
+  int tag_ask, tag_reply;
+  /* set_totals(): the record's calls entered, ns blocked and first entry
+     (record.h's mpi4jax_dist_totals; NULL: no record loaded yet). */
+  void (*totals)(int64_t out[3]);
+} Status;
+extern Status status;
+
+/* A client waits on the socket: answer it (the thread's mutex held). */
+void answer_status_client(void);
+/* Other ranks' requests for this rank's line, answered (the mutex held). */
+void answer_status_asks(void);
 
 /* ---- stacks_interrupt.c: SIGINT watched ---- */
 

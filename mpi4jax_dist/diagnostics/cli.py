@@ -233,6 +233,21 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
+def _status(args) -> int:
+    from . import status
+
+    try:
+        result = status.status(job=args.job, local=args.local)
+    except (OSError, status.StatusError) as err:
+        print(f"python -m mpi4jax_dist status: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status.as_json(result), indent=1))
+    else:
+        print(status.text(result))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (the docs render its help)."""
     from .. import __version__
@@ -250,16 +265,27 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument(
         "command",
         nargs="?",
-        choices=["env", "timeline"],
+        choices=["env", "timeline", "status"],
         help="env: print the shell lines that make JAX's CPU collectives use MPI; "
         "timeline DIR: merge the ranks' timelines in DIR (MPI4JAX_DIST_TIMELINE) "
-        "into a trace and print where the collectives' time goes",
+        "into a trace and print where the collectives' time goes; status: ask the "
+        "job running on this node where its ranks stand (starts no MPI)",
     )
     cli.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
     cli.add_argument(
         "--trace",
         metavar="PATH",
         help="with timeline: where the trace goes (default: DIR/trace.json)",
+    )
+    cli.add_argument(
+        "--job",
+        metavar="KEY",
+        help="with status: the job to ask, where several run on this node",
+    )
+    cli.add_argument(
+        "--local",
+        action="store_true",
+        help="with status: ask only this node's ranks, each in turn",
     )
     cli.add_argument("--json", action="store_true", help="print JSON (everything)")
     cli.add_argument(
@@ -312,8 +338,10 @@ def main(argv=None) -> int:
             print(f"python -m mpi4jax_dist --hangs: {err}", file=sys.stderr)
             return 1
         return 0
-    if (args.command == "timeline") != (args.folder is not None):
+    if args.command == "timeline" and args.folder is None:
         cli.error("timeline takes the timeline's folder: timeline DIR")
+    if args.command != "timeline" and args.folder is not None:
+        cli.error("only timeline takes a folder (timeline DIR)")
     if args.command == "timeline":
         from .timeline import report
 
@@ -323,6 +351,8 @@ def main(argv=None) -> int:
             print(f"python -m mpi4jax_dist timeline: {err}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "status":
+        return _status(args)
     if args.command == "env":
         from ..xla_mpi import env_lines
 

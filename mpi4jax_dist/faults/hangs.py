@@ -151,6 +151,7 @@ def _apply(module) -> None:
     )
     if writer.module() is not None:  # its replies quote the module's record
         writer.module().set_in_flight(module.in_flight_reader())
+        writer.module().set_totals(module.totals_reader())
 
 
 def configure_loaded_modules() -> None:

@@ -35,10 +35,12 @@ C_POLL_S = 3.0
 DEPUTY = 1
 DEPUTY_AFTER_S = PYTHON_REPLY_S + 2 * POLL_S
 # On the watchdog's own communicator, where no user message meets them: the
-# watchdogs' messages (pickled), and rank 0's requests to _stacks's threads and
-# their replies (text).
+# watchdogs' messages (pickled), rank 0's requests to _stacks's threads and
+# their replies (text), and a rank's requests for the others' status lines and
+# their replies (``python -m mpi4jax_dist status``: _ffi/stacks_status.c).
 _TAG = 31_415
 _TAG_ASK_C, _TAG_REPLY_C = _TAG + 1, _TAG + 2
+_TAG_STATUS_ASK, _TAG_STATUS_REPLY = _TAG + 3, _TAG + 4
 # The place of a rank at its exit, in the hang timeout's verdicts.
 _EXITED_PLACE = progress.place_key([], "its exit")
 
@@ -174,7 +176,13 @@ class Watchdog(_Reports, _Loop):
         super().start()
         if writer.module() is not None:
             writer.module().answer(
-                self.comm.py2f(), writer.signum(), _TAG_ASK_C, _TAG_REPLY_C, C_POLL_S
+                self.comm.py2f(),
+                writer.signum(),
+                _TAG_ASK_C,
+                _TAG_REPLY_C,
+                _TAG_STATUS_ASK,
+                _TAG_STATUS_REPLY,
+                C_POLL_S,
             )
 
     def at_exit(self) -> None:
@@ -407,6 +415,9 @@ def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:
         if message is None:
             time.sleep(1e-3)
             continue
+        if status.Get_tag() in (_TAG_STATUS_ASK, _TAG_STATUS_REPLY):
+            message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+            continue  # a status request of _stacks's, met while reporting
         if status.Get_tag() == _TAG_REPLY_C:
             data = bytearray(status.Get_count(MPI.CHAR))
             message.Recv([data, MPI.CHAR])

@@ -12,7 +12,7 @@ import logging
 import threading
 
 from .. import _compat, _config, xla_mpi
-from ..faults import failfast, hangs
+from ..faults import failfast, hangs, status
 from ..timing import timeline
 from . import bootstrap, network
 
@@ -57,7 +57,9 @@ def start(topo: bootstrap.Topology) -> None:
        (:func:`mpi4jax_dist.faults.hangs.install`), whose reports quote XLA's
        calls into MPI too (:func:`mpi4jax_dist.xla_mpi.record`), and under
        fail-fast a Ctrl-C that ends the job where Python cannot
-       (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`);
+       (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`), and the rank's
+       answer to ``python -m mpi4jax_dist status``
+       (:func:`mpi4jax_dist.faults.status.listen`);
     5. JAX's proxy warning off where only launcher variables set it off;
     6. the address JAX's Gloo collectives publish;
     7. the runtime token of ordered-effect programs handed on as it is
@@ -86,6 +88,7 @@ def start(topo: bootstrap.Topology) -> None:
     if (xla_record := xla_mpi.record()) is not None:
         hangs.quote_record(*xla_record)
     failfast.watch_interrupts()
+    status.listen(topo.rank, topo.coordinator_address)
     _silence_false_proxy_alarm(topo)
     _compat.one_version_warning(topo.rank)
     _config.setting_warnings_on_rank_0(topo.rank)

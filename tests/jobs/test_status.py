@@ -1,0 +1,132 @@
+"""``python -m mpi4jax_dist status`` asked of running jobs: one with a straggling
+rank, one hung with a rank whose Python cannot run (it holds its GIL in C)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import util
+
+SCRIPT = util.SCRIPTS / "status_job.py"
+
+
+def line_of(marker: str) -> int:
+    """The number of the script's line that holds ``marker``."""
+    for number, line in enumerate(SCRIPT.read_text().splitlines(), 1):
+        if marker in line:
+            return number
+    raise AssertionError(marker)
+
+
+class Job:
+    """``mpiexec -n 3 python status_job.py`` running in the background, its status
+    sockets in a folder of the test's own; ended by the STOP file (or killed)."""
+
+    def __init__(self, tmp_path, mode: str, **extra):
+        self.sockets = tmp_path / "status"
+        self.stop = tmp_path / "stop"
+        self.env = util.clean_env(
+            MPI4JAX_DIST_STATUS_DIR=self.sockets, STOP=self.stop, MODE=mode, **extra
+        )
+        cmd = [util.mpiexec(), "-n", "3", sys.executable, str(SCRIPT)]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd=util.ROOT,
+        )
+
+    def wait_for_sockets(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the job ended first:\n{self.proc.stdout.read()}")
+            if len(list(self.sockets.glob("*.sock"))) == 3:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"no 3 status sockets in {self.sockets} after {timeout_s} s")
+
+    def status(self, *args) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "mpi4jax_dist", "status", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def end(self) -> str:
+        """Stop the job (the STOP file) and return its output."""
+        self.stop.touch()
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.communicate()
+        return out
+
+
+def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
+    """Rank 1 of 3 sleeps 0.1 s before each allreduce: the others spend nearly
+    all their time waiting in the call for it. Status, asked while the job runs,
+    answers for every rank, names rank 1 as the one the others wait for, and
+    gives rank 1's Python line (its sleep) and the others' call."""
+    job = Job(tmp_path, "straggle", LAG_S=0.1)
+    try:
+        job.wait_for_sockets()
+        time.sleep(2.0)
+        asked = job.status("--json")
+        text = job.status()
+    finally:
+        out = job.end()
+    assert asked.returncode == 0, asked.stderr + out
+    result = json.loads(asked.stdout)
+    assert result["size"] == 3 and result["missing"] == [], result
+    assert result["waited_for"] == [1], result
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert ranks[1]["python"] == f"status_job.py:{line_of('STRAGGLE LINE')} in <module>"
+    assert all(ranks[r]["calls"] > 0 for r in range(3)), ranks
+    for r in (0, 2):
+        # Each waits in the call nearly all its time: its share far above rank 1's.
+        assert ranks[r]["blocked_s"] > 2 * ranks[1]["blocked_s"], ranks
+    assert text.returncode == 0, text.stderr
+    assert "waited for: rank 1 (blocked in collectives" in text.stdout, text.stdout
+    assert out.count("DONE") == 3, out
+
+
+def test_status_of_a_hung_job_answers_from_c_for_a_rank_holding_its_gil(tmp_path):
+    """After 5 calls rank 1 holds its GIL in a C call; ranks 0 and 2 wait in the
+    6th allreduce: the job is hung. Status answers within seconds for all three
+    (rank 1's thread in C, its Python unable to run), says that rank 1 has the
+    fewest calls (the counts stood still while read) and is waited for, where
+    its Python stands, and that the others wait in allreduce #6."""
+    job = Job(tmp_path, "hang")
+    try:
+        job.wait_for_sockets()
+        time.sleep(1.0)
+        start = time.monotonic()
+        asked = job.status()
+        took_s = time.monotonic() - start
+    finally:
+        out = job.end()
+    assert asked.returncode == 0, asked.stderr + out
+    text = asked.stdout
+    assert "3 ranks; rank 0 on " in text and "3 answered" in text, text
+    assert "fewest calls: rank 1 (5, the others up to 6)" in text, text
+    # The others' wait in the 6th call counts as they are asked.
+    assert "waited for: rank 1 (blocked in collectives" in text, text
+    hang_line = f"status_job.py:{line_of('HANG LINE')} in <module>"
+    assert f"  rank 1: in no call\n    Python at {hang_line}" in text, text
+    assert "  ranks 0, 2: in allreduce #6 SUM float32[1]" in text, text
+    assert took_s < 30, took_s
+    assert out.count("DONE") == 3, out
