@@ -3,12 +3,12 @@
 # at a time: in .venv (Python >= 3.12, the newest JAX) the suite serially (unit
 # tests, and launch tests that start their own mpiexec; not the build's); beside
 # it, the serial tests of what meets JAX on the oldest JAX that setup.cfg allows,
-# then the launch tests under Open MPI's and Intel MPI's mpiexec, then .venv's
-# tests of the build's MPI compiler wrapper. Then the runs with peers, one at a
-# time: under mpiexec -n 2 and, those that need more ranks, -n 4 in .venv; the
-# non-blocking and in-place allreduces under Open MPI and Intel MPI; -n 2 on the
-# oldest JAX; beside them, the tests on a Slurm cluster of network namespaces (as
-# root).
+# then the launch tests under Open MPI's and Intel MPI's mpiexec; after the
+# suite, .venv's tests of the build's MPI compiler wrapper. Then the runs with
+# peers, one at a time: under mpiexec -n 2 and, those that need more ranks, -n 4
+# in .venv; the non-blocking and in-place allreduces under Open MPI and Intel
+# MPI; -n 2 on the oldest JAX; beside them, the tests on a Slurm cluster of
+# network namespaces (as root).
 # The other environments than .venv run where tools/setup.sh built them (--all).
 # Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
@@ -143,11 +143,6 @@ beside_stages() {
     else
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
-    # .venv's tests of the build's MPI compiler wrapper (one build of the extension
-    # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
-    # here rather than in .venv's serial suite, to even the two lanes.
-    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-        -m "${full:+full_only or }not full_only" tests/packaging
 }
 # A stage run beside the others, its output kept (start_beside LABEL COMMAND...) and
 # shown with its exit status once it has ended (show_beside; nothing where none
@@ -186,6 +181,12 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 run "${other[@]}" timeout -k 10 1800 python -m pytest -n 2 --dist loadfile tests/unit \
     tests/docs tests/peers tests/gpu tests/jobs
+# .venv's tests of the build's MPI compiler wrapper (one build of the extension
+# with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
+# after the two streams, while the lane beside still runs (in CI23 the two streams
+# ended at 639 s, the lane beside at 862 s with this stage's 95 s in it).
+run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
+    -m "${full:+full_only or }not full_only" tests/packaging
 
 trap - EXIT
 beside_status=0

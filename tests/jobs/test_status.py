@@ -78,15 +78,15 @@ class Job:
 
 def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     """Rank 1 of 3 sleeps 0.1 s before each allreduce: the others spend nearly
-    all their time waiting in the call for it. Status, asked while the job runs,
-    answers for every rank, names rank 1 as the one the others wait for, and
-    gives rank 1's Python line (its sleep) and the others' call."""
+    all their time waiting in the call for it. Status, asked while the job runs
+    (as JSON; the text of such a reply: tests/unit/test_status_cli.py), answers
+    for every rank, names rank 1 as the one the others wait for, and gives rank
+    1's Python line (its sleep)."""
     job = Job(tmp_path, "straggle", LAG_S=0.1)
     try:
         job.wait_for_sockets()
-        time.sleep(2.0)
+        time.sleep(1.0)
         asked = job.status("--json")
-        text = job.status()
     finally:
         out = job.end()
     assert asked.returncode == 0, asked.stderr + out
@@ -99,8 +99,6 @@ def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     for r in (0, 2):
         # Each waits in the call nearly all its time: its share far above rank 1's.
         assert ranks[r]["blocked_s"] > 2 * ranks[1]["blocked_s"], ranks
-    assert text.returncode == 0, text.stderr
-    assert "waited for: rank 1 (blocked in collectives" in text.stdout, text.stdout
     assert out.count("DONE") == 3, out
 
 
