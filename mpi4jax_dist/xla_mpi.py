@@ -228,6 +228,27 @@ def record():
     return in_flight, ctypes.cast(reader, ctypes.c_void_p).value
 
 
+def time_calls() -> bool:
+    """Have the wrapper time XLA's collectives into the timeline whenever one is
+    written (:mod:`mpi4jax_dist.timing.timeline`): it is handed the core's
+    timeline functions once, and while none is written pays one call a
+    collective that reads a flag. False unless XLA's collectives go through our
+    wrapper (:func:`use_private_world` gave it the world)."""
+    import ctypes
+
+    if not _given:
+        return False
+    hand_over = _wrapper_function(
+        "mpi4jax_dist_mpiabi_time_calls", None, [ctypes.c_void_p, ctypes.c_void_p]
+    )
+    if hand_over is None:
+        return False
+    from . import _ffi
+
+    hand_over(*_ffi.load().timeline_hooks())
+    return True
+
+
 def report() -> dict:
     """What the diagnostics print: the switch, JAX's setting and the wrapper."""
     from . import _compat

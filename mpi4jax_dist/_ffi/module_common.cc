@@ -119,6 +119,23 @@ void DefineCommon(nb::module_& m) {
       "Return a capsule of the C function size_t(char* out, size_t capacity) "
       "that writes in_flight()'s text without Python, for _stacks's thread.");
   m.def(
+      "timeline_hooks",
+      [] {
+        return nb::make_tuple(
+            reinterpret_cast<uintptr_t>(&mpi4jax_dist_timeline_on),
+            reinterpret_cast<uintptr_t>(&mpi4jax_dist_timeline_add_mpi));
+      },
+      "Return the addresses of the core's mpi4jax_dist_timeline_on and "
+      "mpi4jax_dist_timeline_add_mpi, for the MPI wrapper (xla_mpi.time_calls).");
+  m.def(
+      "timeline_xla",
+      [] {
+        XlaTimelineNames names = XlaNames();
+        return nb::make_tuple(kFirstXlaKind, names.kinds, names.comm_sizes);
+      },
+      "Return (first kind, kinds' names, communicators' sizes) of XLA's calls "
+      "on the timeline so far (timeline.h's XlaNames).");
+  m.def(
       "totals_reader",
       [] {
         return nb::capsule(reinterpret_cast<void*>(&mpi4jax_dist_totals),

@@ -14,7 +14,9 @@
 
 #include <pthread.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "mpiabi.h"
 
@@ -33,6 +35,8 @@ typedef struct {
   int size;                  /* the communicator's size; 0: none */
   int peer;                  /* a point-to-point call's other rank; -1: none */
   int state;
+  int comm_index;            /* its communicator in record_comms; -1: none */
+  long long enter_ns;        /* entered, where the timeline is on; else 0 */
 } RecordEntry;
 
 static RecordEntry record_entries[RECORD_ENTRIES];
@@ -61,11 +65,36 @@ void record_forget(MPI_Comm comm) {
   pthread_mutex_unlock(&record_mu);
 }
 
-/* The next number on `comm` and its size; 0 and 0 past RECORD_COMMS
- * communicators (XLA keeps a few, one per group of ranks it reduces over). */
-static long long record_number(MPI_Comm comm, int *size) {
+/* The timeline's functions in the core (timeline.h), handed over by
+ * mpi4jax_dist_mpiabi_time_calls; NULL until then. */
+static int (*timeline_on)(void);
+static void (*timeline_add)(int64_t enter_ns, int64_t leave_ns,
+                            int64_t comm_index, int64_t comm_size, int64_t seq,
+                            int64_t count, const char *call, const char *op,
+                            const char *type);
+
+/* Time XLA's collectives into the timeline while one is written: `on` and `add`
+ * are the core's mpi4jax_dist_timeline_on and mpi4jax_dist_timeline_add_mpi
+ * (xla_mpi.time_calls hands them over once). */
+MPIABI_API void mpi4jax_dist_mpiabi_time_calls(void *on, void *add) {
+  __atomic_store_n(&timeline_add, (__typeof__(timeline_add))add,
+                   __ATOMIC_RELEASE);
+  __atomic_store_n(&timeline_on, (__typeof__(timeline_on))on, __ATOMIC_RELEASE);
+}
+
+static long long monotonic_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* The next number on `comm`, its size and its index in record_comms; 0, 0 and
+ * -1 past RECORD_COMMS communicators (XLA keeps a few, one per group of ranks
+ * it reduces over). */
+static long long record_number(MPI_Comm comm, int *size, int *index) {
   long long seq = 0;
   *size = 0;
+  *index = -1;
   pthread_mutex_lock(&record_mu);
   int i = 0;
   while (i < record_known && record_comms[i].comm != comm) ++i;
@@ -79,6 +108,7 @@ static long long record_number(MPI_Comm comm, int *size) {
   if (i < record_known) {
     seq = ++record_comms[i].calls;
     *size = record_comms[i].size;
+    *index = i;
   }
   pthread_mutex_unlock(&record_mu);
   return seq;
@@ -123,8 +153,10 @@ const char *op_name(MPI_Op op) {
 unsigned long long record_enter(const char *call, MPI_Comm comm, int peer,
                                 const char *op, const char *type,
                                 long long count) {
-  int size = 0;
-  const long long seq = comm == MPI_COMM_NULL ? 0 : record_number(comm, &size);
+  int size = 0, index = -1;
+  const long long seq =
+      comm == MPI_COMM_NULL ? 0 : record_number(comm, &size, &index);
+  int (*on)(void) = __atomic_load_n(&timeline_on, __ATOMIC_ACQUIRE);
   const unsigned long long serial =
       __atomic_add_fetch(&record_next, 1, __ATOMIC_RELAXED);
   RecordEntry *e = &record_entries[(serial - 1) % RECORD_ENTRIES];
@@ -136,16 +168,30 @@ unsigned long long record_enter(const char *call, MPI_Comm comm, int peer,
   e->seq = seq;
   e->size = size;
   e->peer = peer;
+  e->comm_index = index;
+  e->enter_ns = seq && on != NULL && on() ? monotonic_ns() : 0;
   __atomic_store_n(&e->state, kEntered, __ATOMIC_RELAXED);
   __atomic_store_n(&e->serial, serial, __ATOMIC_RELEASE);
   return serial;
 }
 
-/* Mark call `serial` returned, unless a later call took its entry over. */
+/* Mark call `serial` returned, unless a later call took its entry over; a
+ * collective timed at its entry goes onto the timeline. */
 void record_return(unsigned long long serial) {
   RecordEntry *e = &record_entries[(serial - 1) % RECORD_ENTRIES];
-  if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) == serial)
-    __atomic_store_n(&e->state, kReturned, __ATOMIC_RELEASE);
+  if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) != serial)
+    return;
+  __atomic_store_n(&e->state, kReturned, __ATOMIC_RELEASE);
+  if (e->enter_ns == 0)
+    return;
+  const long long leave_ns = monotonic_ns();
+  const RecordEntry copy = *e; /* then checked whole: not taken over meanwhile */
+  if (__atomic_load_n(&e->serial, __ATOMIC_ACQUIRE) != serial)
+    return;
+  __typeof__(timeline_add) add = __atomic_load_n(&timeline_add, __ATOMIC_ACQUIRE);
+  if (add != NULL)
+    add(copy.enter_ns, leave_ns, copy.comm_index, copy.size, copy.seq,
+        copy.count, copy.call, copy.op, copy.type);
 }
 
 /* The calls of XLA's still in MPI, as the hang reports name them: "XLA's

@@ -7,7 +7,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
+#include <string>
+
+#include "record.h"
 
 namespace mpi4jax_dist {
 
@@ -61,4 +65,89 @@ void Timeline::FlushLocked() {
   used_ = 0;
 }
 
+namespace {
+
+// The kinds and communicators of XLA's calls met so far (XlaNames).
+struct XlaTables {
+  std::mutex mu;
+  std::vector<const char*> calls;  // the wrapper's static names
+  XlaTimelineNames names;
+  std::atomic<int64_t> site{0};
+};
+
+XlaTables& Xla() {
+  static XlaTables* tables = new XlaTables();  // never destroyed: see Record
+  return *tables;
+}
+
+// The XLA element type NumPy calls `name` (TypeName's inverse; 0 for none).
+uint8_t TypeCode(const char* name) {
+  static const ffi::DataType kTypes[] = {
+      ffi::DataType::PRED, ffi::DataType::S8,  ffi::DataType::S16,
+      ffi::DataType::S32,  ffi::DataType::S64, ffi::DataType::U8,
+      ffi::DataType::U16,  ffi::DataType::U32, ffi::DataType::U64,
+      ffi::DataType::F32,  ffi::DataType::F64, ffi::DataType::C64,
+      ffi::DataType::C128};
+  if (name == nullptr) return 0;
+  for (ffi::DataType t : kTypes) {
+    if (std::strcmp(TypeName(static_cast<int32_t>(t)), name) == 0)
+      return static_cast<uint8_t>(t);
+  }
+  return 0;
+}
+
+// OpName's inverse (255 for none or another).
+uint8_t OpCode(const char* name) {
+  if (name == nullptr) return 255;
+  for (int32_t code = 0; code < 10; ++code) {
+    if (std::strcmp(OpName(code), name) == 0) return static_cast<uint8_t>(code);
+  }
+  return 255;
+}
+
+}  // namespace
+
+XlaTimelineNames XlaNames() {
+  XlaTables& xla = Xla();
+  std::lock_guard<std::mutex> lock(xla.mu);
+  return xla.names;
+}
+
 }  // namespace mpi4jax_dist
+
+extern "C" int mpi4jax_dist_timeline_on(void) {
+  return mpi4jax_dist::Timeline::Get().On() ? 1 : 0;
+}
+
+extern "C" void mpi4jax_dist_timeline_add_mpi(int64_t enter_ns, int64_t leave_ns,
+                                              int64_t comm_index,
+                                              int64_t comm_size, int64_t seq,
+                                              int64_t count, const char* call,
+                                              const char* op, const char* type) {
+  using namespace mpi4jax_dist;
+  Timeline& timeline = Timeline::Get();
+  if (!timeline.On() || comm_index < 0 || call == nullptr) return;
+  XlaTables& xla = Xla();
+  int32_t kind = 0;
+  {
+    std::lock_guard<std::mutex> lock(xla.mu);
+    size_t i = 0;
+    while (i < xla.calls.size() && xla.calls[i] != call) ++i;
+    if (i == xla.calls.size()) {
+      xla.calls.push_back(call);
+      xla.names.kinds.emplace_back(call);
+    }
+    kind = kFirstXlaKind + static_cast<int32_t>(i);
+    auto& sizes = xla.names.comm_sizes;
+    if (sizes.size() <= static_cast<size_t>(comm_index))
+      sizes.resize(static_cast<size_t>(comm_index) + 1, 0);
+    sizes[static_cast<size_t>(comm_index)] = static_cast<int>(comm_size);
+  }
+  int64_t site = xla.site.load(std::memory_order_acquire);
+  if (site == 0) {
+    site = Record::Get().RegisterSite(kXlaSite, kXlaSite);
+    xla.site.store(site, std::memory_order_release);
+  }
+  timeline.Add({enter_ns, enter_ns, leave_ns, -1 - comm_index, seq, count, site,
+                kind, OpCode(op), TypeCode(type), kDone, 0});
+}

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "mpi_base.h"
@@ -75,6 +76,31 @@ class MPI4JAX_DIST_CORE_API Timeline {
   Totals totals_;
 };
 
+// XLA's collectives over MPI on the timeline (MPI4JAX_DIST_CPU_COLLECTIVES=mpi):
+// the MPIABI wrapper (mpiabi_record.c) times each at its entry and return and
+// hands it to mpi4jax_dist_timeline_add_mpi. Their kinds are numbered from
+// kFirstXlaKind, one per MPI function as first met ("MPI_Allreduce"); their
+// communicators carry negative ids (-1 - the wrapper's index of it); their site
+// is the one text kXlaSite. XlaTimelineNames gives the kinds' names and the
+// communicators' sizes for the rank's JSON (timing/timeline.py).
+constexpr int32_t kFirstXlaKind = 16;
+constexpr const char* kXlaSite = "a program of XLA's";
+struct XlaTimelineNames {
+  std::vector<std::string> kinds;  // kind kFirstXlaKind + i: kinds[i]
+  std::vector<int> comm_sizes;     // communicator -1 - i: comm_sizes[i] ranks
+};
+MPI4JAX_DIST_CORE_API XlaTimelineNames XlaNames();
+
 }  // namespace mpi4jax_dist
+
+// What the wrapper calls (handed over by xla_mpi.time_calls): whether a
+// timeline is being written, and one collective of XLA's (steady clock, ns;
+// the MPI function's, op's and type's names as the wrapper's record keeps
+// them; NULL op or type for none).
+extern "C" MPI4JAX_DIST_CORE_API int mpi4jax_dist_timeline_on(void);
+extern "C" MPI4JAX_DIST_CORE_API void mpi4jax_dist_timeline_add_mpi(
+    int64_t enter_ns, int64_t leave_ns, int64_t comm_index, int64_t comm_size,
+    int64_t seq, int64_t count, const char* call, const char* op,
+    const char* type);
 
 #endif  // MPI4JAX_DIST_FFI_TIMELINE_H_

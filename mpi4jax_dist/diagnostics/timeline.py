@@ -70,10 +70,15 @@ class Rank:
         return t - (start["offset_ns"] + slope * (t - start["at_ns"])).astype(np.int64)
 
     def call_text(self, e) -> str:
-        kind = _KINDS.get(int(e["kind"]), "call")
-        op = OPS[e["op"]] if e["op"] < len(OPS) else "?"
-        dtype = _TYPES.get(int(e["type"]), "?")
-        return f"{kind} {op} {dtype}[{int(e['count'])}]"
+        kind = self.meta.get("kinds", {}).get(str(int(e["kind"])))
+        kind = kind if isinstance(kind, str) else _KINDS.get(int(e["kind"]), "call")
+        # A call of XLA's may have no op (255: MPI_Allgather), no type (0) and
+        # no one count (-1: MPI_Comm_split, MPI_Reduce_scatter's counts).
+        op = "" if e["op"] == 255 else OPS[e["op"]] if e["op"] < len(OPS) else "?"
+        count = int(e["count"])
+        dtype = _TYPES.get(int(e["type"]), "?" if e["type"] or count >= 0 else "")
+        shape = f"{dtype}[{count}]" if count >= 0 else dtype
+        return " ".join(part for part in (kind, op, shape) if part)
 
     def site(self, site_id: int) -> str:
         text = self.meta.get("sites", {}).get(str(site_id))
@@ -127,7 +132,7 @@ def _check_meta(meta, rank: int) -> str | None:
     for key in ("started_ns", "stopped_ns", "events", "lost"):
         if not isinstance(meta.get(key, 0), int):
             return f"its {key!r} is not a number"
-    for key in ("sites", "comms"):
+    for key in ("sites", "comms", "kinds"):
         if not isinstance(meta.get(key, {}), dict):
             return f"its {key!r} is not a table"
     return None
@@ -420,9 +425,11 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> int:
             rank = int(table["rank"][i])
             start = (int(table["enter"][i]) - t0) / 1e3
             # "allreduce #12 SUM float32[4] at step.py:40 in body"
-            kind, rest = table["names"]["text"][table["text"][i]].split(" ", 1)
+            kind, _, rest = table["names"]["text"][table["text"][i]].partition(" ")
             site = table["names"]["site"][table["site"][i]]
-            name = f"{kind} #{int(table['seq'][i])} {rest} at {site}"
+            name = (
+                f"{kind} #{int(table['seq'][i])}{' ' + rest if rest else ''} at {site}"
+            )
             emit(
                 {
                     "ph": "X",

@@ -55,7 +55,8 @@ def start(topo: bootstrap.Topology) -> None:
        either or the checks, the watchdog thread on a duplicate of the job's
        communicator (and its standstill's chain on a second one)
        (:func:`mpi4jax_dist.faults.hangs.install`), whose reports quote XLA's
-       calls into MPI too (:func:`mpi4jax_dist.xla_mpi.record`), and under
+       calls into MPI too (:func:`mpi4jax_dist.xla_mpi.record`), as the
+       timeline times them (:func:`mpi4jax_dist.xla_mpi.time_calls`), and under
        fail-fast a Ctrl-C that ends the job where Python cannot
        (:func:`mpi4jax_dist.faults.failfast.watch_interrupts`), and the rank's
        answer to ``python -m mpi4jax_dist status``
@@ -87,6 +88,7 @@ def start(topo: bootstrap.Topology) -> None:
     )
     if (xla_record := xla_mpi.record()) is not None:
         hangs.quote_record(*xla_record)
+        xla_mpi.time_calls()
     failfast.watch_interrupts()
     status.listen(topo.rank, topo.coordinator_address)
     _silence_false_proxy_alarm(topo)

@@ -193,21 +193,31 @@ def stop() -> Path | None:
         )
     run.meta["stopped_ns"] = time.monotonic_ns()
     run.meta["end"] = clocks.measure(run.comm, CLOCK_TIMEOUT_S).as_dict()
-    run.meta["sites"], run.meta["comms"] = _names(run)
+    run.meta["sites"], run.meta["comms"], run.meta["kinds"] = _names(run)
     run.write_meta()
     return run.directory
 
 
-def _names(run: _Run) -> tuple[dict, dict]:
-    """Every registered call site's text and communicator's (key, name, size), by
-    the ids events carry: from the extension's tables, without reading the
-    events back."""
+def _names(run: _Run) -> tuple[dict, dict, dict]:
+    """Every registered call site's text, communicator's (key, name, size) and
+    kind of XLA's calls (``MPI_Allreduce``), by the ids events carry: from the
+    extension's tables, without reading the events back. XLA's communicators
+    (negative ids: the MPI wrapper's numbering, alike on every rank that makes
+    the same collectives) are named by their size."""
     sites = {str(i): text for i, text in enumerate(run.module.sites(), start=1)}
     comms = {}
     for i in range(1, len(run.module.call_counts()) + 1):
         key, name, size = run.module.describe_comm(i)
         comms[str(i)] = {"key": f"{key:x}", "name": name, "size": size}
-    return sites, comms
+    first, xla_kinds, xla_sizes = run.module.timeline_xla()
+    for i, size in enumerate(xla_sizes):
+        comms[str(-1 - i)] = {
+            "key": f"xla{i}",
+            "name": f"XLA's communicator ({size} ranks)",
+            "size": size,
+        }
+    kinds = {str(first + i): name for i, name in enumerate(xla_kinds)}
+    return sites, comms, kinds
 
 
 @contextlib.contextmanager

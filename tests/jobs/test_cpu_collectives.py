@@ -61,13 +61,15 @@ def test_env_lines_for_job_scripts():
 
 @skip_in_mpi_job
 @pytest.mark.parametrize("n", [2, pytest.param(4, marks=util.variant)])
-def test_collectives_over_mpi_against_numpy(n):
+def test_collectives_over_mpi_against_numpy(n, tmp_path):
     """psum, pmax, all_gather, psum_scatter, ppermute, all_to_all over MPI, and
-    mpi4jax's allreduce between them in one jitted function; the job exits 0."""
+    mpi4jax's allreduce between them in one jitted function; the job exits 0.
+    With the timeline on, XLA's collectives over MPI are on it beside the
+    package's allreduce, named by their MPI function."""
     needs_wrapper()
-    proc = util.run_mpi(
-        "mpi_collectives.py", n, env=util.clean_env(**SWITCH), timeout=TIMEOUT
-    )
+    timeline = tmp_path / "timeline"
+    env = util.clean_env(MPI4JAX_DIST_TIMELINE=timeline, **SWITCH)
+    proc = util.run_mpi("mpi_collectives.py", n, env=env, timeout=TIMEOUT)
     for r in results(proc, n):
         assert r["impl"] == "mpi" and r["wrapper_loaded"] is True, r
         assert r["errors"] == {} and r["ok"], r["errors"]
@@ -79,6 +81,21 @@ def test_collectives_over_mpi_against_numpy(n):
         assert world["redirects"] > 0, world
         assert r["reported_redirects"] == world["redirects"], r
         assert r["reported_world"] == {"private": True, "congruent": True}, r
+    merged = util.run_command(
+        [sys.executable, "-m", "mpi4jax_dist", "timeline", str(timeline)],
+        env=util.clean_env(),
+        timeout=120,
+    )
+    assert merged.returncode == 0, merged.stderr
+    # Each rank's block holds 3 elements: the arrays are float32[3n].
+    xla = f"a program of XLA's: MPI_%s on XLA's communicator ({n} ranks)\n    1 call;"
+    for call in (f"Allreduce MAX float32[{3 * n}]", f"Allgather float32[{3 * n}]"):
+        assert xla % call in merged.stdout, merged.stdout
+    assert f"MPI_Allreduce SUM float32[{3 * n}] on XLA's" in merged.stdout
+    assert re.search(
+        rf"mpi_collectives\.py:\d+ in <lambda>: allreduce SUM float32\[{3 * n}\]",
+        merged.stdout,
+    ), merged.stdout
 
 
 @util.same_under_every_mpi
