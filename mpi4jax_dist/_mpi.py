@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Bytes this rank hands to MPI in each call the bootstrap makes (its payload, not
 # what the MPI moves on its behalf), and what the MPI adds where we know it. A call
@@ -115,6 +115,9 @@ class Call:
         kind: ``collective``, ``local``, ``free``, ``abort`` or ``unknown``.
         bytes_per_rank: the payload this rank handed to MPI (None when unknown).
         mpi_adds: what the MPI itself does beyond that payload, where known.
+        enter_ns, leave_ns: ``time.monotonic_ns()`` as it was made, and as it
+            returned or, for a non-blocking call, as a wait saw its request
+            complete (:meth:`CallLog.completed`; 0 until then), for the timeline.
     """
 
     name: str
@@ -122,6 +125,8 @@ class Call:
     kind: str
     bytes_per_rank: int | None
     mpi_adds: str = ""
+    enter_ns: int = 0
+    leave_ns: int = 0
 
 
 @dataclass
@@ -131,12 +136,40 @@ class CallLog:
 
     phase: str = ""
     calls: list[Call] = field(default_factory=list)
+    # The non-blocking calls' requests not yet seen complete: id -> (the call's
+    # index, the request, kept so that its id is not another's meanwhile).
+    _pending: dict = field(default_factory=dict, repr=False)
 
-    def record(self, name: str, args, kwargs) -> None:
+    def record(self, name: str, args, kwargs) -> int:
+        """Write a call being made; return its index, for :meth:`returned`."""
         kind, payload, adds = CALLS.get(name, ("unknown", None, ""))
         size = None if payload is None else payload(*args, **kwargs)
         adds = adds() if callable(adds) else adds
-        self.calls.append(Call(name, self.phase, kind, size, adds))
+        entered = time.monotonic_ns()
+        self.calls.append(Call(name, self.phase, kind, size, adds, entered))
+        return len(self.calls) - 1
+
+    def returned(self, index: int, result) -> None:
+        """Call ``index`` returned ``result``: it ends now, or where it returned
+        requests, once a wait sees them complete."""
+        from mpi4py import MPI
+
+        results = result if isinstance(result, tuple) else (result,)
+        requests = [r for r in results if isinstance(r, MPI.Request)]
+        for request in requests:
+            self._pending[id(request)] = (index, request)
+        if not requests:
+            self._end(index)
+
+    def completed(self, request) -> None:
+        """A wait saw ``request`` complete: the call that returned it ends now."""
+        index, _ = self._pending.pop(id(request), (None, None))
+        if index is not None:
+            self._end(index)
+
+    def _end(self, index: int) -> None:
+        call = self.calls[index]
+        self.calls[index] = replace(call, leave_ns=time.monotonic_ns())
 
     def collectives(self) -> list[Call]:
         """The calls that communicate (collectives, and any call not known)."""
@@ -163,8 +196,10 @@ class RecordingComm:
             return attr
 
         def call(*args, **kwargs):
-            self.log.record(name, args, kwargs)
-            return self._wrap(attr(*args, **kwargs))
+            index = self.log.record(name, args, kwargs)
+            result = attr(*args, **kwargs)
+            self.log.returned(index, result)
+            return self._wrap(result)
 
         return call
 

@@ -230,7 +230,7 @@ static void send_all(int fd, const char *data, size_t size) {
 void answer_status_client(void) {
   int fd = accept4(status.listen_fd, NULL, NULL, SOCK_CLOEXEC);
   if (fd < 0) return;
-  struct timeval limit = {10, 0}; /* a client that stops reading */
+  struct timeval limit = {2, 0}; /* a client that stops writing or reading */
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
   char request[64];
@@ -242,6 +242,10 @@ void answer_status_client(void) {
     got += (size_t)n;
   }
   request[got] = '\0';
+  if (memchr(request, '\n', got) == NULL) { /* a probe (find_jobs), or cut */
+    close(fd);
+    return;
+  }
   const int64_t start = clock_ns(CLOCK_MONOTONIC);
   int size = dumps.size, job = strncmp(request, "job\n", 4) == 0;
   Text reply = {0};

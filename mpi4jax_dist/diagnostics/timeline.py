@@ -32,6 +32,8 @@ from ..timing.timeline import EVENT, FORMAT
 MAX_META_BYTES = 16 << 20
 # The most calls the trace holds: Perfetto opens a few million slices.
 MAX_TRACE_SLICES = 2_000_000
+# The most of the bootstrap's calls read from a rank's file (it makes about ten).
+MAX_BOOTSTRAP_CALLS = 1000
 _NAME = re.compile(r"rank-(\d+)\.json")
 _KINDS = {1: "allreduce", 2: "iallreduce"}
 # XLA's element types (xla_data.proto's PrimitiveType) as NumPy names them.
@@ -79,6 +81,29 @@ class Rank:
         dtype = _TYPES.get(int(e["type"]), "?" if e["type"] or count >= 0 else "")
         shape = f"{dtype}[{count}]" if count >= 0 else dtype
         return " ".join(part for part in (kind, op, shape) if part)
+
+    def bootstrap(self) -> list[tuple[str, str, int, int]]:
+        """The bootstrap's MPI calls that ended (name, phase, entry and end on
+        rank 0's clock), as far as the file gives them rightly typed: at most
+        ``MAX_BOOTSTRAP_CALLS``."""
+        rows = self.meta.get("bootstrap")
+        if not isinstance(rows, list):
+            return []
+        kept = [
+            row
+            for row in rows[:MAX_BOOTSTRAP_CALLS]
+            if isinstance(row, list)
+            and len(row) == 4
+            and all(isinstance(v, str) for v in row[:2])
+            and all(isinstance(v, int) and 0 < v < 1 << 62 for v in row[2:])
+        ]
+        if not kept:
+            return []
+        times = self.to_rank_0(np.array([row[2:] for row in kept], dtype=np.int64))
+        return [
+            (n, p, int(a), int(b))
+            for (n, p, *_), (a, b) in zip(kept, times, strict=True)
+        ]
 
     def site(self, site_id: int) -> str:
         text = self.meta.get("sites", {}).get(str(site_id))
@@ -342,8 +367,34 @@ def summary(ranks: list[Rank], table: dict, notes: list[str]) -> str:
             f"arrive, {100 - waited:.0f} % after"
         )
         lines.append("    " + _last_text(table, rows))
+    lines += _bootstrap_text(ranks)
     lines.append(_clocks_text(ranks))
     return "\n".join(lines + notes)
+
+
+def _bootstrap_text(ranks: list[Rank]) -> list[str]:
+    """The bootstrap's MPI calls (``jax.distributed.initialize()``'s, before the
+    timeline's start, on rank 0's clock as the start's offset puts them): the
+    median rank's span, who reached it last, and its longest call."""
+    calls = {r.rank: r.bootstrap() for r in ranks}
+    calls = {rank: rows for rank, rows in calls.items() if rows}
+    if not calls:
+        return []
+    spans = sorted(max(c[3] for c in rows) - rows[0][2] for rows in calls.values())
+    arrivals = sorted((rows[0][2], rank) for rank, rows in calls.items())
+    late = arrivals[-1][0] - arrivals[0][0]
+    lasting: dict = {}
+    for rows in calls.values():
+        for name, phase, enter, leave in rows:
+            lasting.setdefault(f"{name} ({phase})", []).append(leave - enter)
+    longest = max(lasting, key=lambda k: np.median(lasting[k]))
+    return [
+        f"the bootstrap (jax.distributed.initialize()'s MPI calls, {len(calls)} "
+        f"ranks): {_ms(spans[len(spans) // 2])} from the first's entry to the last's "
+        f"end on the median rank; the last to arrive: rank {arrivals[-1][1]}, "
+        f"{_ms(late)} after the first; the longest call: {longest}, "
+        f"{_ms(np.median(lasting[longest]))} median"
+    ]
 
 
 def _clocks_text(ranks: list[Rank]) -> str:
@@ -388,8 +439,13 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> int:
     µs from the first entry; the ranks in order as long as their calls together
     stay within ``MAX_TRACE_SLICES`` (what Perfetto opens). Returns how many
     ranks it holds."""
-    t0 = int(table["enter"].min()) if table else 0
-    counts = np.bincount(table["rank"]) if table else np.zeros(0, dtype=np.int64)
+    boot = {r.rank: r.bootstrap() for r in ranks}
+    enters = [rows[0][2] for rows in boot.values() if rows]
+    enters += [int(table["enter"].min())] if table else []
+    t0 = min(enters, default=0)
+    size = max((r.rank for r in ranks), default=-1) + 1
+    counts = np.bincount(table["rank"], minlength=size) if table else np.zeros(size)
+    counts = counts + np.array([len(boot.get(r, ())) for r in range(size)])
     within = np.cumsum(counts) <= MAX_TRACE_SLICES
     ranks = [r for r in ranks if r.rank < len(within) and within[r.rank]]
     with open(path, "w") as out:
@@ -419,6 +475,19 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> int:
                     "args": {"sort_index": r.rank},
                 }
             )
+        for r in ranks:
+            for name, phase, enter, leave in boot[r.rank]:
+                emit(
+                    {
+                        "ph": "X",
+                        "cat": "bootstrap",
+                        "name": f"bootstrap {name} ({phase})",
+                        "pid": r.rank,
+                        "tid": 0,
+                        "ts": (enter - t0) / 1e3,
+                        "dur": (leave - enter) / 1e3,
+                    }
+                )
         held = [r.rank for r in ranks]
         kept = np.flatnonzero(np.isin(table["rank"], held)) if table else ()
         for i in kept:

@@ -129,6 +129,12 @@ class OneProcessCluster(_compat.ClusterEnv):
         bad = bad or _config.first_bad_setting()
         if bad is not None:
             raise ValueError(bad)
+        if _config.timeline_dir() is not None:  # it needs MPI, not started here
+            logger.warning(
+                "mpi4jax_dist: %s is set, but a one-process run (no launcher) writes "
+                "no timeline: run the script under mpiexec to time its collectives.",
+                _config.TIMELINE,
+            )
         port = _config.coordinator_port(override_coordinator_port)
         host = "127.0.0.1"
         if port is None:

@@ -73,7 +73,7 @@ def start(topo: bootstrap.Topology) -> None:
     current = bootstrap.current()
     agreed = current.fault_settings
     if agreed.timeline:
-        timeline.start_from_environment(current.comm)
+        timeline.start_from_environment(current.comm, lambda: _timed_calls(current.log))
     xla_mpi.settle()
     xla_mpi.use_private_world(_world_for_xla)
     failfast.install(topo.rank, topo.size)
@@ -102,6 +102,15 @@ def start(topo: bootstrap.Topology) -> None:
         # Per-rank programs (an mpi4jax code's) are cached on every rank, as they
         # were before jax.distributed made all but rank 0 stop writing.
         _compat.cache_on_every_process()
+
+
+def _timed_calls(log) -> list:
+    """The bootstrap's MPI calls that ended, as the timeline's JSON holds them."""
+    return [
+        [c.name, c.phase, c.enter_ns, c.leave_ns]
+        for c in log.collectives()
+        if c.leave_ns
+    ]
 
 
 def _world_for_xla():

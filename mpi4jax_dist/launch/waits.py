@@ -50,6 +50,7 @@ def wait(request, deadline: Deadline, what: str) -> None:
             give_up(deadline, what)
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+    deadline.log.completed(request)
 
 
 def give_up(deadline: Deadline, what: str) -> typing.NoReturn:

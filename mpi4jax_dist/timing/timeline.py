@@ -12,7 +12,9 @@ Each rank writes, in DIR:
 - ``rank-NNNNN.json``: what reads them (:data:`FORMAT`): the rank, the job's size,
   the host, its clock's offset to rank 0's at the start and at the end
   (:mod:`~mpi4jax_dist.diagnostics.clocks`), the names of the call sites and
-  communicators, how many events were written. Written at the start and again
+  communicators, how many events were written and, with the variable, the
+  bootstrap's MPI calls (``jax.distributed.initialize()``'s, timed as it made
+  them). Written at the start and again
   at the end: a rank that dies keeps the start's, and its events written so far.
 
 ``python -m mpi4jax_dist timeline DIR`` merges them
@@ -74,6 +76,8 @@ class _Run:
         self.directory, self.comm, self.module = directory, comm, module
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.fd = None
+        # The bootstrap's MPI calls, read at each write (start_from_environment).
+        self.bootstrap = None
         self.meta = {
             "format": FORMAT,
             "rank": self.rank,
@@ -104,6 +108,8 @@ class _Run:
     def write_meta(self) -> None:
         if self.directory is None:
             return
+        if self.bootstrap is not None:
+            self.meta["bootstrap"] = self.bootstrap()
         path = self.name(".json")
         partial = path.with_suffix(".json.partial")
         partial.write_text(json.dumps(self.meta, indent=1))
@@ -120,7 +126,13 @@ def _module():
     return _ffi.load()
 
 
-def start(directory, comm=None, *, what: str = "mpi4jax_dist.timeline.start") -> None:
+def start(
+    directory,
+    comm=None,
+    *,
+    what: str = "mpi4jax_dist.timeline.start",
+    bootstrap=None,
+) -> None:
     """Time every collective from now on, written to ``directory``.
 
     Collective on ``comm`` (default ``MPI.COMM_WORLD``): every rank calls it.
@@ -143,6 +155,7 @@ def start(directory, comm=None, *, what: str = "mpi4jax_dist.timeline.start") ->
         own = comm.Dup()
         folder = None if directory is None else Path(directory)
         run = _Run(folder, own, _module(), what)
+        run.bootstrap = bootstrap
         problem = run.open()
         # Every rank learns whether one cannot write (8 bytes): all raise, or none.
         failed = own.allreduce(1 if problem else 0)
@@ -240,10 +253,12 @@ def timeline(directory, comm=None):
         stop()
 
 
-def start_from_environment(comm) -> None:
+def start_from_environment(comm, bootstrap=None) -> None:
     """Where the job's ranks agreed on ``MPI4JAX_DIST_TIMELINE`` (rank 0's is
     set), start the timeline on the job's communicator ``comm``, to the program's
     end. A rank whose own variable is unset takes part in the clocks and writes
-    nothing."""
-    start(_config.timeline_dir(), comm, what=_config.TIMELINE)
+    nothing. ``bootstrap()`` returns the bootstrap's MPI calls as the JSON holds
+    them (``[name, phase, enter_ns, leave_ns]``, those that ended), read at each
+    write of it: its release may end after the start."""
+    start(_config.timeline_dir(), comm, what=_config.TIMELINE, bootstrap=bootstrap)
     atexit.register(stop)

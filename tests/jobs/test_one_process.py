@@ -107,9 +107,17 @@ print(last, with_site, cluster.OneProcessCluster.is_env_present())
 @pytest.mark.parametrize(
     "launch", [pytest.param("python", marks=util.same_under_every_mpi), "mpiexec -n 2"]
 )
-def test_one_script_any_launch(launch):
+def test_one_script_any_launch(launch, tmp_path):
     if launch == "python":
-        found = results(plain(), 1)
+        # A timeline asked for: it needs MPI, which a one-process run does not
+        # start; said, not silently left out.
+        proc = plain(MPI4JAX_DIST_TIMELINE=tmp_path / "timeline")
+        found = results(proc, 1)
+        assert (
+            "MPI4JAX_DIST_TIMELINE is set, but a one-process run (no launcher) writes "
+            "no timeline" in proc.stderr
+        ), proc.stderr
+        assert not (tmp_path / "timeline").exists()
     else:
         proc = util.run_mpi(SCRIPT, 2, env=util.clean_env(), timeout=TIMEOUT)
         found = results(proc, 2)

@@ -81,7 +81,7 @@ def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     all their time waiting in the call for it. Status, asked while the job runs
     (as JSON; the text of such a reply: tests/unit/test_status_cli.py), answers
     for every rank, names rank 1 as the one the others wait for, and gives rank
-    1's Python line (its sleep)."""
+    1's Python line (the program's own)."""
     job = Job(tmp_path, "straggle", LAG_S=0.1)
     try:
         job.wait_for_sockets()
@@ -94,7 +94,11 @@ def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     assert result["size"] == 3 and result["missing"] == [], result
     assert result["waited_for"] == [1], result
     ranks = {r["rank"]: r for r in result["ranks"]}
-    assert ranks[1]["python"] == f"status_job.py:{line_of('STRAGGLE LINE')} in <module>"
+    # Rank 1 sleeps nearly all its time; read at a random moment, its line is its
+    # sleep's, or now and then its allreduce's: a frame of the program's own.
+    loop = range(line_of("STRAGGLE LINE"), line_of("allreduce(flag") + 1)
+    own = {f"status_job.py:{n} in <module>" for n in loop}
+    assert ranks[1]["python"] in own, ranks[1]
     assert all(ranks[r]["calls"] > 0 for r in range(3)), ranks
     for r in (0, 2):
         # Each waits in the call nearly all its time: its share far above rank 1's.

@@ -25,11 +25,12 @@ def merge(folder, *args) -> subprocess.CompletedProcess:
     )
 
 
-def slices(trace: dict) -> dict[int, list[dict]]:
-    """The trace's calls by rank (its pid), in the order of their start."""
+def slices(trace: dict, category: str = "collective") -> dict[int, list[dict]]:
+    """The trace's calls of ``category`` by rank (its pid), in the order of their
+    start."""
     by_rank: dict[int, list[dict]] = {}
     for event in trace["traceEvents"]:
-        if event["ph"] == "X":
+        if event["ph"] == "X" and event["cat"] == category:
             by_rank.setdefault(event["pid"], []).append(event)
     return {r: sorted(e, key=lambda e: e["ts"]) for r, e in by_rank.items()}
 
@@ -40,10 +41,12 @@ def test_the_summary_names_the_rank_that_arrives_late_and_the_trace_holds_every_
     """Rank 1 of 3 sleeps 30 ms before each of 10 allreduces: the summary names it
     as the last to arrive at them, the others' time in the call is mostly waiting
     for it, and the merged trace holds every rank's calls in order (a warm-up
-    allreduce, the 10, an iallreduce), on clocks found equal (one host)."""
+    allreduce, the 10, an iallreduce), on clocks found equal (one host). Rank 1
+    also reaches jax.distributed.initialize() 1 s late: the bootstrap's line
+    names it, and the trace holds each rank's bootstrap calls."""
     folder = tmp_path / "timeline"
     env = util.clean_env(
-        MPI4JAX_DIST_TIMELINE=folder, CALLS=10, LATE_RANK=1, LATE_S=0.03
+        MPI4JAX_DIST_TIMELINE=folder, CALLS=10, LATE_RANK=1, LATE_S=0.03, BOOT_LATE_S=1
     )
     proc = util.run_mpi("timeline_job.py", 3, env=env)
     assert proc.stdout.count("DONE") == 3, show(proc)
@@ -75,6 +78,18 @@ def test_the_summary_names_the_rank_that_arrives_late_and_the_trace_holds_every_
             assert name.startswith(f"allreduce #{seq} SUM float32[4] at "), names
         assert names[11].startswith("iallreduce #12 SUM float32[4] at "), names
     assert sorted(slices(trace)) == [0, 1, 2]
+    # The bootstrap, before the timeline's start: rank 1 reached it 1 s late.
+    boot = re.search(
+        r"the bootstrap \(jax\.distributed\.initialize\(\)'s MPI calls, 3 ranks\): "
+        r"[\d.]+ ms from the first's entry to the last's end on the median rank; the "
+        r"last to arrive: rank 1, ([\d.]+) ms after the first",
+        merged.stdout,
+    )
+    assert boot and float(boot.group(1)) > 900, show(merged)
+    booted = slices(trace, "bootstrap")
+    assert sorted(booted) == [0, 1, 2], booted
+    for calls in booted.values():
+        assert calls[0]["name"] == "bootstrap Idup (arrival)", calls
 
 
 def test_a_region_is_timed_alone(tmp_path):

@@ -1,5 +1,6 @@
 """A job for the timeline's tests: ``CALLS`` allreduces of float32[4] (rank
-``LATE_RANK`` sleeping ``LATE_S`` before each), then one iallreduce; with
+``LATE_RANK`` sleeping ``BOOT_LATE_S`` before ``jax.distributed.initialize()``
+and ``LATE_S`` before each), then one iallreduce; with
 ``REGION=DIR`` only the allreduces are timed (``with mpi4jax_dist.timeline``),
 else MPI4JAX_DIST_TIMELINE decides. Prints ``DONE``."""
 
@@ -8,14 +9,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+from mpi4py import MPI
 
 import mpi4jax_dist
 
+late_rank = int(os.environ.get("LATE_RANK", "-1"))
+late_s = float(os.environ.get("LATE_S", "0"))
+if MPI.COMM_WORLD.Get_rank() == late_rank:
+    time.sleep(float(os.environ.get("BOOT_LATE_S", "0")))
 jax.distributed.initialize()
 rank = jax.process_index()
 calls = int(os.environ.get("CALLS", "10"))
-late_rank = int(os.environ.get("LATE_RANK", "-1"))
-late_s = float(os.environ.get("LATE_S", "0"))
 step = jax.jit(lambda x: mpi4jax_dist.allreduce(x))
 x = jnp.ones(4, jnp.float32)
 step(x).block_until_ready()  # compiled, and the communicator set up, before timing

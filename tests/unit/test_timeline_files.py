@@ -124,3 +124,28 @@ def test_values_of_the_wrong_type_are_named_not_raised(tmp_path):
     text = report.report(tmp_path)
     assert "rank-00000.json: its 'stopped_ns' is not a number: left out" in text
     assert "(no site): allreduce SUM float32[4] on a communicator" in text, text
+
+
+def test_the_bootstrap_s_calls_name_the_last_to_arrive_and_forged_rows_are_dropped(
+    tmp_path,
+):
+    """Rank 1 entered the bootstrap 5 ms after rank 0: the line names it. Rows of
+    the wrong shape or type, or times past 2^62 ns, are left out unread."""
+    boot = [["Idup", "arrival", 1_000_000, 9_000_000]]
+    forged = [["Idup"], ["Idup", "arrival", 10**30, 1], "row", ["Idup", 3, 1, 2]]
+    write_rank(tmp_path, 0, 2, [(10, 11)], bootstrap=boot + forged)
+    late = [["Idup", "arrival", 6_000_000, 9_000_000]]
+    write_rank(tmp_path, 1, 2, [(10, 11)], bootstrap=late + [["Split", "topology"]])
+    text = report.report(tmp_path)
+    assert (
+        "the bootstrap (jax.distributed.initialize()'s MPI calls, 2 ranks): "
+        "8.000 ms from the first's entry to the last's end on the median rank; the "
+        "last to arrive: rank 1, 5.000 ms after the first; the longest call: Idup "
+        "(arrival), 5.500 ms median"
+    ) in text, text
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    booted = [e for e in trace["traceEvents"] if e.get("cat") == "bootstrap"]
+    assert [(e["pid"], e["ts"]) for e in booted] == [(0, 0.0), (1, 5000.0)], booted
+    write_rank(tmp_path, 0, 2, [(10, 11)], bootstrap={"not": "a list"})
+    write_rank(tmp_path, 1, 2, [(10, 11)])
+    assert "the bootstrap" not in report.report(tmp_path)
