@@ -791,3 +791,46 @@ def test_scancel_signal_usr1_gives_every_rank_stacks(tmp_path):
     }
     assert hosts == {"node1", "node2"}, hosts
     print("\n".join(lines[:4]))
+
+
+# --- python -m mpi4jax_dist status (mpi4jax_dist.diagnostics.status) -----------------
+
+
+def test_status_reaches_the_ranks_of_another_node_over_mpi(tmp_path):
+    """A hung job on two nodes (rank 1, on node2, holds its GIL in C after 5 calls;
+    rank 0 waits in the 6th). The nodes share this file system, not their network:
+    with rank 1's socket removed, ``status`` asked here reaches rank 0 alone, which
+    asks rank 1 over MPI across the bridge; rank 1's thread answers from C."""
+    sockets = tmp_path / "status"
+    env = _env(
+        **STALL_ENV,
+        MPI4JAX_DIST_STATUS_DIR=sockets,
+        STOP=tmp_path / "stop",
+        MODE="hang",
+    )
+    cmd = ["srun", "--time=5", "--nodes=2", "--ntasks-per-node=1", "--mpi=pmi2"]
+    with _running([*cmd, "python", "tests/scripts/status_job.py"], env) as proc:
+        deadline = time.monotonic() + 120
+        while len(list(sockets.glob("*.sock"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "no sockets"
+            time.sleep(0.5)
+        time.sleep(2.0)  # rank 1 reaches its 5th call and holds its GIL
+        (rank_1,) = sockets.glob("*.1.sock")
+        rank_1.unlink()
+        asked = util.run_command(
+            [sys.executable, "-m", "mpi4jax_dist", "status", "--json"],
+            env=env,
+            timeout=60,
+        )
+        (tmp_path / "stop").touch()
+        output, _ = proc.communicate(timeout=120)
+    assert asked.returncode == 0, asked.stderr + output
+    result = json.loads(asked.stdout)
+    assert result["asked"] == 0 and result["missing"] == [], result
+    assert result["fewest_calls"] == [1], result
+    rank_0, rank_1 = result["ranks"]
+    assert rank_0["host"] != rank_1["host"], result
+    assert rank_0["call"].startswith("allreduce #6 SUM float32[1]"), rank_0
+    assert rank_1["call"] == "" and rank_1["python"].startswith("status_job.py:")
+    assert output.count("DONE") == 2, output
+    print(f"answered in {result['took_s']:.2f} s: {rank_0['host']}, {rank_1['host']}")
