@@ -86,6 +86,11 @@ extern Answers answers;
 
 /* Answer the requests that have come (the thread's mutex held, stacks.c). */
 void answer_requests(void);
+/* One look for a request of `tag` on the watchdog's communicator (a few
+   MPI_Improbe calls): 1 and the message matched, or 0. */
+int find_request(int tag, MPI_Message *message, MPI_Status *status);
+/* The calls the records say the rank is in, one line ("" for none). */
+void quote_in_flight(char *calls, size_t capacity);
 
 /* ---- stacks_status.c: `python -m mpi4jax_dist status` answered ---- */
 

@@ -24,8 +24,20 @@ enum { PROBES = 4 };
 
 Answers answers;
 
-/* The calls the records say the rank is in, one line ("" for none). */
-static void quote_in_flight(char *calls, size_t capacity) {
+int find_request(int tag, MPI_Message *message, MPI_Status *status) {
+  int found = 0;
+  /* A message that has come may take more than one call's progress to be
+     matched (MPICH 5's shared memory): a few calls a look. */
+  for (int tries = 0; tries < PROBES && !found; ++tries) {
+    if (MPI_Improbe(MPI_ANY_SOURCE, tag, answers.comm, &found, message,
+                    status) != MPI_SUCCESS) {
+      return 0;
+    }
+  }
+  return found;
+}
+
+void quote_in_flight(char *calls, size_t capacity) {
   size_t used = 0;
   calls[0] = '\0';
   for (int i = 0; i < atomic_load(&answers.readers); ++i) {
@@ -50,18 +62,9 @@ static void quote_in_flight(char *calls, size_t capacity) {
    to the asker. */
 void answer_requests(void) {
   while (atomic_load(&answers.on)) {
-    int found = 0;
     MPI_Message message;
     MPI_Status status;
-    /* A message that has come may take more than one call's progress to be
-       matched (MPICH 5's shared memory): a few calls a look. */
-    for (int tries = 0; tries < PROBES && !found; ++tries) {
-      if (MPI_Improbe(MPI_ANY_SOURCE, answers.tag_ask, answers.comm, &found,
-                      &message, &status) != MPI_SUCCESS) {
-        return;
-      }
-    }
-    if (!found) return;
+    if (!find_request(answers.tag_ask, &message, &status)) return;
     int count = 0;
     MPI_Get_count(&status, MPI_CHAR, &count);
     char reason[REASON_BYTES] = "";

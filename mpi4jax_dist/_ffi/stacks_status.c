@@ -39,8 +39,6 @@ receives at most P-1 lines of at most LINE_BYTES. */
 
 /* The longest line a rank sends (its calls' text cut to fit). */
 enum { LINE_BYTES = 1536 };
-/* The MPI calls a look for requests makes (as stacks_answer.c's). */
-enum { PROBES = 4 };
 
 Status status = {.listen_fd = -1};
 
@@ -111,20 +109,8 @@ static void status_line(Text *out) {
   int64_t totals[3] = {0, 0, 0};
   if (status.totals != NULL) status.totals(totals);
   const int64_t now = clock_ns(CLOCK_MONOTONIC);
-  char calls[1024] = "";
-  size_t used = 0;
-  for (int i = 0; i < atomic_load(&answers.readers); ++i) {
-    char one[1024];
-    if (answers.in_flight[i](one, sizeof one) == 0) continue;
-    int n = snprintf(calls + used, sizeof calls - used, "%s%s",
-                     used ? "; " : "", one);
-    if (n < 0) break;
-    used += (size_t)n;
-    if (used >= sizeof calls) {
-      used = sizeof calls - 1;
-      break;
-    }
-  }
+  char calls[1024];
+  quote_in_flight(calls, sizeof calls);
   one_field(calls);
   char line[512] = "";
   Text dump = {0};
@@ -144,16 +130,9 @@ static void status_line(Text *out) {
 void answer_status_asks(void) {
   if (!atomic_load(&answers.on) || status.tag_ask == 0) return;
   for (;;) {
-    int found = 0;
     MPI_Message message;
     MPI_Status got;
-    for (int tries = 0; tries < PROBES && !found; ++tries) {
-      if (MPI_Improbe(MPI_ANY_SOURCE, status.tag_ask, answers.comm, &found,
-                      &message, &got) != MPI_SUCCESS) {
-        return;
-      }
-    }
-    if (!found) return;
+    if (!find_request(status.tag_ask, &message, &got)) return;
     int64_t number = 0;
     MPI_Mrecv(&number, 8, MPI_BYTE, &message, MPI_STATUS_IGNORE);
     Text reply = {0};
