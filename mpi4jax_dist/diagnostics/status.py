@@ -26,6 +26,9 @@ FORMAT = "mpi4jax_dist status 1"
 # How long the asked rank may take: the other ranks' threads look for requests
 # every 3 s (faults/watchdog.py's C_POLL_S) and it waits one look and 2 s more.
 ASK_TIMEOUT_S = 30.0
+# A rank asked for its own line alone answers in milliseconds (a dump of its
+# stacks into its own pipe).
+LOCAL_TIMEOUT_S = 5.0
 # The most a reply may hold: a line a rank of at most 1.5 KiB (stacks_status.c).
 MAX_REPLY_BYTES = 1 << 30
 # A rank lags where its share of time blocked in collectives is below this part
@@ -117,9 +120,11 @@ def _alive(path: str) -> bool:
     return True
 
 
-def ask(path: str, request: str, timeout_s: float = ASK_TIMEOUT_S) -> str:
+def ask(path: str, request: str, timeout_s: float | None = None) -> str:
     """Send ``request`` ("job" or "local") to the rank listening at ``path``;
-    return its reply, read to its end (at most ``MAX_REPLY_BYTES``)."""
+    return its reply, read to its end (at most ``MAX_REPLY_BYTES``), within
+    ``timeout_s`` (default ``ASK_TIMEOUT_S``; TimeoutError past it)."""
+    timeout_s = ASK_TIMEOUT_S if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     chunks, size = [], 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
@@ -207,14 +212,22 @@ def status(
         raise StatusError(f"{len(jobs)} jobs run on this node: name one: {listed}")
     (ranks,) = jobs.values()
     first = min(ranks)
-    result = parse(ask(ranks[first], "local" if local else "job"))
+    try:
+        result = parse(ask(ranks[first], "local" if local else "job"))
+    except TimeoutError:
+        raise StatusError(
+            f"rank {first} did not answer within {ASK_TIMEOUT_S:g} s (its process "
+            "stopped, or its stack writer's thread held up)"
+        ) from None
     if len(result.ranks) == 1 and result.size > 1:
         # No watchdog's communicator to ask over (or --local): this node's ranks,
         # each asked.
         for rank, path in sorted(ranks.items()):
             if rank != first:
                 try:
-                    result.ranks.update(parse(ask(path, "local")).ranks)
+                    result.ranks.update(
+                        parse(ask(path, "local", LOCAL_TIMEOUT_S)).ranks
+                    )
                 except (OSError, StatusError):
                     pass
     return result

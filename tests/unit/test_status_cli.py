@@ -113,3 +113,16 @@ def test_a_whole_reply_of_a_job_that_moves_names_no_rank_by_its_count():
     text = status.text(result)
     assert "the job moves, and counts read apart do not compare" in text
     assert "waited for: rank 2 (blocked in collectives 1.0 %" in text
+
+
+def test_a_rank_that_does_not_answer_is_one_line(tmp_path, capsys, monkeypatch):
+    """A socket whose process accepts but never answers (a stopped rank's
+    backlog): the wait is bounded, and said."""
+    monkeypatch.setattr(status, "ASK_TIMEOUT_S", 0.5)
+    server = listener(tmp_path / "jz.3.sock")
+    try:
+        code, _, err = run(capsys, monkeypatch, tmp_path)
+    finally:
+        server.close()
+    assert code == 1, err
+    assert "rank 3 did not answer within 0.5 s" in err and err.count("\n") == 1
