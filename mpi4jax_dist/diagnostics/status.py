@@ -150,29 +150,32 @@ def parse(text: str) -> Status:
     end = [line for line in lines if line.startswith("end\t")]
     if not end:
         raise StatusError("the rank's reply was cut short (no end line)")
-    _, _, took_ns, calls_after = end[0].split("\t")
-    status = Status(
-        job=head[1],
-        size=int(head[2]),
-        asked=int(head[3]),
-        took_s=int(took_ns) / 1e9,
-        asked_calls_after=int(calls_after),
-    )
+    try:
+        _, _, took_ns, calls_after = end[0].split("\t")
+        status = Status(
+            job=head[1],
+            size=int(head[2]),
+            asked=int(head[3]),
+            took_s=int(took_ns) / 1e9,
+            asked_calls_after=int(calls_after),
+        )
+    except ValueError:
+        raise StatusError(
+            f"the rank's reply has no numbers where they belong: {lines[0][:80]!r}, "
+            f"{end[0][:80]!r}"
+        ) from None
     for line in lines[1:]:
         fields = line.split("\t")
-        if len(fields) != 9 or not fields[0].isdigit():
+        if len(fields) != 9:
             continue
         rank, host, pid, calls, blocked, since, wall, call, python = fields
-        status.ranks[int(rank)] = Rank(
-            int(rank),
-            host,
-            int(pid),
-            int(calls),
-            int(blocked) / 1e9,
-            int(since) / 1e9,
-            int(wall) / 1e9,
-            call,
-            python,
+        try:
+            numbers = [int(v) for v in (rank, pid, calls, blocked, since, wall)]
+        except ValueError:
+            continue  # not a rank's line: left out, as a missing rank
+        rank, pid, calls, blocked, since, wall = numbers
+        status.ranks[rank] = Rank(
+            rank, host, pid, calls, blocked / 1e9, since / 1e9, wall / 1e9, call, python
         )
     return status
 

@@ -83,6 +83,10 @@ def test_two_jobs_here_are_listed_to_choose_from(tmp_path, capsys, monkeypatch):
     [
         (b"HTTP/1.1 200 OK\n", "the rank's reply is not 'mpi4jax_dist status 1'"),
         (b"mpi4jax_dist status 1\tjob\t4\t0\n0\tvm\t1\t5", "cut short (no end line)"),
+        (
+            b"mpi4jax_dist status 1\tjob\tfour\t0\nend\t1\t5\t2\n",
+            "the rank's reply has no numbers where they belong",
+        ),
     ],
 )
 def test_a_reply_that_is_not_one_is_one_line(
@@ -107,7 +111,9 @@ def test_a_whole_reply_of_a_job_that_moves_names_no_rank_by_its_count():
         "2\tn2\t13\t24\t10000000\t1000000000\t1\t\tjob.py:7 in f\n"
         "end\t3\t5000000\t27\n"
     )
-    result = status.parse(reply)
+    # A line whose numbers are not numbers is no rank's: left out, not raised.
+    result = status.parse(reply.replace("end\t", "9\tn3\tpid\t1\t1\t1\t1\t\t\nend\t"))
+    assert sorted(result.ranks) == [0, 1, 2] and result.missing == []
     assert result.moved == 7
     assert status.lagging(result) == ([], [2])
     text = status.text(result)
