@@ -1,8 +1,9 @@
 """The timeline of the collectives: when each call entered and left, on every rank.
 
 ``MPI4JAX_DIST_TIMELINE=DIR`` times every collective the package records (its
-``allreduce`` and ``iallreduce``) from ``jax.distributed.initialize()`` to the
-end of the program; :func:`start` and :func:`stop` (or ``with
+``allreduce`` and ``iallreduce``, and JAX's collectives over MPI through its
+wrapper) from ``jax.distributed.initialize()`` to the end of the program, with
+the bootstrap's own MPI calls; :func:`start` and :func:`stop` (or ``with
 mpi4jax_dist.timeline(DIR):``) time a region. The extension appends each call
 to fixed memory (``CAPACITY`` events of 64 bytes; ``_ffi/timeline.h``), written
 to the rank's file whenever it fills and at the end; off, a call pays one load.
