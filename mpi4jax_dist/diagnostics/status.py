@@ -1,13 +1,14 @@
 """``python -m mpi4jax_dist status``: ask a running job, healthy, slow or hung,
 where its ranks stand (docs/status.rst).
 
-Run on a node of the job: it finds the job's sockets in this user's status folder
-(:mod:`mpi4jax_dist.faults.status`), asks the lowest rank there for the whole
-job (that rank's ``_stacks`` thread asks every other rank over MPI, on the
-watchdog's communicator, and gathers their lines), and prints each rank's calls
-so far, the call or Python line it stands at, and the ranks that lag. Where the
-job has no watchdog's communicator (one below ``MPI_THREAD_MULTIPLE``), it asks
-this node's ranks one by one. It starts no MPI of its own."""
+Run on a node of the job: it finds the job's sockets in this user's status folder,
+in its host's folder there (:mod:`mpi4jax_dist.faults.status`), asks the lowest
+rank there for the whole job (that rank's ``_stacks`` thread asks every other
+rank over MPI, on the watchdog's communicator, and gathers their lines), and
+prints each rank's calls so far, the call or Python line it stands at, and the
+ranks that lag. Where the job has no watchdog's communicator (one below
+``MPI_THREAD_MULTIPLE``), it asks this node's ranks one by one. It starts no MPI
+of its own."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import _config
 from ..faults.stacks import ranks_text
-from ..faults.status import SUFFIX, private_dir
+from ..faults.status import SUFFIX, host_dir, private_dir
 
 FORMAT = "mpi4jax_dist status 1"
 # How long the asked rank may take: the other ranks' threads look for requests
@@ -187,6 +188,7 @@ def status(
     directory = directory or _config.status_dir()
     if directory is None:
         raise StatusError(f"{_config.STATUS_DIR}=off: no rank listens for status")
+    directory = host_dir(directory)  # this host's ranks: the only ones reachable
     if os.path.exists(directory) and (why := private_dir(directory)) is not None:
         raise StatusError(
             f"{why}: no job's sockets are looked for there (set "

@@ -1,6 +1,9 @@
 """Each rank's answer to ``python -m mpi4jax_dist status``: a Unix socket of the
-rank's own in ``MPI4JAX_DIST_STATUS_DIR``, answered by ``_stacks``'s thread in C
-(``_ffi/stacks_status.c``), so that a rank whose Python cannot run answers too.
+rank's own in ``MPI4JAX_DIST_STATUS_DIR``, in a folder of its host's (a socket is
+reached from its own host only: on a shared file system another node's socket
+refuses, and must not be taken for a dead rank's), answered by ``_stacks``'s
+thread in C (``_ffi/stacks_status.c``), so that a rank whose Python cannot run
+answers too.
 The thread waits for a client in ``poll()``: nothing is paid until one asks.
 The asking side is :mod:`mpi4jax_dist.diagnostics.status`; docs/status.rst."""
 
@@ -10,6 +13,7 @@ import atexit
 import hashlib
 import logging
 import os
+import socket
 import stat
 
 from .. import _config
@@ -26,9 +30,14 @@ def job_key(coordinator_address: str) -> str:
     return "j" + hashlib.blake2s(coordinator_address.encode()).hexdigest()[:12]
 
 
+def host_dir(directory: str) -> str:
+    """The folder of this host's sockets in ``directory``."""
+    return os.path.join(directory, socket.gethostname())
+
+
 def socket_path(directory: str, key: str, rank: int) -> str:
-    """Where rank ``rank`` of job ``key`` listens."""
-    return os.path.join(directory, f"{key}.{rank}{SUFFIX}")
+    """Where rank ``rank`` of job ``key`` listens, on this host."""
+    return os.path.join(host_dir(directory), f"{key}.{rank}{SUFFIX}")
 
 
 def private_dir(directory: str) -> str | None:
@@ -57,7 +66,7 @@ def listen(rank: int, coordinator_address: str) -> str | None:
     module = writer.module()
     if directory is None or module is None:
         return None
-    why = private_dir(directory)
+    why = private_dir(directory) or private_dir(host_dir(directory))
     path = socket_path(directory, job_key(coordinator_address), rank)
     if why is None:
         try:

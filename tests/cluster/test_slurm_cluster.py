@@ -797,10 +797,11 @@ def test_scancel_signal_usr1_gives_every_rank_stacks(tmp_path):
 
 
 def test_status_reaches_the_ranks_of_another_node_over_mpi(tmp_path):
-    """A hung job on two nodes (rank 1, on node2, holds its GIL in C after 5 calls;
-    rank 0 waits in the 6th). The nodes share this file system, not their network:
-    with rank 1's socket removed, ``status`` asked here reaches rank 0 alone, which
-    asks rank 1 over MPI across the bridge; rank 1's thread answers from C."""
+    """A hung job on two nodes (rank 1 holds its GIL in C after 5 calls; rank 0
+    waits in the 6th). Each rank's socket is in its host's folder; ``status``, run
+    on rank 0's node (its namespaces), reaches rank 1 on the other node only
+    through rank 0, which asks it over MPI across the bridge; rank 1's thread
+    answers from C."""
     sockets = tmp_path / "status"
     env = _env(
         **STALL_ENV,
@@ -811,16 +812,16 @@ def test_status_reaches_the_ranks_of_another_node_over_mpi(tmp_path):
     cmd = ["srun", "--time=5", "--nodes=2", "--ntasks-per-node=1", "--mpi=pmi2"]
     with _running([*cmd, "python", "tests/scripts/status_job.py"], env) as proc:
         deadline = time.monotonic() + 120
-        while len(list(sockets.glob("*.sock"))) < 2:
+        while len(list(sockets.glob("*/*.sock"))) < 2:
             assert time.monotonic() < deadline and proc.poll() is None, "no sockets"
             time.sleep(0.5)
         time.sleep(2.0)  # rank 1 reaches its 5th call and holds its GIL
-        (rank_1,) = sockets.glob("*.1.sock")
-        rank_1.unlink()
+        (rank_0_host,) = [p.parent.name for p in sockets.glob("*/*.0.sock")]
+        (rank_1,) = sockets.glob("*/*.1.sock")
+        assert rank_1.parent.name != rank_0_host
+        status = [sys.executable, "-m", "mpi4jax_dist", "status", "--json"]
         asked = util.run_command(
-            [sys.executable, "-m", "mpi4jax_dist", "status", "--json"],
-            env=env,
-            timeout=60,
+            ["bash", str(CLUSTER_SH), "on", rank_0_host, *status], env=env, timeout=60
         )
         (tmp_path / "stop").touch()
         output, _ = proc.communicate(timeout=120)

@@ -50,7 +50,7 @@ class Job:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"the job ended first:\n{self.proc.stdout.read()}")
-            if len(list(self.sockets.glob("*.sock"))) == 3:
+            if len(list(self.sockets.glob("*/*.sock"))) == 3:  # in the host's folder
                 return
             time.sleep(0.2)
         pytest.fail(f"no 3 status sockets in {self.sockets} after {timeout_s} s")

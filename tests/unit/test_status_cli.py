@@ -11,6 +11,14 @@ import pytest
 
 from mpi4jax_dist.diagnostics import cli, status
 
+HOST = socket.gethostname()
+
+
+def here(folder):
+    """The folder of this host's sockets in ``folder``, made as a rank makes it."""
+    (folder / HOST).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder / HOST
+
 
 def run(capsys, monkeypatch, folder, *args) -> tuple[int, str, str]:
     monkeypatch.setenv("MPI4JAX_DIST_STATUS_DIR", str(folder))
@@ -49,11 +57,24 @@ def test_no_job_is_one_line_naming_the_folder_and_the_variable(
     assert code == 1 and out == ""
     assert err.count("\n") == 1, err
     assert "no job of this user's answers on this node" in err
-    assert str(tmp_path / "none") in err and "MPI4JAX_DIST_STATUS_DIR" in err
+    assert str(tmp_path / "none" / HOST) in err and "MPI4JAX_DIST_STATUS_DIR" in err
+
+
+def test_another_host_s_sockets_are_neither_asked_nor_removed(
+    tmp_path, capsys, monkeypatch
+):
+    """On a shared file system another node's sockets refuse a connection from
+    here, as a dead rank's would: they are left alone."""
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    theirs = tmp_path / "elsewhere" / "jother.0.sock"
+    listener(theirs).close()
+    code, _, err = run(capsys, monkeypatch, tmp_path)
+    assert code == 1 and "no job" in err, err
+    assert theirs.exists()
 
 
 def test_a_killed_rank_s_socket_is_removed_not_asked(tmp_path, capsys, monkeypatch):
-    left = tmp_path / "jdead.0.sock"
+    left = here(tmp_path) / "jdead.0.sock"
     listener(left).close()  # bound, then no process listens: as after SIGKILL
     assert left.exists()
     code, _, err = run(capsys, monkeypatch, tmp_path)
@@ -62,7 +83,9 @@ def test_a_killed_rank_s_socket_is_removed_not_asked(tmp_path, capsys, monkeypat
 
 
 def test_two_jobs_here_are_listed_to_choose_from(tmp_path, capsys, monkeypatch):
-    servers = [listener(tmp_path / f"j{key}.{r}.sock") for key in "ab" for r in (0, 1)]
+    servers = [
+        listener(here(tmp_path) / f"j{key}.{r}.sock") for key in "ab" for r in (0, 1)
+    ]
     try:
         code, _, err = run(capsys, monkeypatch, tmp_path)
         assert code == 1, err
@@ -92,7 +115,7 @@ def test_two_jobs_here_are_listed_to_choose_from(tmp_path, capsys, monkeypatch):
 def test_a_reply_that_is_not_one_is_one_line(
     tmp_path, capsys, monkeypatch, reply, expected
 ):
-    server = listener(tmp_path / "jx.0.sock", reply)
+    server = listener(here(tmp_path) / "jx.0.sock", reply)
     try:
         code, out, err = run(capsys, monkeypatch, tmp_path)
     finally:
@@ -125,7 +148,7 @@ def test_a_rank_that_does_not_answer_is_one_line(tmp_path, capsys, monkeypatch):
     """A socket whose process accepts but never answers (a stopped rank's
     backlog): the wait is bounded, and said."""
     monkeypatch.setattr(status, "ASK_TIMEOUT_S", 0.5)
-    server = listener(tmp_path / "jz.3.sock")
+    server = listener(here(tmp_path) / "jz.3.sock")
     try:
         code, _, err = run(capsys, monkeypatch, tmp_path)
     finally:
