@@ -259,9 +259,11 @@ static PyObject *set_totals(PyObject *self, PyObject *args) {
 
 static PyObject *listen_status(PyObject *self, PyObject *args) {
   (void)self;
-  const char *path, *job;
+  const char *path, *job, *library;
   int signum;
-  if (!PyArg_ParseTuple(args, "ssi", &path, &job, &signum)) return NULL;
+  if (!PyArg_ParseTuple(args, "ssis", &path, &job, &signum, &library)) {
+    return NULL;
+  }
   if (dumps.read_fd < 0) {
     PyErr_SetString(PyExc_RuntimeError, "_stacks: start() first");
     return NULL;
@@ -274,13 +276,22 @@ static PyObject *listen_status(PyObject *self, PyObject *args) {
     return NULL;
   }
   if (status.listen_fd >= 0) Py_RETURN_NONE; /* once a process */
+  regex_t compiled;
+  if (regcomp(&compiled, library, REG_EXTENDED | REG_NOSUB) != 0) {
+    PyErr_Format(PyExc_ValueError, "not a POSIX extended regex: %s", library);
+    return NULL;
+  }
   snprintf(address.sun_path, sizeof address.sun_path, "%s", path);
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+  if (fd < 0) {
+    regfree(&compiled);
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
   unlink(path); /* a socket an earlier process of this pid left */
   if (bind(fd, (struct sockaddr *)&address, sizeof address) || listen(fd, 8)) {
     int error = errno;
     close(fd);
+    regfree(&compiled);
     errno = error;
     return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
   }
@@ -288,6 +299,8 @@ static PyObject *listen_status(PyObject *self, PyObject *args) {
   snprintf(status.path, sizeof status.path, "%s", path);
   snprintf(status.job, sizeof status.job, "%s", job);
   status.signum = signum;
+  status.library = compiled;
+  status.library_set = 1;
   status.listen_fd = fd;
   pthread_mutex_unlock(&g.mu);
   write_all(g.wake[1], "", 1); /* poll the socket from now on */
@@ -346,8 +359,10 @@ static PyMethodDef methods[] = {
      "tag_status_reply, poll_s): answer rank 0's requests for stacks and any "
      "rank's for its status line on the communicator, dumping on signum."},
     {"listen_status", listen_status, METH_VARARGS,
-     "listen_status(path, job, signum): answer `python -m mpi4jax_dist status` "
-     "on a Unix socket at path, dumping on signum (0: no Python line)."},
+     "listen_status(path, job, signum, library): answer `python -m "
+     "mpi4jax_dist status` on a Unix socket at path, dumping on signum (0: no "
+     "Python line) and looking past frames whose path matches library (a "
+     "POSIX extended regex)."},
     {"stop_status", stop_status, METH_NOARGS,
      "Close the status socket and remove its file."},
     {"set_totals", set_totals, METH_VARARGS,

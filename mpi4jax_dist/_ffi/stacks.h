@@ -11,6 +11,7 @@
 #include <mpi.h>
 
 #include <limits.h>
+#include <regex.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -96,12 +97,15 @@ void quote_in_flight(char *calls, size_t capacity);
 
 typedef struct {
   /* listen_status(): the rank's Unix socket (-1: none), its path, the job as
-     the replies name it, and the signal faulthandler dumps on, for the main
-     thread's line (0: none). */
+     the replies name it, the signal faulthandler dumps on, for the main
+     thread's line (0: none), and the paths of library code, which that line
+     looks past (faulthandler's frames, as the hang reports do). */
   int listen_fd;
   char path[108];
   char job[256];
   int signum;
+  regex_t library;
+  int library_set;
   /* answer(): the tags of the ranks' requests for their lines and of the
      replies, on the watchdog's communicator (answers.comm; 0: none). */
   int tag_ask, tag_reply;

@@ -24,7 +24,9 @@ receives at most P-1 lines of at most LINE_BYTES. */
 #include <mpi.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
+#include <regex.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,16 +50,15 @@ static int64_t clock_ns(clockid_t id) {
   return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* A frame of a library (the standard library, installed packages, this
-   package) rather than of the program. */
+/* A frame of a library (the standard library, installed packages, JAX, this
+   package) rather than of the program: its path, `length` bytes, matches the
+   hang reports' pattern (faults/stacks.py's LIBRARY_PATTERN, compiled by
+   listen_status). */
 static int library_frame(const char *path, size_t length) {
-  static const char *const kLibraries[] = {"/site-packages/", "/dist-packages/",
-                                           "/lib/python3", "/mpi4jax_dist/"};
-  for (size_t i = 0; i < sizeof kLibraries / sizeof kLibraries[0]; ++i) {
-    const char *at = strstr(path, kLibraries[i]);
-    if (at != NULL && (size_t)(at - path) < length) return 1;
-  }
-  return 0;
+  if (!status.library_set) return 0;
+  char copy[PATH_MAX];
+  snprintf(copy, sizeof copy, "%.*s", (int)length, path);
+  return regexec(&status.library, copy, 0, NULL, 0) == 0;
 }
 
 /* Where the main thread stands in `dump` (faulthandler's): its innermost

@@ -31,11 +31,14 @@ _SOURCE = re.compile(r"^# line (.*):(\d+): (.*)$")
 _UNREAD = re.compile(r"^# no line (.*):(\d+): (.*)$")
 # How far into a file quote() looks for a line (as _ffi/stacks_sources.c does).
 MAX_SOURCE_BYTES = 16 << 20
-# Paths of code that is not the user's: what a stack's summary looks past.
-_LIBRARY = re.compile(
-    r"(site-packages|dist-packages|/lib/python\d|[\\/](jax|jaxlib|mpi4jax|"
+# Paths of code that is not the user's: what a stack's summary looks past, and
+# what a rank's status line does (_ffi/stacks_status.c compiles this very text
+# as a POSIX extended regular expression: it reads alike in both).
+LIBRARY_PATTERN = (
+    r"(site-packages|dist-packages|/lib/python[0-9]|[\\/](jax|jaxlib|mpi4jax|"
     r"mpi4jax_dist|mpi4py|numpy)[\\/]|^<frozen )"
 )
+_LIBRARY = re.compile(LIBRARY_PATTERN)
 
 
 class Frame(NamedTuple):

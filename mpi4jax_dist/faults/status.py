@@ -17,7 +17,7 @@ import socket
 import stat
 
 from .. import _config
-from . import writer
+from . import stacks, writer
 
 logger = logging.getLogger("mpi4jax_dist")
 
@@ -70,7 +70,9 @@ def listen(rank: int, coordinator_address: str) -> str | None:
     path = socket_path(directory, job_key(coordinator_address), rank)
     if why is None:
         try:
-            module.listen_status(path, coordinator_address, writer.signum())
+            module.listen_status(
+                path, coordinator_address, writer.signum(), stacks.LIBRARY_PATTERN
+            )
         except (OSError, ValueError) as err:
             why = str(err)
     if why is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,5 +131,10 @@ def test_status_of_a_hung_job_answers_from_c_for_a_rank_holding_its_gil(tmp_path
     hang_line = f"status_job.py:{line_of('HANG LINE')} in <module>"
     assert f"  rank 1: in no call\n    Python at {hang_line}" in text, text
     assert "  ranks 0, 2: in allreduce #6 SUM float32[1]" in text, text
+    # Their innermost frames are JAX's and the package's: the line is the call's.
+    call_line = f"status_job.py:{line_of('allreduce(flag')} in <module>"
+    assert re.search(
+        rf"  ranks 0, 2: .*\n    Python at {re.escape(call_line)}$", text, re.M
+    )
     assert took_s < 30, took_s
     assert out.count("DONE") == 3, out
