@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -20,47 +21,54 @@ const char* KindName(int32_t kind) {
   return kind == kNonBlocking ? "iallreduce" : "allreduce";
 }
 
+namespace {
+
 // The reduction ops by the code the Python side gives them (ops/common.py's
 // OPS, op_dtype.h's OpFromCode).
+const char* const kOpNames[] = {"SUM",  "PROD", "MIN", "MAX",  "LAND",
+                                "LOR",  "LXOR", "BAND", "BOR", "BXOR"};
+constexpr int32_t kOps = sizeof kOpNames / sizeof kOpNames[0];
+
+// The XLA element types the ops take, as NumPy names them.
+const struct {
+  ffi::DataType type;
+  const char* name;
+} kTypeNames[] = {
+    {ffi::DataType::PRED, "bool"},        {ffi::DataType::S8, "int8"},
+    {ffi::DataType::S16, "int16"},        {ffi::DataType::S32, "int32"},
+    {ffi::DataType::S64, "int64"},        {ffi::DataType::U8, "uint8"},
+    {ffi::DataType::U16, "uint16"},       {ffi::DataType::U32, "uint32"},
+    {ffi::DataType::U64, "uint64"},       {ffi::DataType::F32, "float32"},
+    {ffi::DataType::F64, "float64"},      {ffi::DataType::C64, "complex64"},
+    {ffi::DataType::C128, "complex128"},
+};
+
+}  // namespace
+
 const char* OpName(int32_t code) {
-  static const char* const kNames[] = {"SUM",  "PROD", "MIN", "MAX",
-                                       "LAND", "LOR",  "LXOR", "BAND",
-                                       "BOR",  "BXOR"};
-  return code >= 0 && code < 10 ? kNames[code] : "?";
+  return code >= 0 && code < kOps ? kOpNames[code] : "?";
 }
 
-// An XLA element type as NumPy names it.
-const char* TypeName(int32_t type) {
-  switch (static_cast<ffi::DataType>(type)) {
-    case ffi::DataType::PRED:
-      return "bool";
-    case ffi::DataType::S8:
-      return "int8";
-    case ffi::DataType::S16:
-      return "int16";
-    case ffi::DataType::S32:
-      return "int32";
-    case ffi::DataType::S64:
-      return "int64";
-    case ffi::DataType::U8:
-      return "uint8";
-    case ffi::DataType::U16:
-      return "uint16";
-    case ffi::DataType::U32:
-      return "uint32";
-    case ffi::DataType::U64:
-      return "uint64";
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::F64:
-      return "float64";
-    case ffi::DataType::C64:
-      return "complex64";
-    case ffi::DataType::C128:
-      return "complex128";
-    default:
-      return "?";
+int32_t OpFromName(const char* name) {
+  for (int32_t code = 0; name != nullptr && code < kOps; ++code) {
+    if (std::strcmp(kOpNames[code], name) == 0) return code;
   }
+  return -1;
+}
+
+const char* TypeName(int32_t type) {
+  for (const auto& known : kTypeNames) {
+    if (static_cast<int32_t>(known.type) == type) return known.name;
+  }
+  return "?";
+}
+
+int32_t TypeFromName(const char* name) {
+  for (const auto& known : kTypeNames) {
+    if (name != nullptr && std::strcmp(known.name, name) == 0)
+      return static_cast<int32_t>(known.type);
+  }
+  return 0;
 }
 
 // "allreduce #5 SUM float32[4]": a call as the reports name it.
@@ -162,9 +170,9 @@ std::vector<Record::Copy> Record::Entries() const {
   for (int64_t s = std::max<int64_t>(1, last - kEntries + 1); s <= last; ++s) {
     const Entry& e = entries_[(s - 1) % kEntries];
     if (e.serial.load(std::memory_order_acquire) != s) continue;  // torn
-    out.push_back({s, e.comm_id, e.seq, e.count, e.site, e.entered_ns, e.kind,
-                   e.op, e.type, e.state.load(std::memory_order_acquire),
-                   e.comm_name});
+    out.push_back({s, e.comm_id, e.seq, e.count, e.site, e.entered_ns,
+                   e.waited_ns, e.kind, e.op, e.type,
+                   e.state.load(std::memory_order_acquire), e.comm_name});
   }
   return out;
 }
@@ -174,9 +182,8 @@ Record::Totals Record::Sums(int64_t now_ns) const {
                 blocked_ns_.load(std::memory_order_relaxed),
                 first_ns_.load(std::memory_order_relaxed)};
   for (const Copy& e : Entries()) {
-    if (e.state != kEntered) continue;
-    const Entry& entry = entries_[(e.serial - 1) % kEntries];
-    totals.blocked_ns += std::max<int64_t>(0, now_ns - entry.waited_ns);
+    if (e.state == kEntered)
+      totals.blocked_ns += std::max<int64_t>(0, now_ns - e.waited_ns);
   }
   return totals;
 }

@@ -44,9 +44,13 @@ MPI4JAX_DIST_CORE_API const char* KindName(int32_t kind);
 // The reduction ops by the code the Python side gives them (ops/common.py's
 // OPS, op_dtype.h's OpFromCode).
 MPI4JAX_DIST_CORE_API const char* OpName(int32_t code);
+// OpName's inverse: the code of the op named `name` (-1: none or another).
+MPI4JAX_DIST_CORE_API int32_t OpFromName(const char* name);
 
 // An XLA element type as NumPy names it.
 MPI4JAX_DIST_CORE_API const char* TypeName(int32_t type);
+// TypeName's inverse: the XLA element type NumPy names `name` (0: none).
+MPI4JAX_DIST_CORE_API int32_t TypeFromName(const char* name);
 
 // "allreduce #5 SUM float32[4]": a call as the reports name it.
 MPI4JAX_DIST_CORE_API std::string CallText(int32_t kind, int64_t seq,
@@ -145,7 +149,7 @@ class MPI4JAX_DIST_CORE_API Record {
 
   // The entries written, oldest first (at most kEntries).
   struct Copy {
-    int64_t serial, comm_id, seq, count, site, entered_ns;
+    int64_t serial, comm_id, seq, count, site, entered_ns, waited_ns;
     int32_t kind, op, type, state;
     const char* comm_name;
   };

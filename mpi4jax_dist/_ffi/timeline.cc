@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
-#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -80,31 +79,6 @@ XlaTables& Xla() {
   return *tables;
 }
 
-// The XLA element type NumPy calls `name` (TypeName's inverse; 0 for none).
-uint8_t TypeCode(const char* name) {
-  static const ffi::DataType kTypes[] = {
-      ffi::DataType::PRED, ffi::DataType::S8,  ffi::DataType::S16,
-      ffi::DataType::S32,  ffi::DataType::S64, ffi::DataType::U8,
-      ffi::DataType::U16,  ffi::DataType::U32, ffi::DataType::U64,
-      ffi::DataType::F32,  ffi::DataType::F64, ffi::DataType::C64,
-      ffi::DataType::C128};
-  if (name == nullptr) return 0;
-  for (ffi::DataType t : kTypes) {
-    if (std::strcmp(TypeName(static_cast<int32_t>(t)), name) == 0)
-      return static_cast<uint8_t>(t);
-  }
-  return 0;
-}
-
-// OpName's inverse (255 for none or another).
-uint8_t OpCode(const char* name) {
-  if (name == nullptr) return 255;
-  for (int32_t code = 0; code < 10; ++code) {
-    if (std::strcmp(OpName(code), name) == 0) return static_cast<uint8_t>(code);
-  }
-  return 255;
-}
-
 }  // namespace
 
 XlaTimelineNames XlaNames() {
@@ -149,5 +123,6 @@ extern "C" void mpi4jax_dist_timeline_add_mpi(int64_t enter_ns, int64_t leave_ns
     xla.site.store(site, std::memory_order_release);
   }
   timeline.Add({enter_ns, enter_ns, leave_ns, -1 - comm_index, seq, count, site,
-                kind, OpCode(op), TypeCode(type), kDone, 0});
+                kind, static_cast<uint8_t>(OpFromName(op)),  // -1: 255, none
+                static_cast<uint8_t>(TypeFromName(type)), kDone, 0});
 }
