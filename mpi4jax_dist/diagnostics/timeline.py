@@ -18,6 +18,7 @@ rank, or a link) gets one line saying so and is left out.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -82,10 +83,11 @@ class Rank:
         shape = f"{dtype}[{count}]" if count >= 0 else dtype
         return " ".join(part for part in (kind, op, shape) if part)
 
+    @functools.cached_property
     def bootstrap(self) -> list[tuple[str, str, int, int]]:
         """The bootstrap's MPI calls that ended (name, phase, entry and end on
         rank 0's clock), as far as the file gives them rightly typed: at most
-        ``MAX_BOOTSTRAP_CALLS``."""
+        ``MAX_BOOTSTRAP_CALLS``; read once, for the summary and the trace."""
         rows = self.meta.get("bootstrap")
         if not isinstance(rows, list):
             return []
@@ -376,7 +378,7 @@ def _bootstrap_text(ranks: list[Rank]) -> list[str]:
     """The bootstrap's MPI calls (``jax.distributed.initialize()``'s, before the
     timeline's start, on rank 0's clock as the start's offset puts them): the
     median rank's span, who reached it last, and its longest call."""
-    calls = {r.rank: r.bootstrap() for r in ranks}
+    calls = {r.rank: r.bootstrap for r in ranks}
     calls = {rank: rows for rank, rows in calls.items() if rows}
     if not calls:
         return []
@@ -439,7 +441,7 @@ def write_trace(ranks: list[Rank], table: dict, path: Path) -> int:
     µs from the first entry; the ranks in order as long as their calls together
     stay within ``MAX_TRACE_SLICES`` (what Perfetto opens). Returns how many
     ranks it holds."""
-    boot = {r.rank: r.bootstrap() for r in ranks}
+    boot = {r.rank: r.bootstrap for r in ranks}
     enters = [rows[0][2] for rows in boot.values() if rows]
     enters += [int(table["enter"].min())] if table else []
     t0 = min(enters, default=0)
