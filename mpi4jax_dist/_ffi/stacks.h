@@ -90,6 +90,11 @@ void answer_requests(void);
 /* One look for a request of `tag` on the watchdog's communicator (a few
    MPI_Improbe calls): 1 and the message matched, or 0. */
 int find_request(int tag, MPI_Message *message, MPI_Status *status);
+/* Send the first `count` bytes of `reply` to `dest` on the watchdog's
+   communicator without spinning: 1 once received; 0 where the asker has not
+   received it in 10 s (the buffer is then MPI's: `reply` is emptied, not
+   freed). */
+int send_patiently(Text *reply, int count, int dest, int tag);
 /* The calls the records say the rank is in, one line ("" for none). */
 void quote_in_flight(char *calls, size_t capacity);
 

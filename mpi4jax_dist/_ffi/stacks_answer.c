@@ -37,6 +37,32 @@ int find_request(int tag, MPI_Message *message, MPI_Status *status) {
   return found;
 }
 
+/* How long a reply's send waits for the asker to receive it: the asker's
+   own wait (faults/report.py's REPLY_S). */
+enum { SEND_WAIT_MS = 10000 };
+
+int send_patiently(Text *reply, int count, int dest, int tag) {
+  MPI_Request request;
+  if (MPI_Isend(reply->data, count, MPI_CHAR, dest, tag, answers.comm,
+                &request) != MPI_SUCCESS) {
+    return 0;
+  }
+  /* MPI_Send would spin (with MPICH, yielding) until the asker receives: a
+     rank pinned to the asker's core then kept the asker from running at all,
+     for a minute. Tested once a millisecond instead. */
+  for (int waited_ms = 0; waited_ms < SEND_WAIT_MS; ++waited_ms) {
+    int done = 0;
+    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+    if (done) return 1;
+    struct timespec pause = {0, 1000000};
+    nanosleep(&pause, NULL);
+  }
+  /* Not received: MPI keeps the buffer until the send completes, if ever. */
+  MPI_Request_free(&request);
+  *reply = (Text){0};
+  return 0;
+}
+
 void quote_in_flight(char *calls, size_t capacity) {
   size_t used = 0;
   calls[0] = '\0';
@@ -90,8 +116,8 @@ void answer_requests(void) {
     quote_in_flight(calls, sizeof calls);
     addf(&reply, "%s\n", calls);
     add(&reply, whole.data, whole.size);
-    MPI_Send(reply.data, (int)reply.size, MPI_CHAR, status.MPI_SOURCE,
-             answers.tag_reply, answers.comm);
+    send_patiently(&reply, (int)reply.size, status.MPI_SOURCE,
+                   answers.tag_reply);
     free(dump.data);
     free(whole.data);
     free(reply.data);

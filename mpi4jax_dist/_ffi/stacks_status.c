@@ -140,8 +140,7 @@ void answer_status_asks(void) {
     add(&reply, (const char *)&number, sizeof number);
     status_line(&reply);
     int size = reply.size < LINE_BYTES + 8 ? (int)reply.size : LINE_BYTES + 8;
-    MPI_Send(reply.data, size, MPI_CHAR, got.MPI_SOURCE, status.tag_reply,
-             answers.comm);
+    send_patiently(&reply, size, got.MPI_SOURCE, status.tag_reply);
     free(reply.data);
   }
 }

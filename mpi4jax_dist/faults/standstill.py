@@ -140,14 +140,23 @@ def ask_calls(comm, own: dict, tag: int, reply_s: float, others: list) -> dict:
     return replies
 
 
-# Sends whose receiver had not answered when last looked at: tested again at the
-# next round, so that none is left to grow.
+# Sends whose receiver had not received them when last looked at (rank 0's asks,
+# a rank's answers): tested again at the next round, so that none is left to grow.
 _unfinished: list = []
 
 
 def answer(comm, source: int, tag: int, exiting: bool, still_s: float) -> None:
     """Answer rank 0's :data:`ASK`: this rank's calls, or that it is at its exit."""
-    comm.send(mine(comm.Get_rank(), exiting, still_s), dest=source, tag=tag)
+    send_unwaited(comm, mine(comm.Get_rank(), exiting, still_s), source, tag)
+
+
+def send_unwaited(comm, message, dest: int, tag: int) -> None:
+    """Send ``message`` to ``dest`` without waiting for it to be received. A
+    blocking send spins in MPI until then (over TCP, a core's worth), and a rank
+    pinned to its asker's core kept the asker from running for a minute. Each
+    call tests the sends of the calls before (:data:`_unfinished`)."""
+    _unfinished[:] = [r for r in _unfinished if not r.Test()]
+    _unfinished.append(comm.isend(message, dest=dest, tag=tag))
 
 
 def mine(rank: int, exiting: bool, still_s: float) -> dict:

@@ -382,7 +382,7 @@ class Watchdog(_Reports, _Loop):
                 "where": writer.dump(message["reason"]),
                 **report.standing(self.progress, self._exiting.is_set()),
             }
-            self.comm.send(reply, dest=source, tag=_TAG)
+            standstill.send_unwaited(self.comm, reply, source, _TAG)
 
 
 def _ask_every_rank(comm, reason: str, group, own: dict) -> tuple[dict, set]:

@@ -304,3 +304,50 @@ def test_the_collective_timeout_names_a_missing_rank_at_its_exit():
         r"call there: 1\), of which rank 1 reached its exit",
         proc.stderr,
     ), output(proc)
+
+
+ANSWER_WHILE_RANK_0_SLEEPS = """
+import time
+from mpi4py import MPI
+from mpi4jax_dist.faults import standstill
+comm = MPI.COMM_WORLD
+for how in ("send", "send_unwaited"):
+    comm.Barrier()
+    if comm.rank == 0:
+        time.sleep(2)  # rank 0 receives late, as one starved of its core would
+        comm.recv(source=1, tag=7)
+        continue
+    wall, cpu = time.monotonic(), time.process_time()
+    if how == "send":
+        comm.send({"kind": "reply", "calls": "x" * 300}, dest=0, tag=7)
+    else:
+        standstill.send_unwaited(comm, {"kind": "reply", "calls": "x" * 300}, 0, 7)
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    print(f"{how} {wall:.3f} s wall {cpu:.3f} s CPU", flush=True)
+comm.Barrier()
+print("UNFINISHED", sum(not r.Test() for r in standstill._unfinished), flush=True)
+"""
+
+
+def test_an_answer_to_rank_0_does_not_wait_for_it_to_receive():
+    """The watchdogs' answers to rank 0 (its asks, its requests for the stacks)
+    are sent without waiting. Over TCP, a blocking send of a few hundred bytes
+    spins until the receiver receives: in the Slurm cluster's stall test, a rank
+    answering that way on the reporting rank 0's core kept rank 0 from running,
+    and the report came 60 s late, naming no rank (CI, 2026-12-07). The control
+    (``send``) shows the spin in the same job."""
+    if util.mpi_family() != "mpich":
+        pytest.skip("MPICH's variables choose TCP here")
+    tcp = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "MPIR_CVAR_NOLOCAL": 1}
+    proc = util.run_mpi(
+        ["-c", ANSWER_WHILE_RANK_0_SLEEPS], 2, timeout=60, env=util.clean_env(**tcp)
+    )
+    took = dict(
+        (how, (float(wall), float(cpu)))
+        for how, wall, cpu in re.findall(
+            r"^(\S+) (\S+) s wall (\S+) s CPU$", proc.stdout, re.M
+        )
+    )
+    assert took["send"][0] > 1.5, output(proc)  # the fault, shown
+    assert took["send_unwaited"][0] < 0.5 and took["send_unwaited"][1] < 0.5, took
+    assert "UNFINISHED 0" in proc.stdout, output(proc)  # received, then tested
