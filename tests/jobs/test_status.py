@@ -1,5 +1,6 @@
 """``python -m mpi4jax_dist status`` asked of running jobs: one with a straggling
-rank, one hung with a rank whose Python cannot run (it holds its GIL in C)."""
+rank, one hung with a rank whose Python cannot run (it holds its GIL in C); and
+_stacks's thread, which answers it from C, answering an asker that is late."""
 
 from __future__ import annotations
 
@@ -138,3 +139,48 @@ def test_status_of_a_hung_job_answers_from_c_for_a_rank_holding_its_gil(tmp_path
     )
     assert took_s < 30, took_s
     assert out.count("DONE") == 3, out
+
+
+ASKED_AND_RECEIVED_LATE = """
+import os, signal, time
+import jax
+import mpi4jax_dist
+from mpi4py import MPI
+from mpi4jax_dist.faults import hangs, watchdog
+
+jax.distributed.initialize()
+comm = hangs._state.watchdog.comm  # the watchdog's: where _stacks's thread answers
+first = comm.bcast(os.getpid(), root=0)
+if comm.rank == 0:
+    comm.Send([b"asked by the test", MPI.CHAR], 1, watchdog._TAG_ASK_C)
+    time.sleep(10)  # stopped meanwhile by rank 1: no MPI progress at all here
+    status = MPI.Status()
+    comm.Probe(1, watchdog._TAG_REPLY_C, status)
+    comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], 1, status.Get_tag())
+    print("RECEIVED", flush=True)
+else:
+    time.sleep(0.5)  # rank 0's request is sent
+    os.kill(first, signal.SIGSTOP)  # an asker starved of its core
+    cpu = time.process_time()
+    time.sleep(7)  # this rank's thread sends its stacks within its look (3 s)
+    print(f"CPU {time.process_time() - cpu:.3f}", flush=True)
+    os.kill(first, signal.SIGCONT)
+comm.Barrier()
+"""
+
+
+@util.same_under_every_jax
+def test_a_rank_answering_from_c_does_not_spin_while_the_asker_is_late():
+    """_stacks's thread answers a request for the stacks (and the status' request)
+    without waiting in MPI_Send, which over TCP spins until the asker receives
+    (tests/jobs/test_standstill.py shows the spin): rank 1's 7 s while rank 0,
+    having asked, stands stopped (SIGSTOP, as if starved of its core) cost it
+    little CPU (0.11 s; with MPI_Send, 4.5 s)."""
+    if util.mpi_family() != "mpich":
+        pytest.skip("MPICH's variables choose TCP here")
+    tcp = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "MPIR_CVAR_NOLOCAL": 1}
+    env = util.clean_env(MPI4JAX_NO_WARN_JAX_VERSION=1, **tcp)
+    proc = util.run_mpi(["-c", ASKED_AND_RECEIVED_LATE], 2, timeout=90, env=env)
+    assert "RECEIVED" in proc.stdout, proc.stdout + proc.stderr
+    cpu = float(re.search(r"CPU (\d+\.\d{3})", proc.stdout).group(1))
+    assert cpu < 1.0, proc.stdout
