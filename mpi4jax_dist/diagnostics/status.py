@@ -121,11 +121,10 @@ def _alive(path: str) -> bool:
     return True
 
 
-def ask(path: str, request: str, timeout_s: float | None = None) -> str:
+def ask(path: str, request: str, timeout_s: float = ASK_TIMEOUT_S) -> str:
     """Send ``request`` ("job" or "local") to the rank listening at ``path``;
     return its reply, read to its end (at most ``MAX_REPLY_BYTES``), within
-    ``timeout_s`` (default ``ASK_TIMEOUT_S``; TimeoutError past it)."""
-    timeout_s = ASK_TIMEOUT_S if timeout_s is None else timeout_s
+    ``timeout_s`` (TimeoutError past it)."""
     deadline = time.monotonic() + timeout_s
     chunks, size = [], 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
@@ -217,11 +216,12 @@ def status(
         raise StatusError(f"{len(jobs)} jobs run on this node: name one: {listed}")
     (ranks,) = jobs.values()
     first = min(ranks)
+    wait_s = ASK_TIMEOUT_S  # the wait and the words that name it, read once
     try:
-        result = parse(ask(ranks[first], "local" if local else "job"))
+        result = parse(ask(ranks[first], "local" if local else "job", wait_s))
     except TimeoutError:
         raise StatusError(
-            f"rank {first} did not answer within {ASK_TIMEOUT_S:g} s (its process "
+            f"rank {first} did not answer within {wait_s:g} s (its process "
             "stopped, or its stack writer's thread held up)"
         ) from None
     if len(result.ranks) == 1 and result.size > 1:
