@@ -299,6 +299,9 @@ static PyObject *listen_status(PyObject *self, PyObject *args) {
   snprintf(status.path, sizeof status.path, "%s", path);
   snprintf(status.job, sizeof status.job, "%s", job);
   status.signum = signum;
+  /* A process that listens again (after stop_status) compiled the pattern
+     anew: the earlier one is freed. */
+  if (status.library_set) regfree(&status.library);
   status.library = compiled;
   status.library_set = 1;
   status.listen_fd = fd;
