@@ -78,6 +78,9 @@ class Job:
         return out
 
 
+# What status reads (the record's counts, the socket, _stacks's C thread) is the
+# package's own: alike under every JAX, whose part (the ops' calls) other files test.
+@util.same_under_every_jax
 def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     """Rank 1 of 3 sleeps 0.1 s before each allreduce: the others spend nearly
     all their time waiting in the call for it. Status, asked while the job runs
@@ -108,6 +111,7 @@ def test_status_names_the_straggling_rank_and_where_each_rank_stands(tmp_path):
     assert out.count("DONE") == 3, out
 
 
+@util.same_under_every_jax
 def test_status_of_a_hung_job_answers_from_c_for_a_rank_holding_its_gil(tmp_path):
     """After 5 calls rank 1 holds its GIL in a C call; ranks 0 and 2 wait in the
     6th allreduce: the job is hung. Status answers within seconds for all three

@@ -92,6 +92,7 @@ def test_the_summary_names_the_rank_that_arrives_late_and_the_trace_holds_every_
         assert calls[0]["name"] == "bootstrap Idup (arrival)", calls
 
 
+@util.same_under_every_jax
 def test_a_region_is_timed_alone(tmp_path):
     """``with mpi4jax_dist.timeline(DIR):`` times the calls of its block only."""
     folder = tmp_path / "region"
@@ -106,6 +107,7 @@ def test_a_region_is_timed_alone(tmp_path):
     assert "3 calls" in merged.stdout, show(merged)
 
 
+@util.same_under_every_jax
 def test_a_folder_no_rank_can_write_is_one_line():
     """The job ends at initialize, rank 0 printing one line that names the
     variable and the folder; no rank waits."""
