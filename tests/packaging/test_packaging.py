@@ -1,5 +1,6 @@
-"""Serial: ``python -m build`` makes an sdist and a wheel, and the sdist installs
-into a fresh virtual environment without mpi4jax (an extra), where the compiled
+"""Serial: ``python -m build`` makes an sdist and, from it, a wheel (what pip does
+with an sdist), which installs into a fresh virtual environment without mpi4jax
+(an extra), where the compiled
 extension loads, the diagnostics and a psum through ``jax.distributed.initialize()``
 work under that environment's own ``mpiexec``, and what needs mpi4jax says which
 extra to install. The sdist carries the license, the changes, the citation, docs/
@@ -10,9 +11,9 @@ The repository's files (git's view: committed, changed and new, less the ignored
 are copied first, so that building writes nothing into the tree. The fresh
 environment gets the running one's MPI wheel and what the package needs, pinned to
 the running one's versions (from pip's cache, the configured indexes or PyPI),
-then the sdist with no index at all: a dependency not installed already, mpi4jax
+then the wheel with no index at all: a dependency not installed already, mpi4jax
 included, fails the install instead of being fetched. About 35-50 s on this
-project's 2-core machine, two builds of the extension included.
+project's 2-core machine, one build of the extension included.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def dists(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory, dists):
     """A fresh environment with this one's MPI wheel, the package's needs (at
-    this environment's versions) and the sdist installed; no mpi4jax. Removed
+    this environment's versions) and the wheel built from the sdist installed (an
+    sdist's install would build it again); no mpi4jax. Removed
     afterwards (it takes about 650 MB)."""
     mpi = [_mpi_wheel()]
     installed = _installed()
@@ -168,10 +170,10 @@ def venv(tmp_path_factory, dists):
         util.run_command([*pip, *mpi, *NEEDS], env=env, timeout=600),
         "pip install " + " ".join([*mpi, *NEEDS]),
     )
-    sdist = ["--no-index", "--no-build-isolation", str(dists["sdist"])]
+    wheel = ["--no-index", str(dists["wheel"])]
     _check(
-        util.run_command([*pip, *sdist], env=env, timeout=600),
-        "pip install " + " ".join(sdist),
+        util.run_command([*pip, *wheel], env=env, timeout=600),
+        "pip install " + " ".join(wheel),
     )
     yield root
     shutil.rmtree(root, ignore_errors=True)
