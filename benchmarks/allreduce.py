@@ -30,11 +30,8 @@ docs/benchmarks.rst, *The allreduce*, says how to read the table; in short:
 - Printed: a table per mode, one row per size and implementation, within 120
   columns; the JSON holds every field.
 
-Memory is ``benchmarks/memory.py``'s. (Settled, and retired from this script: the
-``dispatch`` rows, one jitted call at 4 B of a trivial function, of an
-ordered-effect op on ``COMM_SELF``, of mpi4jax and of mpi4jax_dist;
-docs/benchmarks-settled.rst, *Where a dispatch goes*, runs the script as it last
-was, from ``git archive 819e3f9:benchmarks``.)
+Memory is ``benchmarks/memory.py``'s. What this script no longer asks (settled):
+docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

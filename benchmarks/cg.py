@@ -17,10 +17,7 @@ its communicator; "design" is what the algorithm needs. docs/benchmarks.rst,
 *Distributed conjugate gradients*, gives the runs. Where the ranks fill the cores,
 run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (recorded in the header).
 
-Settled, and retired from this script, run as it last was from ``git archive
-<commit>:benchmarks``: problem B, the normal equations (``--problems B``, 9d20368;
-``sr.py`` times that solve as users write it), and the share of an iteration spent
-reducing (``--reduce-loop``, 819e3f9).
+What this script no longer asks (settled): docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

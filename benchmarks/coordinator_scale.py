@@ -27,13 +27,7 @@ its listening socket; RSS after connect; and the kernel's TCP counters over the 
 Waves (``--waves W`` or ``W/GAP_MS``, default gap 100 ms): client ``i`` starts at
 ``(i // W) * gap`` after the first, a fixed stagger by rank; ``0`` is the burst.
 
-Settled, and retired from this script (their runs stay in docs/benchmarks-scale.rst,
-each command running the script as it last was, from ``mkdir -p old && git archive
-9d20368:benchmarks | tar -x -C old``): JAX's topology exchange after connect
-(``old/coordinator_scale.py --exchange``, *JAX's topology exchange*) and a too-low
-file limit with and without that protection (``--soft-limit``, ``--protection``).
-``--gap-ms`` and ``--shutdown-timeout`` (fixed at 100 ms and 60 s) and ``--plot``
-left with ``git archive 819e3f9:benchmarks``.
+What this script no longer asks (settled): docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

@@ -17,12 +17,7 @@ below reach, so every solve makes as many), compiled first, then timed round-rob
 per grid; the table gives the slowest rank's time per iteration, the median of
 ``--samples`` solves.
 
-Settled, and retired from this script, run as it last was from ``git archive
-<commit>:benchmarks`` (docs/benchmarks.rst cites their rows): a delay on rank 1
-alone and OS noise, which no variant hides (``--mode rank1,noise``, 9d20368); the
-overlap microbenchmark (one non-blocking allreduce and the matvec, alone and
-overlapped, with the extension's counts of the waits) and the progress table (the
-reduction overlapped with work that makes no MPI call) (819e3f9).
+What this script no longer asks (settled): docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

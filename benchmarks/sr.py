@@ -36,13 +36,7 @@ run; ``solve_normal``: ``info.matvecs`` + 2); ``(c)``: 1 by construction, in
 distance from ``(a)``'s answer. Run with ``OMP_NUM_THREADS=1`` where the ranks fill
 the cores (as benchmarks/cg.py says).
 
-Settled, and retired from this script (their rows stay in docs/benchmarks/sr.json
-and sr_memory.json; docs/benchmarks.rst runs the script as it last was, from
-``git archive 9d20368:benchmarks``): the latency study, the conditioning study and
-the peak memory per route (``--memory``). The options that set the problem and its
-limits (``--eps``, ``--cond``, ``--tol``, ``--maxiter``, ``--routes``,
-``--replace-every``, ``--max-j-mib``, ``--max-s-gib``), which no documented run
-changed, are constants here since ``git archive 819e3f9:benchmarks``.
+What this script no longer asks (settled): docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations
