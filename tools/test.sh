@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Run every test, in two parts. First three lanes at once: in .venv (Python >=
+# Run every test, in three parts. First three lanes at once: in .venv (Python >=
 # 3.12, the newest JAX) the suite serially (unit tests, and launch tests that start
 # their own mpiexec; not the build's), then its tests of the build's MPI compiler
 # wrapper; beside it, on the oldest JAX that setup.cfg allows, the serial tests of
-# what meets JAX and then its runs with peers (mpiexec -n 2), then the tests on a
-# Slurm cluster of network namespaces (as root); and the launch tests under Open
-# MPI's and Intel MPI's mpiexec. Then, once .venv's and the other MPIs' lanes have
-# ended, the runs with peers, one at a time: under mpiexec -n 2 and, those that
-# need more ranks, -n 4 in .venv; the non-blocking and in-place allreduces under
-# Open MPI and Intel MPI.
+# what meets JAX and then its runs with peers (mpiexec -n 2); and the launch tests
+# under Open MPI's and Intel MPI's mpiexec. Then .venv's runs with peers, one at a
+# time: under mpiexec -n 2 and, those that need more ranks, -n 4; the
+# non-blocking and in-place allreduces under Open MPI and Intel MPI; beside them,
+# the tests on a Slurm cluster of network namespaces (as root).
 # The other environments than .venv run where tools/setup.sh built them (--all).
 # Needs tools/setup.sh first.
 # Every MPI run has a time limit: a hung rank fails the run, it does not stall it.
@@ -119,19 +118,6 @@ if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
 other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
-# A Slurm cluster of three nodes on this machine (tools/cluster.sh; root, since it
-# makes network namespaces, a bridge and daemons): srun, sbatch and salloc with
-# MPICH and Open MPI, examples/slurm.sh, JAX alone, the diagnostics, and the
-# faults of a real cluster (tests/cluster/test_slurm_cluster.py), each case's
-# seconds printed; its tests mostly wait out their faults' timeouts. Taken down
-# again whatever happens (in a subshell: the script's own trap stays).
-cluster_stage() (
-    trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
-    run bash tools/cluster.sh up 3
-    run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
-        timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
-        tests/cluster
-)
 oldest_jax_lane() {
     if [ -x "$jaxmin/bin/python" ]; then
         run "${in_jaxmin[@]}" timeout -k 10 1200 python -m pytest -q \
@@ -166,9 +152,9 @@ other_mpi_lane() {
     fi
 }
 # Lanes run beside the others, each one's output kept (start_beside LABEL
-# COMMAND...) and shown with its exit status once it has ended (show_beside [N],
-# which waits for the N lanes started first, else for every one, in order, and
-# returns the first failure's status; nothing where none runs).
+# COMMAND...) and shown with its exit status once it has ended (show_beside, which
+# waits for every lane started, in order, and returns the first failure's status;
+# nothing where none runs).
 beside_pids=() beside_labels=() beside_logs=()
 start_beside() {
     beside_labels+=("$1")
@@ -178,35 +164,20 @@ start_beside() {
     beside_pids+=("$!")
 }
 show_beside() {
-    local count=${1:-${#beside_pids[@]}} status first=0
-    while [ "$count" -gt 0 ] && [ "${#beside_pids[@]}" -gt 0 ]; do
+    local i status=0 first=0
+    for i in "${!beside_pids[@]}"; do
         status=0
-        wait "${beside_pids[0]}" || status=$?
-        echo "+ ${beside_labels[0]} (exit $status):"
-        cat "${beside_logs[0]}"
-        rm -f "${beside_logs[0]}"
+        wait "${beside_pids[$i]}" || status=$?
+        echo "+ ${beside_labels[$i]} (exit $status):"
+        cat "${beside_logs[$i]}"
+        rm -f "${beside_logs[$i]}"
         [ "$first" -ne 0 ] || first=$status
-        beside_pids=("${beside_pids[@]:1}") beside_labels=("${beside_labels[@]:1}")
-        beside_logs=("${beside_logs[@]:1}")
-        count=$((count - 1))
     done
+    beside_pids=() beside_labels=() beside_logs=()
     return "$first"
 }
-# 3. The Slurm cluster's tests follow the oldest JAX in its lane (the shortest):
-# part 2 does not wait for them.
-oldest_jax_then_cluster() {
-    local status=0
-    oldest_jax_lane || status=$?
-    if [ "$(id -u)" -eq 0 ]; then
-        cluster_stage || status=$?
-    else
-        echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
-    fi
-    return "$status"
-}
+start_beside "beside the stage above, the oldest JAX" oldest_jax_lane
 start_beside "beside the stage above, Open MPI and Intel MPI" other_mpi_lane
-start_beside "beside the stages above, the oldest JAX, then the Slurm cluster" \
-    oldest_jax_then_cluster
 # Where a stage fails, this script ends once those beside it have (each has its time
 # limit), and shows what they found.
 trap 'status=$?; show_beside || true; exit "$status"' EXIT
@@ -229,17 +200,36 @@ run "${other[@]}" timeout -k 10 1800 python -m pytest -n 2 --dist loadfile tests
 run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
     -m "${full:+full_only or }not full_only" tests/packaging
 
+trap - EXIT
 beside_status=0
-show_beside 1 || beside_status=$?
+show_beside || beside_status=$?
+
+# 3. Beside part 2 (whose runs keep both cores busy while the cluster's tests
+# mostly wait out their faults' timeouts), a Slurm cluster of three nodes on this
+# machine (tools/cluster.sh; root, since it makes network namespaces, a bridge and
+# daemons): srun, sbatch and salloc with MPICH and Open MPI, examples/slurm.sh, JAX
+# alone, the diagnostics, and the faults of a real cluster
+# (tests/cluster/test_slurm_cluster.py), each case's seconds printed. Taken down
+# again whatever happens.
+cluster_stage() {
+    trap 'bash tools/cluster.sh down >/dev/null 2>&1 || true' EXIT
+    run bash tools/cluster.sh up 3
+    run env "$(bash tools/cluster.sh env | sed 's/^export //')" VENV_OMPI="$ompi" \
+        timeout -k 10 900 python -m pytest -q -p no:cacheprovider --durations=0 \
+        tests/cluster
+}
+if [ "$(id -u)" -eq 0 ]; then
+    start_beside "beside part 2, the Slurm cluster's tests" cluster_stage
+    trap 'status=$?; show_beside || true; exit "$status"' EXIT
+else
+    echo "+ not root: Slurm cluster stage not run (bash tools/cluster.sh needs root)"
+fi
 
 # 2. The runs with peers, one at a time: each keeps both cores busy (a rank that
 # waits polls MPI), and test_count_above_2_31 asks for 6 GiB free per rank.
 # Under mpiexec every rank collects only the files with tests marked mpi
 # (tests/conftest.py); at 4 ranks, only the tests whose check needs more than two
 # ranks (marked more_ranks, tests/util.py): the rest would repeat the 2-rank run.
-# Beside the cluster's jobs, the waiting ranks yield their cores (tests/util.py's
-# YIELD).
-export MPIR_CVAR_ENABLE_HEAVY_YIELD=${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}
 run timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider
 run timeout -k 10 900 mpiexec -n 4 python -m pytest --with-mpi -q -p no:cacheprovider \
     -m more_ranks
