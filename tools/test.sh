@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Run every test, in three parts. First three lanes at once: in .venv (Python >=
 # 3.12, the newest JAX) the suite serially (unit tests, and launch tests that start
-# their own mpiexec; not the build's), then its tests of the build's MPI compiler
-# wrapper; beside it, on the oldest JAX that setup.cfg allows, the serial tests of
-# what meets JAX and then its runs with peers (mpiexec -n 2); and the launch tests
+# their own mpiexec; not the build's); beside it, on the oldest JAX that setup.cfg
+# allows, the serial tests of what meets JAX and its runs with peers (mpiexec -n
+# 2), then .venv's tests of the build's MPI compiler wrapper; and the launch tests
 # under Open MPI's and Intel MPI's mpiexec. Then .venv's runs with peers, one at a
 # time: under mpiexec -n 2 and, those that need more ranks, -n 4; the
 # non-blocking and in-place allreduces under Open MPI and Intel MPI; beside them,
@@ -129,6 +129,11 @@ oldest_jax_lane() {
     else
         echo "+ no $jaxmin: oldest-JAX stage not run (bash tools/setup.sh --with-oldest-jax)"
     fi
+    # .venv's tests of the build's MPI compiler wrapper (one build of the extension
+    # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
+    # in the shortest lane (CI37: .venv's suite 727 s, this lane 601 before them).
+    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
+        -m "${full:+full_only or }not full_only" tests/packaging
 }
 other_mpi_lane() {
     # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
@@ -193,12 +198,6 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 run "${other[@]}" timeout -k 10 1800 python -m pytest -n 2 --dist loadfile tests/unit \
     tests/docs tests/peers tests/gpu tests/jobs
-# .venv's tests of the build's MPI compiler wrapper (one build of the extension
-# with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
-# after the two streams, while the lane beside still runs (in CI23 the two streams
-# ended at 639 s, the lane beside at 862 s with this stage's 95 s in it).
-run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
-    -m "${full:+full_only or }not full_only" tests/packaging
 
 trap - EXIT
 beside_status=0
@@ -230,6 +229,9 @@ fi
 # Under mpiexec every rank collects only the files with tests marked mpi
 # (tests/conftest.py); at 4 ranks, only the tests whose check needs more than two
 # ranks (marked more_ranks, tests/util.py): the rest would repeat the 2-rank run.
+# Beside the cluster's jobs, MPICH's waiting ranks yield their cores (tests/util.py's
+# YIELD).
+export MPIR_CVAR_ENABLE_HEAVY_YIELD=${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}
 run timeout -k 10 900 mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider
 run timeout -k 10 900 mpiexec -n 4 python -m pytest --with-mpi -q -p no:cacheprovider \
     -m more_ranks
