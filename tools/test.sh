@@ -84,9 +84,10 @@ jaxmin=${VENV_JAXMIN:-$here/.venv-jaxmin}
 in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 
 # 1. Three lanes at once: the jobs of a serial suite mostly wait out faults'
-# timeouts (a launch stage keeps under one core busy), so that two lanes kept 1.61
-# of the two cores busy (CI36, 2026-12-07). The lanes of another JAX and MPI run
-# beside .venv's serial suite; their output is kept and shown when they end.
+# timeouts (a launch stage alone keeps under one core busy); with three lanes the
+# cores were 1.86 to 2.00 of 2 busy throughout (/proc/stat, CI39, 2026-12-07), so
+# that CI's time is its CPU work. The lanes of another JAX and MPI run beside
+# .venv's serial suite; their output is kept and shown when they end.
 # .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): two
 # made it 583 s alone against 903 in one. (The oldest JAX's in two streams ran its
 # proxy test past its 90 s.) Every lane's jobs oversubscribe the cores: MPICH's
