@@ -182,7 +182,8 @@ show_beside() {
     beside_pids=() beside_labels=() beside_logs=()
     return "$first"
 }
-start_beside "beside the stage above, the oldest JAX" oldest_jax_lane
+start_beside "beside the stage above, the oldest JAX, then .venv's packaging" \
+    oldest_jax_lane
 start_beside "beside the stage above, Open MPI and Intel MPI" other_mpi_lane
 # Where a stage fails, this script ends once those beside it have (each has its time
 # limit), and shows what they found.

@@ -1,11 +1,10 @@
 """Serial: ``python -m build`` makes an sdist and, from it, a wheel (what pip does
 with an sdist), which installs into a fresh virtual environment without mpi4jax
-(an extra), where the compiled
-extension loads, the diagnostics and a psum through ``jax.distributed.initialize()``
-work under that environment's own ``mpiexec``, and what needs mpi4jax says which
-extra to install. The sdist carries the license, the changes, the citation, docs/
-and py.typed, the wheel py.typed and the license; setup.cfg reads the version from
-mpi4jax_dist/__init__.py without importing it.
+(an extra), where the compiled extension loads, the diagnostics and a psum through
+``jax.distributed.initialize()`` work under that environment's own ``mpiexec``, and
+what needs mpi4jax says which extra to install. The sdist carries the license, the
+changes, the citation, docs/ and py.typed, the wheel py.typed and the license;
+setup.cfg reads the version from mpi4jax_dist/__init__.py without importing it.
 
 The repository's files (git's view: committed, changed and new, less the ignored)
 are copied first, so that building writes nothing into the tree. The fresh
