@@ -164,6 +164,7 @@ class Watchdog(_Reports, _Loop):
         # At exit: this rank stays in the verdicts and the standstill's chain as
         # one that has reached its exit until every rank stops (chain_ended).
         self._exiting = threading.Event()
+        self._exited_at = 0.0  # time.monotonic() when this rank reached its exit
         self._chain_ended = threading.Event()
         self._verdicts_ended = self.verdict is None
         self._still_ended = self.still is None
@@ -188,6 +189,7 @@ class Watchdog(_Reports, _Loop):
     def at_exit(self) -> None:
         """Take this rank as at its exit from now on (its verdicts and the
         standstill's chain say so; it answers rank 0 as exited)."""
+        self._exited_at = time.monotonic()
         self._exiting.set()
         self.wake()
 
@@ -332,10 +334,13 @@ class Watchdog(_Reports, _Loop):
             self._report_hang(stuck_s)
 
     def _watch_at_exit(self, now: float) -> bool:
-        """The hang timeout at this rank's exit: post that it is stuck at its exit
-        and stopping, at once whenever none is pending; return True once every
-        rank stops. Ranks that wait elsewhere for the timeout make a hang verdict
-        (not all at one place), which rank 0 reports."""
+        """The hang timeout at this rank's exit: post that it is at its exit and
+        stopping, at once whenever none is pending; return True once every rank
+        stops. Stuck there once it has stood there for the timeout, as a rank is
+        elsewhere: ranks that then still wait elsewhere make a hang verdict (not all
+        at one place), which rank 0 reports. (Posted stuck at once, a rank that had
+        just left a long step shared by all made one verdict with the others' posts
+        from inside that step: a false hang, CI of 2026-12-07.)"""
         result = self.verdict.test()
         if result is not None:
             if result["all_stopping"]:
@@ -346,7 +351,8 @@ class Watchdog(_Reports, _Loop):
                     self._report_hang(self.progress.stuck_for(now))
                 return False  # the others wait for rank 0's request for stacks
         if not self.verdict.pending:
-            self.verdict.post(now, time.time(), True, _EXITED_PLACE, stopping=True)
+            stuck = now - self._exited_at >= self.hang_timeout_s
+            self.verdict.post(now, time.time(), stuck, _EXITED_PLACE, stopping=True)
         elif self._reports_late(now):
             # A rank has not taken part for longer than the timeout (a thread
             # holding its GIL, a stopped process): rank 0 reports.

@@ -17,7 +17,9 @@ runs). Prints ``DONE`` at the end.
 
 Two jobs without a stalled rank, for the hang timeout's false alarms: ``MODE=steps``
 (every rank makes short jitted steps for ``STALL_S`` seconds) and ``MODE=together``
-(every rank sleeps ``STALL_S`` seconds at one line, then takes a step).
+(every rank sleeps ``STALL_S`` seconds at one line, then takes a step; with
+``EARLY_S``, rank ``STALL_RANK`` wakes that much sooner and every rank exits
+instead).
 """
 
 import ctypes
@@ -140,6 +142,13 @@ if mode == "steps":  # the same number of steps on every rank: 0.1 s each at lea
     for _ in range(int(float(os.environ.get("STALL_S", "10")) * 10)):
         x = step(x).block_until_ready()
         time.sleep(0.1)
+elif mode == "together" and os.environ.get("EARLY_S"):
+    # Rank STALL_RANK wakes EARLY_S seconds sooner and goes to its exit while the
+    # others sleep on; then no rank takes the last step.
+    early = float(os.environ["EARLY_S"]) if rank == stall else 0.0
+    time.sleep(float(os.environ["STALL_S"]) - early)
+    print(f"DONE {rank}", flush=True)
+    raise SystemExit(0)
 elif mode == "together":
     stalled_compute()
 elif rank == stall:
