@@ -5,33 +5,13 @@
         [--iters K] [--loop-iters K] [--samples N] [--json PATH] [--plot PNG]
 
 One initialized job (``import mpi4jax_dist`` and a plain
-``jax.distributed.initialize()``) measures, per message size (bytes per rank), the
-implementations of ``_allreduce_impls.IMPLS`` (``mpi4py``, ``mpi4py_inplace``,
-``mpi4jax``, ``mpi4jax_dist`` donated, ``psum``, ``gspmd``; ``--impls
-...,mpi4jax_dist_unchecked`` adds the op compiled with ``MPI4JAX_DIST_CHECKS=0``,
-``mpi4jax_dist_timeline`` the op with the timeline on, docs/timeline.rst).
-docs/benchmarks.rst, *The allreduce*, says how to read the table; in short:
-
-- ``loop``: ``x <- allreduce(x)`` K and 2K times in one dispatch each (mpi4py: a
-  Python loop), from zeros; :func:`_harness.fit_trips` splits the samples into the
-  time per collective (the row's times) and ``fixed``, one dispatch of the loop.
-- ``call``: K separate allreduces of the held input, one dispatch each, over K.
-- Checked outside the timing, before and after it, on the executables timed:
-  ``call`` and ``loop(1)`` must give ``S(i)`` of ``_allreduce_impls.pattern``,
-  ``loop(2)`` ``P S(i)``, exactly; a wrong element fails the run (exit 1, a
-  ``WRONG:`` line) after the sweep. ``compiles`` counts XLA compilations during
-  the timing: none.
-- Timing (``_harness.time_rounds``): one untimed warm-up of every case, then
-  round-robin samples over the cases of one size and transport (MPI, then gloo:
-  interleaved, gloo slowed the MPI collectives that followed), a barrier before
-  each, the slowest rank per sample; ``algbw = bytes / t``, ``busbw = algbw * 2
-  (P - 1) / P``, ``ratio`` over the median of ``mpi4py_inplace`` (in-place
-  rows) or ``mpi4py`` (the others) in the same mode.
-- Printed: a table per mode, one row per size and implementation, within 120
-  columns; the JSON holds every field.
-
-Memory is ``benchmarks/memory.py``'s. What this script no longer asks (settled):
-docs/benchmarks-settled.rst.
+``jax.distributed.initialize()``) times, per message size (bytes per rank), the
+implementations of ``_allreduce_impls.IMPLS``: ``loop`` (K and 2K allreduces in one
+dispatch, split by :func:`_harness.fit_trips` into the collective and ``fixed``) and
+``call`` (K jitted calls, one dispatch each, over K), each result checked exactly
+outside the timing (a wrong element fails the run: exit 1, a ``WRONG:`` line).
+docs/benchmarks.rst, *The allreduce*, gives the method, how to read the table and
+the runs; what this script no longer asks (settled): docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

@@ -3,20 +3,14 @@
     python benchmarks/bootstrap.py [--procs 2,4,8] [--repeat 5]
         [--methods jax-mpi4py,mpi4jax_dist/multiple,...] [--json PATH]
 
-For each P, starts ``mpiexec -n P`` jobs, ``--repeat`` of each method, alternating
-(round-robin, so that a drifting machine load touches every method alike). The
-methods: ``jax-mpi4py`` (``cluster_detection_method="mpi4py"``, JAX's opt-in env)
-and ``mpi4jax_dist/<level>``, our env at each MPI thread level (mpi4py's
-``MPI4PY_RC_THREAD_LEVEL``): at ``multiple`` the other ranks wait for rank 0's
-release thread, below it they probe rank 0's port (see
-``mpi4jax_dist/launch/bootstrap.py``).
-
-In every job MPI is initialized first (``from mpi4py import MPI``, timed as "MPI
-init"); then ``jax.distributed.initialize()`` is timed on every rank after a barrier
-and the slowest rank counts. Reported per P and method: the median over jobs and the
-worst job, the ratio of the medians to ``jax-mpi4py``, and mpi4jax_dist's phases
-from the start of initialize: bootstrap done (slowest rank), rank 0's service
-listening, the other ranks released (slowest).
+For each P, starts ``mpiexec -n P`` jobs, ``--repeat`` of each method, round-robin
+(a drifting load touches every method alike): ``jax-mpi4py``
+(``cluster_detection_method="mpi4py"``) and ``mpi4jax_dist/<level>``, this package's
+at each MPI thread level (``MPI4PY_RC_THREAD_LEVEL``). In every job MPI starts first
+(timed as "MPI init"), then ``jax.distributed.initialize()`` is timed on every rank
+after a barrier, the slowest rank counting: per P and method the median and worst
+job, the ratio to ``jax-mpi4py`` and this package's phases (docs/benchmarks-scale.rst,
+*jax.distributed.initialize()*).
 """
 
 from __future__ import annotations

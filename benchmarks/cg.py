@@ -4,20 +4,14 @@
         [--backends ...] [--variants ...] [--replace-every K] [--repeat R]
         [--json PATH]
 
-Problem A (``_poisson.py``): the 2-D Poisson operator on an ``n x n`` grid in row
-blocks. Methods (``--backends``): every ``--variants`` of :mod:`mpi4jax_dist.cg`
-with each backend (``mpi4jax``, ``psum``); the floor ``mpi4py+numpy``; the
-reference ``jax.scipy`` on global sharded arrays. Float64, no preconditioner, timed
-round-robin (``_harness.time_rounds``), t/iter the median solve over its
-iterations; residual and error recomputed in NumPy for all alike. Reductions per
-iteration, counted from what ran: ours in the compiled loop (``_hlo.py``; the
-traced count, ``info.reductions``, beside it), the references' in their compiled
-while loop times their iterations (a debug callback counts them), the floor's by
-its communicator; "design" is what the algorithm needs. docs/benchmarks.rst,
-*Distributed conjugate gradients*, gives the runs. Where the ranks fill the cores,
-run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (recorded in the header).
-
-What this script no longer asks (settled): docs/benchmarks-settled.rst.
+Problem A (``_poisson.py``, the 2-D Poisson operator on an ``n x n`` grid in row
+blocks) solved by every ``--variants`` of :mod:`mpi4jax_dist.cg` with each backend,
+the floor ``mpi4py+numpy`` and the reference ``jax.scipy``; float64, timed
+round-robin (``_harness.time_rounds``); residuals recomputed in NumPy; reductions
+per iteration counted from what ran (the compiled loop, ``_hlo.py``; a debug
+callback; the floor's communicator). Where the ranks fill the cores, run with
+``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1``. docs/benchmarks.rst, *Distributed
+conjugate gradients*, gives the runs; settled questions: docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

@@ -6,28 +6,18 @@
 
 Every run is a fresh subprocess (its own session, killed at ``--timeout``) that
 starts one real coordination service (jaxlib's ``get_distributed_runtime_service``,
-as ``jax.distributed.initialize`` does on rank 0) and P clients, each ``connect()``
-called from a thread of its own. Client ``i`` connects to its own loopback address
-``127.x.y.z:PORT``, so that gRPC, which shares one connection between channels to
-the same address, gives each its own TCP connection, as P processes would have
-(the service listens on ``0.0.0.0:PORT`` for the run's few seconds; every
-connection made is loopback). Before it, the soft open-file limit is raised as the
-package does for a rank 0 (``limits.ensure_file_limit``), for ``2 * P``: this
-emulation holds both ends of every connection.
-
-Measured per run: ``connect``, from the first ``connect()`` until the last has
-returned (it registers the client and is a barrier over all P); ``issued``, until
-the last ``connect()`` was called; ``shutdown``, every client's, then the
-service's; ``fds``, this process's open files after connect (both ends: about twice
-a real rank 0's); ``service fds``, the service side's accepted sockets (ESTABLISHED
-in /proc/net/tcp with the service's local port and an inode this process holds) and
-its listening socket; RSS after connect; and the kernel's TCP counters over the run
-(a burst of SYNs beyond the listen backlog shows in ListenOverflows).
-
-Waves (``--waves W`` or ``W/GAP_MS``, default gap 100 ms): client ``i`` starts at
-``(i // W) * gap`` after the first, a fixed stagger by rank; ``0`` is the burst.
-
-What this script no longer asks (settled): docs/benchmarks-settled.rst.
+as rank 0's ``jax.distributed.initialize`` does) and P clients, each ``connect()``
+from a thread of its own to its own loopback address ``127.x.y.z:PORT``, so that
+gRPC gives each its own TCP connection, as P processes would have (every connection
+is loopback). The soft open-file limit is first raised as the package does for a
+rank 0 (``limits.ensure_file_limit``), for ``2 * P``: this process holds both ends.
+Measured per run: ``connect`` (first ``connect()`` to the last return: a barrier
+over all P), ``issued``, ``shutdown``, this process's open files and the service's
+sockets, RSS, and the kernel's TCP counters (a burst of SYNs beyond the listen
+backlog shows in ListenOverflows). ``--waves W`` or ``W/GAP_MS`` (default gap 100
+ms): client ``i`` starts at ``(i // W) * gap``; ``0`` is the burst.
+docs/benchmarks-scale.rst, *JAX's coordination service*, gives the runs; settled
+questions: docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations

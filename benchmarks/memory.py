@@ -7,35 +7,24 @@
 Sizes are bytes per rank of one ``--dtype`` (with ``int8`` a size is the element
 count: ``--sizes 2147483664 --dtype int8`` is 2^31 + 16). Run it without
 ``mpiexec``: every (implementation, size) is a fresh ``mpiexec -n P`` job, so that
-no figure depends on what ran before it in the process (allocator reuse made
-in-process figures change with the order; ``--order reversed`` shows they do not
-now) and a crash ends that case only (its row says ``crashed (status, signal)`` or
-``timed out (s)``). In the job every rank builds the implementation (JAX ones
-compile ahead of time), loads its checked input (``_allreduce_impls.pattern``, made
-by XLA), lets the set-up settle, resets the peak RSS (VmHWM) and reads the
-baseline; then one allreduce, ``call()``. A row: the rise of the peak over the
-baseline in messages (largest rank), the call's time, the XLA compilations during
-it (none), whether the result is exactly ``S(i)``, for JAX cases the temp XLA plans
-(``xla_temp``), for ``mpi4jax_dist`` cases ``in_place`` (its handler got one buffer
-in and out on every rank: ``mpi4jax_dist.op_counts``, in the JSON as
-``handler_stats``). The cases: the ``IMPLS`` of benchmarks/_allreduce_impls.py, and
-on an intermediate inside the ``jit``, ``allreduce(x + z)`` (``z`` a zero passed at
-run time, not donated), ``mpi4jax_dist_tmp`` (``x + z`` written into the result's
-buffer, reduced in place) and ``mpi4jax_tmp`` (``x + z`` beside mpi4jax's result).
-docs/benchmarks.rst, *Memory*, says what to expect and why the jobs run with
-``MALLOC_MMAP_THRESHOLD_=131072``.
+no figure depends on what ran before it (``--order reversed`` shows it does not),
+and a crash ends that case only (``crashed (status, signal)`` or ``timed out
+(s)``). In the job every rank builds the implementation, loads its checked input
+(``_allreduce_impls.pattern``), lets the set-up settle, resets the peak RSS (VmHWM),
+reads the baseline and makes one allreduce, ``call()``. A row: the rise of the peak
+over the baseline in messages (largest rank), the call's time, the compilations
+during it (none), whether the result is exactly ``S(i)``, XLA's temp plans
+(``xla_temp``), and for ``mpi4jax_dist`` whether its handler reduced in place
+(``mpi4jax_dist.op_counts``). The cases: ``_allreduce_impls.IMPLS``, and
+``allreduce(x + z)`` inside the ``jit`` (``z`` a zero passed at run time):
+``mpi4jax_dist_tmp`` and ``mpi4jax_tmp``. docs/benchmarks.rst, *Memory*, says what
+to expect and why the jobs run with ``MALLOC_MMAP_THRESHOLD_=131072``.
 
-``--gpu`` (``tools/gpu_check.sh``): the same on a GPU, by the device's
-``memory_stats()``: the baseline ``bytes_in_use`` before the call, the peak
-``peak_bytes_in_use`` after it. That peak cannot be reset, so the input is made on
-the device with nothing else held, and ``bound <=`` marks a rise that is only an
-upper bound (the peak was that high before). The jobs run with
-``JAX_PLATFORMS=cuda``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, the per-rank cases
-without ``jax.distributed`` (ranks may share a GPU), staged or CUDA-aware as
-``MPI4JAX_DIST_CUDA_AWARE_MPI`` says (mpi4jax alike); rows add the mode, the pinned
-host memory and the pieces staged. Default cases: ``mpi4jax_dist``,
-``mpi4jax_dist_tmp``, ``mpi4jax`` and ``psum``. No GPU: one sentence, exit 0; the
-exit status judges the package's rows only (mpi4jax crashes above 2^31).
+``--gpu`` (``tools/gpu_check.sh``): the same by the device's ``memory_stats()``
+(``peak_bytes_in_use`` cannot be reset: ``bound <=`` marks a rise that is only an
+upper bound), with ``JAX_PLATFORMS=cuda`` and ``XLA_PYTHON_CLIENT_PREALLOCATE=false``,
+staged or CUDA-aware as ``MPI4JAX_DIST_CUDA_AWARE_MPI`` says. No GPU: one sentence,
+exit 0; the exit status judges the package's rows only (mpi4jax crashes above 2^31).
 """
 
 from __future__ import annotations

@@ -3,40 +3,20 @@
     mpiexec -n 2 python benchmarks/sr.py [--params 1824,9245,50000]
         [--walkers 256,1024] [--variants ...] [--repeat 3] [--json PATH]
 
-The problem is a variational Monte Carlo user's SR step (JAX_QMC's pattern), made
-by ``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, ``(J^T J / N
-+ eps) x = f``, float64, ``tol=1e-5``, ``atol=0``, ``maxiter=200``, ``x0`` zero,
-``eps`` 1e-3, the eigenvalues of ``S`` falling exponentially so that ``(lambda_max
-+ eps) / eps`` is 1.7e7 (the user's deuteron): as in their runs CG stops at
-``maxiter`` without converging. The routes, each inside ``jax.jit``, one row each
-per ``(N_p, walkers)`` (docs/benchmarks.rst, *The stochastic-reconfiguration
-solve*, says more):
-
-``jax.scipy`` (a)
-    their code: ``jax.scipy.sparse.linalg.cg`` with ``A(v) =
-    mpi4jax.allreduce(J_r.T @ (J_r @ v)) / N + eps v``.
-``dropin/<variant>`` (b)
-    the same ``A`` and call, one line changed: ``mpi4jax_dist.cg(A, f, ...,
-    variant=...)`` for every ``--variants``.
-``solve_normal`` (b)
-    ``mpi4jax_dist.cg.solve_normal(J_r, f, eps, variant="classic")``.
-``cholesky`` (c)
-    ``S_r = (J_r / N)^T J_r`` summed with ``mpi4jax_dist.allreduce`` donated, then
-    ``cho_factor``/``cho_solve``, three jitted stages also timed apart; skipped
-    where S would exceed 4 GiB per rank. A walker count (not the smallest) whose
-    J_r would exceed 64 MiB is skipped too.
-
-Timing (``_harness.time_rounds``): one untimed run of every route of one size, then
-``--repeat`` rounds round-robin, the slowest rank per round, the median. Allreduces
-per solve, counted from what ran: ``loop``, those in the CG loop (``(a)``: its
-compiled while body, ``_hlo.loop_reductions``, times the iterations; the others:
-``info.reductions``); ``all``, every call of ``A`` (a debug callback, in an untimed
-run; ``solve_normal``: ``info.matvecs`` + 2); ``(c)``: 1 by construction, in
-``mpi`` MPI calls. Accuracy, recomputed in NumPy: ``||f - A x|| / ||f||`` and the
-distance from ``(a)``'s answer. Run with ``OMP_NUM_THREADS=1`` where the ranks fill
-the cores (as benchmarks/cg.py says).
-
-What this script no longer asks (settled): docs/benchmarks-settled.rst.
+The problem is a variational Monte Carlo user's SR step, ``(J^T J / N + eps) x =
+f`` (``_sr.py``: ``N_p`` parameters replicated, ``--walkers`` per rank, float64,
+``maxiter=200``, conditioned as the user's deuteron, so that CG stops at
+``maxiter``), solved inside ``jax.jit`` by three routes, one row each per ``(N_p,
+walkers)``: (a) ``jax.scipy`` (their code: ``jax.scipy.sparse.linalg.cg`` with
+``mpi4jax.allreduce`` in ``A``); (b) ``dropin/<variant>`` (the same ``A`` in
+``mpi4jax_dist.cg``) and ``solve_normal``; (c) ``cholesky`` (``S`` summed with the
+in-place allreduce, then ``cho_factor``/``cho_solve``; skipped where S would exceed
+4 GiB per rank). Timed round-robin (``_harness.time_rounds``), the slowest rank per
+round, the median; allreduces per solve counted from what ran (the compiled loop,
+``_hlo.loop_reductions``; ``info``; a debug callback); residuals recomputed in
+NumPy. Run with ``OMP_NUM_THREADS=1`` where the ranks fill the cores.
+docs/benchmarks.rst, *The stochastic-reconfiguration solve*, gives the runs;
+settled questions: docs/benchmarks-settled.rst.
 """
 
 from __future__ import annotations
