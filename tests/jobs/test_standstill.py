@@ -314,9 +314,14 @@ comm = MPI.COMM_WORLD
 for how in ("send", "send_unwaited"):
     comm.Barrier()
     if comm.rank == 0:
-        time.sleep(2)  # rank 0 receives late, as one starved of its core would
+        # Rank 0 receives late, as one starved of its core would: 2 s after rank 1
+        # said it sends (after the barrier alone, a rank 1 kept off its core by a
+        # loaded machine sent after rank 0 had woken: CI, 2026-12-07).
+        comm.recv(source=1, tag=6)
+        time.sleep(2)
         comm.recv(source=1, tag=7)
         continue
+    comm.send(None, dest=0, tag=6)
     wall, cpu = time.monotonic(), time.process_time()
     if how == "send":
         comm.send({"kind": "reply", "calls": "x" * 300}, dest=0, tag=7)
