@@ -22,8 +22,7 @@ import _harness  # noqa: E402
 IMPLS = _harness.Registry("allreduce implementation")
 DTYPES = ("float32", "float64", "int32", "int8")
 
-# ---------------------------------------------------------------------------------
-# The checked pattern
+# --- The checked pattern --------------------------------------------------------------
 
 # Values the checks produce must be integers the dtype holds exactly: below 2^24 in
 # float32 (24-bit significand), 2^53 in float64, 2^31 in int32, 2^7 in int8 (for
@@ -56,15 +55,9 @@ def max_procs(dtype) -> int:
 
 
 def pattern_bound(procs: int, dtype) -> int:
-    """Return M, the bound of ``a(i)`` and ``c(i)`` in ``[0, M]`` for ``procs`` ranks.
-
-    Every value the checks produce, up to ``P * S(i)``, stays below
-    :data:`EXACT_BELOW` of the dtype, so that it is an exact integer there.
-
-    Raises:
-        ValueError: not even ``M = 1`` is exact (too many ranks for ``dtype``);
-            the message names ``--dtype`` and what to use instead.
-    """
+    """Return M, the bound of ``a(i)`` and ``c(i)`` in ``[0, M]`` for ``procs`` ranks,
+    so that every checked value (up to ``P * S(i)``) is exact in the dtype;
+    ``ValueError`` naming ``--dtype`` and the fix where not even ``M = 1`` is."""
     name = np.dtype(dtype).name
     bound = _largest(procs, EXACT_BELOW[name])
     if bound < 1:
@@ -204,8 +197,7 @@ def _count_block(size: int, procs: int, dtype: str):
     return jax.jit(count)
 
 
-# ---------------------------------------------------------------------------------
-# Implementations
+# --- Implementations ------------------------------------------------------------------
 
 
 class Allreduce:
@@ -326,18 +318,11 @@ class Mpi4pyInplace(Mpi4py):
 
 
 class JaxAllreduce(Allreduce):
-    """Shared by the JAX implementations: two executables compiled ahead of time,
-    ``one(x)`` (one allreduce) and ``chain(x, k)`` (a ``fori_loop`` of ``k``),
-    called through ``jax.jit`` (see the constructor for why).
-
-    Subclasses define :meth:`reduce` (one allreduce of a traced value, as seen
-    inside :meth:`wrap`), :meth:`wrap` (jit with the right sharding),
-    :meth:`input_spec`, :meth:`to_device` and :meth:`to_host`; they may define
-    :meth:`extra_args` (more arguments, after the input and the trip count) and
-    :meth:`operand` (what is reduced, made from the input and those), as
-    benchmarks/memory.py's intermediate forms do. ``executables`` holds what was
-    compiled (``"one"``, ``"chain"``), for ``memory_analysis()``.
-    """
+    """Shared by the JAX implementations: ``one(x)`` and ``chain(x, k)`` (a
+    ``fori_loop``), compiled ahead of time (``executables``) and called through
+    ``jax.jit``. Subclasses define :meth:`reduce`, :meth:`wrap` (jit with the
+    sharding), :meth:`input_spec`, :meth:`to_device` and :meth:`to_host`; may
+    define :meth:`extra_args` and :meth:`operand` (memory.py's intermediates)."""
 
     uses_jax = True
 
@@ -437,14 +422,9 @@ class Mpi4jax(JaxAllreduce):
 
 @IMPLS.register("mpi4jax_dist")
 class Mpi4jaxDist(Mpi4jax):
-    """``mpi4jax_dist.allreduce`` inside ``jax.jit(..., donate_argnums=0)``: the
-    input is donated, and XLA hands the handler one buffer, reduced in place.
-
-    As ``mpi4py_inplace`` reduces its one buffer, ``call`` and ``loop`` consume
-    the loaded input and the result becomes the next input (zeros stay zeros in
-    the timing; the checks load again). In ``loop`` the ``fori_loop`` carry goes
-    through the op, in place in the donated buffer.
-    """
+    """``mpi4jax_dist.allreduce`` inside ``jax.jit(..., donate_argnums=0)``: XLA
+    hands the handler one buffer, reduced in place; as with ``mpi4py_inplace`` the
+    result becomes the next input (the checks load again)."""
 
     # Its handler counts its calls and whether it got one buffer
     # (mpi4jax_dist._ffi's stats): benchmarks/memory.py reports them.

@@ -29,20 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------
-# Registry
+# --- Registry -------------------------------------------------------------------------
 
 
 class Registry:
-    """Named records of one kind, in registration order.
-
-    ::
-
-        IMPLS = Registry("allreduce implementation")
-
-        @IMPLS.register("mpi4py")
-        class Mpi4py(Allreduce): ...
-    """
+    """Named records of one kind, in registration order (``@IMPLS.register("mpi4py")``
+    on a class adds it)."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -98,8 +90,7 @@ class Registry:
         )
 
 
-# ---------------------------------------------------------------------------------
-# Timing
+# --- Timing ---------------------------------------------------------------------------
 
 
 def block(output):
@@ -115,18 +106,10 @@ def time_rounds(
     warmup: int = 1,
     outputs: list | None = None,
 ) -> list[list[float]]:
-    """Time every case ``samples`` times, round-robin; the one timing loop.
-
-    Args:
-        cases: callables; each is one timed unit (its output is waited for).
-        comm: the communicator whose slowest rank counts (every rank calls this).
-        samples: timed rounds.
-        warmup: untimed runs of each case first (compilation, first touch).
-        outputs: a list that gets each case's output of its last run.
-
-    Returns:
-        Per case, per round, the slowest rank's seconds.
-    """
+    """Time every case (a callable, its output waited for) ``samples`` times,
+    round-robin after ``warmup`` untimed runs, a barrier of ``comm`` before each;
+    return per case, per round, the slowest rank's seconds (``outputs`` gets each
+    case's last output). Every rank calls it."""
     from mpi4py import MPI
 
     last = [None] * len(cases)
@@ -161,15 +144,11 @@ class LoopFit:
 def fit_trips(times: dict[int, Sequence[float]], dispatched: bool = True) -> LoopFit:
     """Split timed loops into the time per trip and the fixed part, robustly.
 
-    ``times[k]`` are the samples of the same loop run with ``k`` trips, each
-    ``fixed + k * trip + noise``. The fixed part is the median of the intercepts of
-    the lines through every pair of samples of two trip counts (as Theil–Sen fits),
-    which a fifth of the samples slowed by any amount moves little; each sample less
-    it, over its trips, is one time per trip, never negative. It is resolved where
-    the intercepts' lower quartile is above 0 and their median below the fastest
-    sample; else its bound is reported, and the times subtract the median all the
-    same where it lies between 0 and the fastest sample (docs/benchmarks.rst, *The
-    allreduce*).
+    ``times[k]`` are samples of one loop run with ``k`` trips, each ``fixed + k *
+    trip + noise``; the fixed part is the median intercept of the lines through
+    every pair of samples of two trip counts (as Theil–Sen fits), resolved where
+    their lower quartile is above 0 and their median below the fastest sample, else
+    bounded (docs/benchmarks.rst, *The allreduce*, gives the rule).
 
     Args:
         times: samples (seconds) per trip count; two trip counts or more.
@@ -214,14 +193,7 @@ WIDE = 0.25
 
 class Compiles:
     """Count XLA compilations while in a ``with`` block (JAX's own monitoring
-    event), so that a figure can show that no compilation ran inside it.
-
-    ::
-
-        with Compiles() as compiled:
-            run()
-        assert compiled.count == 0, compiled.names
-    """
+    event), so that a figure can show that no compilation ran inside it."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -250,12 +222,10 @@ class Compiles:
 
 
 def summary(samples: Iterable[float], prefix: str = "t") -> dict:
-    """Return min, quartiles (``q1``, ``median``, ``q3``), mean, standard deviation
-    and max of ``samples`` as ``{prefix}_min_s``, ``{prefix}_q1_s``, ... (seconds),
-    with ``{prefix}_spread``: half the distance between the quartiles over the median
-    (0.1 is ±10 %; with 10 samples the quartiles bracket about a 90 % confidence
-    interval of the median), and ``{prefix}_wide``: that spread exceeds
-    :data:`WIDE`."""
+    """Return min, quartiles, mean, standard deviation and max of ``samples`` as
+    ``{prefix}_min_s``, ``{prefix}_q1_s``, ... (seconds), ``{prefix}_spread`` (half
+    the quartiles' distance over the median) and ``{prefix}_wide`` (above
+    :data:`WIDE`)."""
     values = list(samples)
     median = statistics.median(values)
     if len(values) > 1:
@@ -282,8 +252,7 @@ def steps_for(nbytes: int, most: int) -> int:
     return max(3, min(most, math.ceil(2**24 / max(nbytes, 1))))
 
 
-# ---------------------------------------------------------------------------------
-# Sizes and units
+# --- Sizes and units ------------------------------------------------------------------
 
 
 # Longest suffix first: "kib" before "b".
@@ -337,18 +306,14 @@ def human_bytes(n: int) -> str:
     return f"{n:.4g} {unit}"
 
 
-# ---------------------------------------------------------------------------------
-# Tables
+# --- Tables ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Column:
-    """One column: the result key, its title and unit, width, and format.
-
-    ``fmt`` is a format spec (``".1f"``) or a callable ``value -> str``; ``scale``
-    multiplies numbers first (``1e6`` for seconds shown in us). ``None`` prints ``-``.
-    ``text``, where given, makes the cell from the whole row instead.
-    """
+    """One column: result key, title, unit, width and ``fmt`` (a format spec or a
+    callable; ``scale`` multiplies numbers first; ``None`` prints ``-``); ``text``
+    makes the cell from the whole row instead."""
 
     key: str
     title: str
@@ -414,9 +379,7 @@ def within(width: int, *lines: str) -> list[str]:
     return out
 
 
-# Where say() prints by default: standard output, or inside results_on_stdout()
-# the real standard output kept apart from what libraries print.
-_results = None
+_results = None  # where say() prints inside results_on_stdout()
 
 
 @contextlib.contextmanager
@@ -467,8 +430,7 @@ def results_on_stdout():
         os.close(saved)
 
 
-# ---------------------------------------------------------------------------------
-# Provenance and output
+# --- Provenance and output ------------------------------------------------------------
 
 
 def commit() -> str | None:
@@ -488,9 +450,7 @@ def commit() -> str | None:
     return sha.stdout.strip() or None
 
 
-#: The variables that set NumPy's and XLA's threads: where the ranks fill the cores,
-#: run the CG benchmarks with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` (BLAS
-#: threads otherwise spin against the other ranks); ``meta`` records them.
+#: The variables that set NumPy's and XLA's threads (``meta`` records them).
 THREAD_VARIABLES = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -507,12 +467,9 @@ def threads_line() -> str:
 
 
 def meta(comm=None, **extra) -> dict:
-    """Return provenance: machine, versions, commit, UTC time, the thread
-    variables (``threads``) and extra fields.
-
-    With ``comm`` (inside an MPI job with JAX initialized) also the MPI library,
-    the world size and nodes, JAX's backend, devices and CPU collectives.
-    """
+    """Return provenance: machine, versions, commit, UTC time, thread variables
+    and ``extra``; with ``comm`` (JAX initialized) also the MPI library, the world,
+    JAX's backend, devices and CPU collectives."""
     from mpi4jax_dist import _mpi
     from mpi4jax_dist.diagnostics import check as diagnostics
     from mpi4jax_dist.faults import hangs
@@ -570,11 +527,9 @@ def hang_line(info: dict) -> str:
 
 def pages() -> dict:
     """What pages large buffers get: the kernel's transparent huge page mode, and
-    whether glibc's malloc asks for huge pages (``GLIBC_TUNABLES`` with
-    ``glibc.malloc.hugetlb=1``, read when the process started). NumPy asks for
-    huge pages for its large arrays itself; XLA's CPU buffers come from malloc,
-    so under the kernel's ``madvise`` mode they are on 4 KiB pages unless glibc
-    asks (docs/benchmarks.rst, *The in-place allreduce and huge pages*)."""
+    whether glibc's malloc asks for huge pages (``glibc.malloc.hugetlb`` in
+    ``GLIBC_TUNABLES``): docs/benchmarks.rst, *The in-place allreduce and huge
+    pages*."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             mode = f.read().split("[", 1)[1].split("]", 1)[0]
@@ -670,8 +625,7 @@ def save(
         plot(results, args.plot)
 
 
-# ---------------------------------------------------------------------------------
-# Jobs started by a parent process
+# --- Jobs started by a parent process -------------------------------------------------
 
 RESULT = "RESULT "
 
@@ -833,8 +787,7 @@ def _text(data) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
-# ---------------------------------------------------------------------------------
-# Memory
+# --- Memory ---------------------------------------------------------------------------
 
 # glibc: blocks from 128 KiB up get their own mapping, returned when freed (the
 # default is also 128 KiB, but it then rises with every large block freed).
@@ -863,15 +816,9 @@ def reset_peak_rss() -> bool:
 
 
 def settle(most: float = 2.0) -> None:
-    """Wait until the set-up's memory is freed: garbage collected, JAX's pending
-    work done, and RSS unchanged over 20 ms (at most ``most`` seconds).
-
-    Memory freed after the baseline but during the call offsets what the call
-    allocates: jaxlib released the host array of a load at the next dispatch,
-    which made psum's rise at 64 MiB read 2 MiB on some ranks instead of 66
-    (``JaxAllreduce.load`` now releases it; this waits for anything else still
-    moving).
-    """
+    """Wait until the set-up's memory is freed (garbage collected, JAX's work done,
+    RSS unchanged over 20 ms; at most ``most`` seconds): memory freed during the
+    call would offset what it allocates (psum's rise at 64 MiB once read 2 MiB)."""
     import jax
 
     gc.collect()

@@ -142,11 +142,8 @@ def _instruction(name: str, rest: str) -> Instruction:
 
 
 def parse(text: str) -> Module:
-    """Return the :class:`Module` of HLO text (``Compiled.as_text()``).
-
-    Raises:
-        ValueError: the text holds no entry computation.
-    """
+    """Return the :class:`Module` of HLO text (``Compiled.as_text()``);
+    ``ValueError`` where it holds no entry computation."""
     computations, entry, current = {}, None, None
     for line in text.splitlines():
         if current is None:

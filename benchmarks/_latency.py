@@ -1,12 +1,8 @@
 """A large machine's reduction latency for the benchmarks: the PMPI interposer
-``pmpi_latency.c``, built with the MPI's compiler wrapper and preloaded into the
-benchmark's own ranks.
-
-A benchmark that wants it calls :func:`preload` first thing, before MPI is
-initialized: the process then runs again (``exec``) with the library in
-``LD_PRELOAD``, under the same launcher (the launcher's variables and descriptors
-pass through ``exec``). :func:`set_us` sets the delay between measurements.
-The package itself knows nothing of it.
+``pmpi_latency.c``, built with the MPI's compiler wrapper; :func:`preload`, called
+before MPI starts, runs the process again (``exec``, under the same launcher) with
+it in ``LD_PRELOAD``; :func:`set_us` sets the delay between measurements. The
+package itself knows nothing of it.
 """
 
 from __future__ import annotations
@@ -87,12 +83,8 @@ def preload() -> None:
 
 
 def set_us(us: float) -> None:
-    """Hold every reduction posted from now on ``us`` µs after its post.
-
-    Raises:
-        RuntimeError: the interposer is not loaded (run the benchmark as a script,
-            which preloads it, not its ``main()`` in another process).
-    """
+    """Hold every reduction posted from now on ``us`` µs after its post;
+    ``RuntimeError`` where the interposer is not loaded."""
     if not preloaded():
         raise RuntimeError(
             "a reduction latency needs the PMPI interposer preloaded: run the "

@@ -12,11 +12,8 @@ import numpy as np
 
 
 def stencil(u, above, below, xp):
-    """Return the 5-point Laplacian ``4u - neighbours`` of the row block ``u``.
-
-    ``above``/``below`` are the grid rows just outside the block (zeros at the
-    Dirichlet boundary); ``xp`` is numpy or jax.numpy.
-    """
+    """Return the 5-point Laplacian ``4u - neighbours`` of the row block ``u``;
+    ``above``/``below``: the rows just outside it (zeros at the boundary)."""
     zero = xp.zeros_like(u[:, :1])
     up = xp.concatenate([above[None], u[:-1]])
     down = xp.concatenate([u[1:], below[None]])

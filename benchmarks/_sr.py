@@ -101,11 +101,8 @@ class Jacobian:
 
 
 def user_matvec(J, eps, N, comm, counter=None):
-    """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``.
-
-    ``counter``: called through ``jax.debug.callback`` once per call (on rank 0:
-    one for the initial residual, one per iteration).
-    """
+    """The user's ``A``: ``mpi4jax.allreduce(J.T @ (J @ v)) / N + eps v``;
+    ``counter`` is called (``jax.debug.callback``) once per call of ``A``."""
     import jax
     import mpi4jax
     from mpi4py import MPI

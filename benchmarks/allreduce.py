@@ -68,8 +68,7 @@ def _fixed(row: dict) -> str:
     return "-"
 
 
-# ---------------------------------------------------------------------------------
-# The sweep
+# --- The sweep ------------------------------------------------------------------------
 
 
 def check(impls: dict, n: int, comm, wrong: dict, checked: dict) -> None:
@@ -274,69 +273,36 @@ def closing_lines(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
-    """Latency (the loop rows' quartiles shaded) and bus bandwidth against size, a
-    line per implementation and mode (a colour per implementation; loop: solid
-    with dots, call: dashed with crosses), the legend right of the panels."""
+    """Median time per allreduce against size, a line per implementation and mode
+    (a colour per implementation; loop solid with dots and its quartiles shaded,
+    call dashed with crosses); bus bandwidth is the table's."""
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     names = IMPLS.names()
-    panels = (
-        (
-            "t_median_s",
-            1e6,
-            "median time per allreduce [us]",
-            "time per allreduce " "(loop: the collective alone; call: with a dispatch)",
-        ),
-        (
-            "busbw_GBps",
-            1.0,
-            "bus bandwidth [GB/s]",
-            "bus bandwidth (as nccl-tests: " "algbw * 2(P-1)/P)",
-        ),
-    )
-    fig, axes = plt.subplots(1, 2, figsize=(13.5, 4.5), layout="constrained")
-    for ax, (key, scale, label, text) in zip(axes, panels, strict=True):
-        for impl, mode in dict.fromkeys((r["impl"], r["mode"]) for r in results):
-            rows = [r for r in results if (r["impl"], r["mode"]) == (impl, mode)]
-            rows.sort(key=lambda r: r["bytes"])
-            xs, loop = [r["bytes"] for r in rows], mode == "loop"
-            color = f"C{names.index(impl) if impl in names else len(names)}"
-            ax.plot(
-                xs,
-                [r[key] * scale for r in rows],
-                label=f"{impl} ({mode})",
-                color=color,
-                linestyle="-" if loop else "--",
-                marker="o" if loop else "x",
-                markersize=3 if loop else 5,
-            )
-            if loop and key == "t_median_s":  # the quartiles
-                low = [r["t_q1_s"] * scale for r in rows]
-                high = [r["t_q3_s"] * scale for r in rows]
-                ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        # Ticks at the sizes measured, at most about ten of them labelled.
-        sizes = sorted({r["bytes"] for r in results})
-        every = -(-len(sizes) // 10)
-        ax.set_xticks(
-            sizes,
-            [
-                _harness.human_bytes(n) if i % every == 0 else ""
-                for i, n in enumerate(sizes)
-            ],
-            rotation=45,
-            fontsize=7,
+    fig, ax = plt.subplots(figsize=(10, 5), layout="constrained")
+    for impl, mode in dict.fromkeys((r["impl"], r["mode"]) for r in results):
+        rows = [r for r in results if (r["impl"], r["mode"]) == (impl, mode)]
+        rows.sort(key=lambda r: r["bytes"])
+        xs, loop = [r["bytes"] for r in rows], mode == "loop"
+        color = f"C{names.index(impl) if impl in names else len(names)}"
+        ax.plot(
+            xs,
+            [r["t_median_s"] * 1e6 for r in rows],
+            label=f"{impl} ({mode})",
+            color=color,
+            linestyle="-" if loop else "--",
+            marker="o" if loop else "x",
+            markersize=3 if loop else 5,
         )
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("message size per rank [bytes]")
-        ax.set_ylabel(label)
-        ax.set_title(text, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
-    fig.suptitle(title)
+        if loop:
+            low, high = ([r[k] * 1e6 for r in rows] for k in ("t_q1_s", "t_q3_s"))
+            ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="message size per rank [bytes]", ylabel="median time [us]")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.legend(loc="outside right upper", fontsize=7)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -388,13 +354,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> list[dict]:
-    """Run the sweep; return the result rows (on every rank).
-
-    Raises:
-        SystemExit: 1 after the sweep when an element was wrong (each named in a
-            ``WRONG:`` line on rank 0's stderr); 2 for bad arguments, or a
-            ``--dtype`` that cannot hold the checked values for this many ranks.
-    """
+    """Run the sweep; return the result rows (on every rank). ``SystemExit`` 1
+    after it where an element was wrong (``WRONG:`` lines), 2 for bad arguments."""
     args = parse_args(argv)
 
     # mpi4jax_dist first: with MPI4JAX_DIST_CPU_COLLECTIVES=mpi it must reach jaxlib

@@ -38,17 +38,12 @@ METHODS.register("psum", "mpi4jax_dist.cg, backend psum")
 METHODS.register(JAX_SCIPY, "jax.scipy.sparse.linalg.cg on global sharded arrays")
 
 
-# ---------------------------------------------------------------------------------
-# Counting and timing
+# --- Counting and timing --------------------------------------------------------------
 
 
 class CountingComm:
-    """An mpi4py communicator whose reductions are counted as they are called.
-
-    ``Allreduce`` and ``allreduce`` add one to :attr:`reductions`, then call the
-    wrapped communicator; every other attribute is the wrapped one's (the halo
-    ``Sendrecv`` is no reduction).
-    """
+    """An mpi4py communicator that counts its ``Allreduce`` and ``allreduce``
+    calls in :attr:`reductions` (the halo's ``Sendrecv`` is no reduction)."""
 
     def __init__(self, comm):
         self._comm, self.reductions = comm, 0
@@ -66,13 +61,9 @@ class CountingComm:
 
 
 def numpy_cg(matvec, b, comm, tol, maxiter):
-    """The floor: classic unpreconditioned CG.
-
-    ``matvec`` and the dot products reduce through ``comm``, a :class:`CountingComm`.
-
-    Returns:
-        ``(x, iterations, reductions made in the loop, recurrence residual)``.
-    """
+    """The floor: classic unpreconditioned CG reducing through ``comm`` (a
+    :class:`CountingComm`); ``(x, iterations, reductions in the loop, recurrence
+    residual)``."""
     from mpi4py import MPI
 
     def dot(a, c):
@@ -153,11 +144,8 @@ class Bench:
         recurrence=None,
         extra=None,
     ):
-        """Check ``x_local`` with ``check`` and add one result row.
-
-        ``samples`` are the solve's timed rounds (slowest rank each); ``counted`` the
-        reductions made in the loop, counted from what ran (None: not known).
-        """
+        """Check ``x_local`` and add one row: ``samples`` the timed rounds,
+        ``counted`` the loop's reductions from what ran (None: not known)."""
         rel_residual, error = check(np.asarray(x_local, dtype=np.float64))
         timing = _harness.summary(samples, "t_solve")
         t_solve = timing["t_solve_median_s"]
@@ -282,14 +270,11 @@ class Bench:
         self.add(solve, finish)
 
     def add_jax_cg(self, backend, make, args_, check, design, nbytes, to_numpy):
-        """Queue a ``jax.scipy.sparse.linalg.cg`` reference.
-
-        ``make(counter)`` returns the jitted solve; with a counter, its matvec calls
-        it through ``jax.debug.callback``, in an untimed run after the timed ones (on
-        rank 0 every matvec fires it: one for the initial residual, one per
-        iteration). The reductions per iteration are those of the while loop of the
-        timed program (``make(None)``), compiled here.
-        """
+        """Queue a ``jax.scipy.sparse.linalg.cg`` reference: ``make(counter)``
+        returns the jitted solve, whose matvec calls ``counter`` through
+        ``jax.debug.callback`` (an untimed run: one call for the initial residual,
+        one per iteration); the reductions per iteration are those of the timed
+        program's (``make(None)``) compiled while loop."""
         import jax
 
         solve = make(None)
@@ -415,8 +400,7 @@ class Bench:
         return np.sqrt(self.comm.allreduce(float(v @ v), op=MPI.SUM)) / norm
 
     def speedups(self):
-        """Add t/iter and solve-time speedups over classic; print them per
-        backend."""
+        """Add and print t/iter and solve-time speedups over classic."""
         from mpi4jax_dist import cg
 
         lines = []

@@ -38,7 +38,6 @@ import _harness  # noqa: E402
 
 from mpi4jax_dist.launch import limits  # noqa: E402
 
-TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 NETSTAT_KEYS = ("ListenOverflows", "ListenDrops", "TCPSynRetrans")
 # How long past its init_timeout a connect() may take before it counts as failed
 # (jaxlib 0.6.0's can wait on for good).
@@ -47,8 +46,7 @@ GAP_MS = 100.0  # between waves, unless --waves says W/GAP_MS
 SHUTDOWN_TIMEOUT_S = 60
 
 
-# ---------------------------------------------------------------------------------
-# The worker: one run in a fresh process
+# --- The worker: one run in a fresh process -------------------------------------------
 
 
 def client_address(index: int, port: int) -> str:
@@ -70,58 +68,31 @@ def free_port() -> int:
 
 
 def service_sockets(port: int) -> dict[str, int] | None:
-    """Return the TCP sockets whose local port is ``port``, from /proc/net/tcp and
-    /proc/net/tcp6: ``accepted`` (ESTABLISHED and open in this process: the
-    service's file descriptors, matched by inode; the kernel's queued ones have
-    inode 0) and ``listening`` (LISTEN sockets of this process). None when the
-    tables cannot be read (at the open-file limit even /proc cannot be opened)."""
-    wanted = f":{port:04X}"
-    ours = socket_inodes()
-    if ours is None:
-        return None
-    counts = {"accepted": 0, "listening": 0}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    if not fields[1].endswith(wanted):
-                        continue
-                    inode = fields[9]
-                    if fields[3] == TCP_ESTABLISHED and inode in ours:
-                        counts["accepted"] += 1
-                    elif fields[3] == TCP_LISTEN and inode in ours:
-                        counts["listening"] += 1
-        except FileNotFoundError:  # no IPv6
-            continue
-        except OSError:
-            return None
-    return counts
+    """Return this process's TCP sockets whose local port is ``port`` (psutil, from
+    its open files: the kernel's queued connections are not among them):
+    ``accepted`` (ESTABLISHED: the service's ends) and ``listening``. None when they
+    cannot be read (at the open-file limit even /proc cannot be opened)."""
+    import psutil
 
-
-def socket_inodes() -> set[str] | None:
-    """Return the inodes of this process's open sockets; None when unreadable."""
-    inodes = set()
     try:
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    except OSError:
+        found = psutil.Process().net_connections(kind="tcp")
+    except (OSError, psutil.Error):
         return None
-    return inodes
+    states = [c.status for c in found if c.laddr and c.laddr.port == port]
+    return {
+        "accepted": states.count(psutil.CONN_ESTABLISHED),
+        "listening": states.count(psutil.CONN_LISTEN),
+    }
 
 
 def open_files() -> int | None:
-    """Return how many file descriptors this process has open (None when even
-    /proc/self/fd cannot be opened: the limit is reached)."""
+    """Return how many file descriptors this process has open (None where they
+    cannot be counted: the limit is reached)."""
+    import psutil
+
     try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
+        return psutil.Process().num_fds()
+    except (OSError, psutil.Error):
         return None
 
 
@@ -294,8 +265,7 @@ def _run(config: dict, row: dict, procs: int, waves: int, gap: float) -> None:
     row["ok"] = True
 
 
-# ---------------------------------------------------------------------------------
-# The parent: one subprocess per run
+# --- The parent: one subprocess per run -----------------------------------------------
 
 
 def worker_env() -> dict:

@@ -56,8 +56,7 @@ except Exception as e:  # no CUDA plugin, no driver, no device
 print("RESULT " + json.dumps(found))
 """
 
-# ---------------------------------------------------------------------------------
-# The cases: _allreduce_impls's implementations, and two on an intermediate
+# --- The cases: _allreduce_impls's implementations, and two on an intermediate --------
 
 
 IMPLS = _harness.Registry("memory case")
@@ -119,15 +118,12 @@ GPU_COLUMNS = [
 ]
 
 
-# ---------------------------------------------------------------------------------
-# One case, inside its own MPI job
+# --- One case, inside its own MPI job -------------------------------------------------
 
 
 def load_pattern(impl, rank: int, procs: int, device) -> None:
-    """Load this rank's checked input (``_allreduce_impls.pattern``), made by XLA: a
-    2^31-element pattern in NumPy takes 16 GiB temporaries and 80 s a rank. On a
-    ``device`` (whose peak cannot be reset) it stays there, and nothing else is
-    held while it is made."""
+    """Load this rank's checked input (``_allreduce_impls.pattern``), made by XLA
+    (NumPy's takes 16 GiB and 80 s at 2^31 elements); on a ``device`` it stays."""
     if device is not None:
         impl.x = impl.y = None
         impl.x = impl.y = impl.to_device(
@@ -142,10 +138,9 @@ def load_pattern(impl, rank: int, procs: int, device) -> None:
 
 
 def grow_communicator_pool(comm, count: int = 4) -> None:
-    """Make and free ``count`` duplicates of ``comm`` (collective): MPI allocates
-    communicators in blocks (MPICH: about 1.8 MiB), and the first call's own
-    duplicates must not start one inside the measured window (docs/benchmarks.rst,
-    *Memory*). Made and freed before the baseline, the call reuses them."""
+    """Make and free ``count`` duplicates of ``comm`` before the baseline: MPI
+    allocates communicators in blocks (MPICH: 1.8 MiB), which the call's own
+    duplicates must not start inside the measured window."""
     made = [comm.Dup() for _ in range(count)]
     for duplicate in made:
         duplicate.Free()
@@ -153,10 +148,7 @@ def grow_communicator_pool(comm, count: int = 4) -> None:
 
 def run_case(name: str, nbytes: int, dtype: str, gpu: bool) -> None:
     """Measure one allreduce of ``name`` at ``nbytes`` per rank; rank 0 reports.
-
-    Every job imports JAX, which makes the input and checks the result also for
-    the mpi4py cases (before the baseline, and after the call).
-    """
+    JAX makes the input and checks the result, for the mpi4py cases too."""
     import jax
     from mpi4py import MPI
 
@@ -262,8 +254,7 @@ def run_case(name: str, nbytes: int, dtype: str, gpu: bool) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------
-# The parent: one job per case
+# --- The parent: one job per case -----------------------------------------------------
 
 
 def timeout_for(nbytes: int, timeout: float | None) -> float:
@@ -366,12 +357,8 @@ def job_env(gpu: bool) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    """Run every case in its own job; return the rows.
-
-    Raises:
-        SystemExit: 1 after all cases when one was wrong, crashed or timed out
-            (with ``--gpu``: one of the package's; 0 where JAX sees no GPU).
-    """
+    """Run every case in its own job; return the rows. ``SystemExit`` 1 after all
+    where one was wrong, crashed or timed out (``--gpu``: one of the package's)."""
     args = parse_args(argv)
     if args.case:
         name, _, nbytes = args.case.partition(":")

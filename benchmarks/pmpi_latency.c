@@ -1,21 +1,11 @@
-/* A PMPI interposer that gives every allreduce the latency of a large machine.
- *
- * Preloaded into a benchmark's ranks (LD_PRELOAD; benchmarks/_latency.py builds
- * it with the MPI's own compiler wrapper and preloads it), it holds each
- * reduction's result until `delay` microseconds after the reduction was posted:
- *
- *   MPI_Allreduce(_c)    returns no sooner than delay after it was called;
- *   MPI_Iallreduce(_c)   notes when the request was posted;
- *   MPI_Test             on such a request reports it incomplete until then
- *                        (MPI_Request_get_status still progresses it);
- *   MPI_Wait             returns no sooner than then.
- *
- * A blocking reduction so pays the delay, an overlapped one only what its
- * overlapped work does not cover. The delay starts at 0 and is set, between
- * measurements, through pmpi_latency_set_us() (the benchmark calls it with
- * ctypes), so one process can time several delays round-robin. Every other MPI
- * call goes straight to the library. Nothing of mpi4jax_dist is involved: the
- * package calls MPI as it always does.
+/* A PMPI interposer that gives every allreduce the latency of a large machine
+ * (benchmarks/_latency.py builds it with the MPI's compiler wrapper and preloads
+ * it): each reduction's result is held until `delay` microseconds after its post.
+ * MPI_Allreduce(_c) returns no sooner; MPI_Iallreduce(_c) notes the post; MPI_Test
+ * on such a request says incomplete until then (MPI_Request_get_status still
+ * progresses it); MPI_Wait returns no sooner. A blocking reduction so pays the
+ * delay, an overlapped one what its overlapped work does not cover. The delay,
+ * 0 at first, is set between measurements by pmpi_latency_set_us() (ctypes).
  */
 
 #include <mpi.h>

@@ -53,8 +53,7 @@ def cg_module():
     return importlib.import_module("mpi4jax_dist.cg")
 
 
-# ---------------------------------------------------------------------------------
-# The routes, as jitted functions of (J, f, x0, eps)
+# --- The routes, as jitted functions of (J, f, x0, eps) -------------------------------
 
 
 def problem(params, walkers, comm, seed=0) -> Jacobian:
@@ -186,8 +185,7 @@ def count_calls(make, args, comm) -> int:
     return comm.bcast(calls[0], root=0)
 
 
-# ---------------------------------------------------------------------------------
-# Tables
+# --- Tables ---------------------------------------------------------------------------
 
 ROUTE_TABLE = _harness.Table(
     [
@@ -210,8 +208,7 @@ ROUTE_TABLE = _harness.Table(
 )
 
 
-# ---------------------------------------------------------------------------------
-# The routes study
+# --- The routes study -----------------------------------------------------------------
 
 
 class Bench:
@@ -406,8 +403,7 @@ def info_fields(info) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------
-# Command line
+# --- Command line ---------------------------------------------------------------------
 
 
 def parse(argv):
