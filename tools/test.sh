@@ -78,7 +78,7 @@ run timeout -k 10 300 mpiexec -n 2 python -m mpi4jax_dist --check
 
 # The tree's modules compiled once, as pip compiles an installed package's: .venv
 # runs the package from the tree (editable), every environment the tests from it,
-# and where PYTHONDONTWRITEBYTECODE is set (as on CI's machines) each process
+# and where PYTHONDONTWRITEBYTECODE is set (as on these VMs) each process
 # compiled them again: 80 ms of a rank's start (1.04 against 0.96 CPU-s for
 # `import mpi4jax_dist`, medians of 8), some 1,000 rank starts a run.
 compile_tree() { "$1" -m compileall -q -j 0 mpi4jax_dist tests benchmarks examples >/dev/null; }
