@@ -5,8 +5,9 @@ Each test launches ``tests/scripts/rank_failure.py --worker CASE`` on 2 ranks (t
 scenarios the benchmark times), in which rank 1 fails
 while rank 0 waits for it in a jitted ``mpi4jax.allreduce`` (or, before the
 backend starts, in JAX's backend start-up), and asserts the exit status, the first
-line printed, and that the job ended within 15 s. Without the package's hooks these
-jobs hang for minutes (README, "When a rank fails").
+line printed, and that the job ended within 15 s of rank 1's failure (the line it
+prints just before; from the job's start where there is none). Without the
+package's hooks these jobs hang for minutes (README, "When a rank fails").
 """
 
 import json
@@ -28,6 +29,11 @@ HEADER = "mpi4jax_dist: rank 1 of 2: {what}; MPI_Abort ends the job"
 
 
 def launch(case, *python_args, **env):
+    """The job's result, and the seconds from rank 1's failure to the job's end.
+
+    From the failure, not the launch: under Open MPI a job that ends 0.3 s after
+    the failure took 3 s from its launch on an idle VM, and 16 to 28 s in CI's
+    three lanes on a slower one (2026-12-07), failing the 15 s check."""
     start = time.monotonic()
     proc = util.run_mpi(
         [*python_args, util.SCRIPTS / "rank_failure.py", "--worker", case],
@@ -36,7 +42,9 @@ def launch(case, *python_args, **env):
         timeout=90,
         env=util.clean_env(**{**bench.QUIET, **env}),
     )
-    return proc, time.monotonic() - start
+    end = time.monotonic()
+    failed_at = re.findall(r"^RANK1 FAILS AT ([\d.]+)$", proc.stdout, re.MULTILINE)
+    return proc, end - (float(failed_at[-1]) if failed_at else start)
 
 
 def first_line(proc) -> str:

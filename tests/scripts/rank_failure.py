@@ -18,7 +18,7 @@ it made failing ranks abort) and with the default. A job still running at
 
 Reported per case and setting: the time from ``mpiexec`` start to the end of the
 job, its exit status, and the first line it printed about its end (stderr, then
-stdout; the worker's own ``READY``/``RANK0 DONE`` lines left out).
+stdout; the worker's own ``READY``/``RANK0 DONE``/``RANK1 FAILS`` lines left out).
 
 ``--runner mpi4py`` starts the ranks as ``python -m mpi4py``, mpi4py's recipe for
 aborting on an uncaught exception.
@@ -71,7 +71,10 @@ def worker(case: str) -> None:
     Rank 0 prints ``RANK0 DONE`` once through its allreduce, which it gets only
     when rank 1 did not fail first. Every rank prints ``READY <rank> <SIGTERM
     caught>`` once JAX's backend is up, the last from the kernel's record of this
-    process's signal handlers (C or Python).
+    process's signal handlers (C or Python). Rank 1 prints ``RANK1 FAILS AT <t>``
+    (``time.monotonic()``, one clock for every process of a machine) just before
+    it fails: the tests time the job's end from there, not from a start-up that
+    a loaded machine makes slow.
     """
     import jax
     import jax.numpy as jnp
@@ -94,10 +97,12 @@ def worker(case: str) -> None:
         raise ValueError(f"rank {rank} failed on purpose")
 
     if case == "raise_before_backend" and rank == 1:
+        _failing()
         fail()
     x = jnp.ones(4)  # starts the backend
     _say(f"READY {rank} {_sigterm_caught()}")
     if rank == 1:
+        _failing()
         if case == "raise":
             fail()
         elif case == "thread":
@@ -140,6 +145,7 @@ def worker(case: str) -> None:
         if rank == 1:
             if case == "os_exit0_cleanup_fails":
                 jax.distributed.shutdown = _fail_to_shut_down
+            _failing()
             os._exit(0)
         time.sleep(3)  # work the launcher would cut short
         _say(f"RANK{rank} LATE DONE")
@@ -147,6 +153,10 @@ def worker(case: str) -> None:
 
 def _fail_to_shut_down() -> None:
     raise RuntimeError("the coordination service is gone (injected)")
+
+
+def _failing() -> None:
+    _say(f"RANK1 FAILS AT {time.monotonic():.3f}")
 
 
 def _say(text: str) -> None:
@@ -175,7 +185,7 @@ def first_line(stdout: str, stderr: str) -> str:
     for text in (stderr, stdout):
         for line in text.splitlines():
             line = line.strip("=- \t\0")
-            if line and not line.startswith(("READY", "RANK0 DONE")):
+            if line and not line.startswith(("READY", "RANK0 DONE", "RANK1 FAILS")):
                 return line
     return ""
 
