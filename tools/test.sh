@@ -131,8 +131,8 @@ if [ -x "$ompi/bin/python" ]; then
 fi
 other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
 # The lanes' limits are twice what their stages took on the slowest VM seen
-# (2026-12-07: a job's JAX start-up 1.7 times the CPU of the VMs before; JAX 0.6.0's
-# serial suite 967 s, Open MPI's launch tests 743 s): a limit is there for a stage
+# (2026-12-07: .venv's serial suite 1.7 times the CPU it took on the VMs before;
+# JAX 0.6.0's 967 s, Open MPI's launch tests 743 s): a limit is there for a stage
 # whose own jobs' limits failed, not to time it.
 oldest_jax_lane() {
     if [ -x "$jaxmin/bin/python" ]; then
@@ -207,8 +207,8 @@ trap 'status=$?; show_beside || true; exit "$status"' EXIT
 
 # In two streams (above), with Open MPI's Python at hand (tools/setup.sh
 # --with-openmpi): under MPICH's mpiexec its mpi4py starts as singletons, which the
-# package must catch. In two streams 730 to 800 s beside the stages above on the
-# 2-core VMs of 2026-12-06, 1,268 s on the slower one of 2026-12-07; a limit of
+# package must catch. In two streams 730 to 800 s beside the stages above on
+# 2026-12-07's first 2-core VM, 1,268 s on a slower one that evening; a limit of
 # 2,600 s ends it if one of its jobs outlives its own limits.
 other=()
 if [ -x "$ompi/bin/python" ]; then
