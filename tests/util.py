@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -369,6 +370,21 @@ def result_texts(stdout: str, marker: str = "RESULT ") -> list[str]:
     ranks' lines on one (seen under Intel MPI's Hydra and, under load, MPICH's).
     """
     return [chunk.splitlines()[0] for chunk in stdout.split(marker)[1:]]
+
+
+def seconds_from(mark: str, stdout: str, start: float, end: float) -> float:
+    """Seconds from a job's cause to ``end``: a rank prints ``<mark> AT <t>``
+    (``time.monotonic()``, one clock for every process of a machine) just before
+    the cause, and the earliest such line counts; where none came, from ``start``,
+    the launch, which is stricter. From the launch, a check also counts the ranks'
+    JAX start-ups, seconds under CI's load: a job that failed at once took 32 s
+    from its launch in CI's lanes, of a 30 s check (2026-12-07)."""
+    stamps = [
+        float(found.group(0))
+        for text in result_texts(stdout, f"{mark} AT ")
+        if (found := re.match(r"\d+\.\d+", text))
+    ]
+    return end - (min(stamps) if stamps else start)
 
 
 def result_lines(proc, n: int, key: str) -> list[dict]:

@@ -42,9 +42,7 @@ def launch(case, *python_args, **env):
         timeout=90,
         env=util.clean_env(**{**bench.QUIET, **env}),
     )
-    end = time.monotonic()
-    failed_at = re.findall(r"^RANK1 FAILS AT ([\d.]+)$", proc.stdout, re.MULTILINE)
-    return proc, end - (float(failed_at[-1]) if failed_at else start)
+    return proc, util.seconds_from("RANK1 FAILS", proc.stdout, start, time.monotonic())
 
 
 def first_line(proc) -> str:

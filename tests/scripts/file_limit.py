@@ -2,6 +2,7 @@
 the bootstrap's file-limit check. One line "RESULT {json}" per rank."""
 
 import resource
+import time
 
 import jax
 from launch_common import report
@@ -10,6 +11,8 @@ import mpi4jax_dist  # noqa: F401  (registers the cluster env)
 from mpi4jax_dist.launch import bootstrap
 
 before = resource.getrlimit(resource.RLIMIT_NOFILE)
+# The cause's time, for the test's "at once" (tests/util.py's seconds_from).
+print(f"INITIALIZING AT {time.monotonic():.3f}", flush=True)
 jax.distributed.initialize(initialization_timeout=60)
 report(
     rank=jax.process_index(),

@@ -24,6 +24,8 @@ rank = MPI.COMM_WORLD.Get_rank()
 if rank == late_rank:
     time.sleep(late_s)
 t0 = time.perf_counter()
+# The cause's time, for the tests' "fails fast" (tests/util.py's seconds_from).
+print(f"INITIALIZING AT {time.monotonic():.3f}", flush=True)
 jax.distributed.initialize(initialization_timeout=timeout)
 elapsed = time.perf_counter() - t0
 topo = mpi4jax_dist.topology()
