@@ -99,13 +99,14 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # MPI's and Intel MPI's apart, were no faster, the first part 734 to 804 s, and
 # their added load broke two timing checks: an Open MPI job that ends within 15 s
 # took 15.9; 2026-12-07.)
-# Every serial suite runs in two streams (pytest-xdist, a file to a stream): their
-# jobs mostly wait out faults' timeouts (.venv's 583 s alone in two streams against
-# 903 in one; in one stream the oldest JAX's took 973 s for 433 CPU-s and Open
-# MPI's 716 s for 200, and the oldest JAX's lane ended part 1 128 s after the others,
-# 2026-12-07). Every lane's jobs oversubscribe the cores: MPICH's waiting ranks
-# yield them by nanosleep (tests/util.py's YIELD, which clean_env sets for the jobs
-# the tests start; here for the runs with peers beside the others).
+# .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): two
+# made it 583 s alone against 903 in one. The other lanes' suites in two streams
+# too were no faster (part 1 1,511 s against 1,494 and 1,585; CI48, 2026-12-07):
+# /proc/stat showed both cores busy from setup to the end of part 2, so that only
+# less CPU work shortens CI, and their streams cost 10 to 40 CPU-s more a stage.
+# Every lane's jobs oversubscribe the cores: MPICH's waiting ranks yield them by
+# nanosleep (tests/util.py's YIELD, which clean_env sets for the jobs the tests
+# start; here for the runs with peers beside the others).
 #
 # tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
@@ -131,8 +132,7 @@ in_impi=(env PATH="$impi/bin:$PATH" PYTHONSAFEPATH=1)
 if [ -x "$ompi/bin/python" ]; then
     in_impi+=(TEST_OTHER_MPI_PYTHON="$ompi/bin/python")
 fi
-other_mpi=(-n 2 --dist loadfile -m "every_mpi and not same_under_every_mpi$not_variant"
-    tests/jobs)
+other_mpi=(-m "every_mpi and not same_under_every_mpi$not_variant" tests/jobs)
 # The lanes' limits are twice what their stages took on the slowest VM seen
 # (2026-12-07: .venv's serial suite 1.7 times the CPU it took on the VMs before;
 # JAX 0.6.0's 967 s, Open MPI's launch tests 743 s): a limit is there for a stage
@@ -145,8 +145,8 @@ also() { "$@" || { local status=$?; [ "$first_failure" -ne 0 ] || first_failure=
 oldest_jax_lane() {
     if [ -x "$jaxmin/bin/python" ]; then
         also run compile_tree "$jaxmin/bin/python"
-        also run "${in_jaxmin[@]}" timeout -k 10 2000 python -m pytest -q -n 2 \
-            --dist loadfile -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
+        also run "${in_jaxmin[@]}" timeout -k 10 2000 python -m pytest -q \
+            -p no:cacheprovider -m "not same_under_every_jax$not_variant" \
             tests/unit tests/peers tests/gpu tests/jobs
         also run "${in_jaxmin[@]}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout -k 10 900 \
             mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider \
