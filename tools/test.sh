@@ -101,7 +101,7 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # took 15.9; 2026-12-07.)
 # .venv's serial suite runs in two streams (pytest-xdist, a file to a stream): two
 # made it 583 s alone against 903 in one. The other lanes' suites in two streams
-# too were no faster (part 1 1,511 s against 1,494 and 1,585; CI48, 2026-12-07):
+# too were no faster (part 1 1,511 s against 1,494 to 1,585 in one; 2026-12-07):
 # /proc/stat showed both cores busy from setup to the end of part 2, so that only
 # less CPU work shortens CI, and their streams cost 10 to 40 CPU-s more a stage.
 # Every lane's jobs oversubscribe the cores: MPICH's waiting ranks yield them by
