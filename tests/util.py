@@ -18,6 +18,8 @@ from mpi4jax_dist.launch import detect
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCRIPTS = HERE / "scripts"
+# sitecustomize.py: a job's Pythons skip CPython's last collections at exit.
+QUICK_EXIT = HERE / "quick_exit"
 BIN = Path(sys.executable).parent
 
 # Variables a launcher leaves in our own environment: a child mpiexec must not see
@@ -184,9 +186,13 @@ YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 SPIN = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}
 
 
-def clean_env(**extra) -> dict:
+def clean_env(*, full_exit: bool = False, **extra) -> dict:
     """Return os.environ without launcher variables or our settings, with JAX on CPU
-    and MPICH's waiting ranks yielding their core (:data:`YIELD`), plus ``extra``."""
+    and MPICH's waiting ranks yielding their core (:data:`YIELD`), plus ``extra``.
+
+    The job's Pythons skip CPython's last garbage collections at exit
+    (tests/quick_exit/sitecustomize.py says why), unless ``full_exit``: a test of
+    a plain exit as users meet it."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -198,8 +204,9 @@ def clean_env(**extra) -> dict:
     # The scripts import their helpers (launch_common) from their own folder, which
     # Python leaves off sys.path under PYTHONSAFEPATH=1 (how an installed copy of the
     # package is tested rather than the source tree's): it is named here.
+    ours = [str(SCRIPTS)] if full_exit else [str(SCRIPTS), str(QUICK_EXIT)]
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SCRIPTS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ours + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     if os.geteuid() == 0:  # Open MPI refuses root without these; MPICH ignores them
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

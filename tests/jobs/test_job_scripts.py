@@ -31,10 +31,13 @@ PER_NODE = 2  # ranks (GPUs) per pretend node
 
 def _run(script: str, *args, **env) -> subprocess.CompletedProcess:
     """Run ``bash examples/<script> args`` from the repository root, with this
-    Python's bin first on PATH (its python and mpiexec) and JAX on CPU."""
+    Python's bin first on PATH (its python and mpiexec) and JAX on CPU; each
+    rank's exit as users meet it (util.clean_env's full_exit)."""
     path = f"{util.BIN}{os.pathsep}{os.environ.get('PATH', '')}"
     cmd = ["bash", str(EXAMPLES / script), *map(str, args)]
-    return util.run_command(cmd, env=util.clean_env(PATH=path, **env), timeout=TIMEOUT)
+    return util.run_command(
+        cmd, env=util.clean_env(full_exit=True, PATH=path, **env), timeout=TIMEOUT
+    )
 
 
 def _check_job(proc, device=lambda local: {"cuda_visible_devices": str(local)}):

@@ -4,6 +4,7 @@ under mpiexec, only the folders of util.WITH_PEERS are collected
 """
 
 import re
+import sys
 
 import pytest
 import util
@@ -110,3 +111,23 @@ def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
     # Each stage's seconds and CPU seconds, the second one's CPU about none.
     took = re.findall(r"^\+ took (\d+) s, (\d+) s of CPU$", proc.stdout, re.M)
     assert len(took) == 2 and int(took[1][1]) == 0, proc.stdout
+
+
+def test_jobs_skip_the_last_collections_at_exit_unless_asked_for_a_full_exit():
+    """tests/quick_exit/sitecustomize.py, which a job's Python runs at start-up
+    (clean_env puts it on PYTHONPATH): the finalizer of an object in a reference
+    cycle still alive at exit runs in CPython's last collections, which the hook's
+    gc.freeze() skips; clean_env(full_exit=True) leaves the hook out."""
+    code = (
+        "class Cycle:\n"
+        "    def __init__(self):\n"
+        "        self.me = self\n"
+        "    def __del__(self):\n"
+        "        print('finalized', flush=True)\n"
+        "kept = Cycle()\n"
+    )
+    for full_exit, finalized in ((False, False), (True, True)):
+        env = util.clean_env(full_exit=full_exit)
+        proc = util.run_command([sys.executable, "-c", code], env=env, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert ("finalized" in proc.stdout) == finalized, (full_exit, proc.stdout)
