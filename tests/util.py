@@ -175,20 +175,35 @@ _CHOICES = (
 
 
 # The tests' jobs oversubscribe the cores (4 ranks on 2, two jobs at a time). A rank
-# waiting in an MPICH call polls, yielding by sched_yield, which on an oversubscribed
-# core passes it to another waiting rank rather than to one with work: with
-# MPIR_CVAR_ENABLE_HEAVY_YIELD=1 it yields by nanosleep instead, as Open MPI's ranks
-# yield when oversubscribed, and the answers are the same (tests/jobs' test_hangs.py
-# and test_standstill.py: 290 CPU-s without, 219 with, in 223-228 s either way,
-# 2026-12-07). clean_env sets it unless the environment does; a test whose check is
-# a rank's CPU while MPI waits runs with MPI's default spin (SPIN).
-YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
-SPIN = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}
+# waiting in an MPI call polls: MPICH's yields by sched_yield, which on an
+# oversubscribed core passes it to another waiting rank rather than to one with
+# work, and Open MPI's and Intel MPI's spin (a rank waiting 10 s in a barrier: 9.95
+# to 9.99 CPU-s under each). Each is told to sleep instead: MPICH by
+# MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (nanosleep), Open MPI by a nanosleep of 100 us as
+# its yield, Intel MPI by a usleep of 100 us (I_MPI_THREAD_YIELD=3): 1.6, 0.7 and
+# 0.9 CPU-s in that barrier (2026-12-08), and the answers are the same (tests/jobs'
+# test_hangs.py and test_standstill.py under MPICH: 290 CPU-s without, 219 with, in
+# 223-228 s either way, 2026-12-07). Each MPI ignores the others' variables.
+# clean_env sets them unless the environment does; a test whose check is a rank's
+# CPU while MPI waits runs with MPI's default way of waiting (SPIN).
+YIELD = {
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMPI_MCA_threads_pthreads_yield_strategy": "nanosleep",
+    "OMPI_MCA_threads_pthreads_nanosleep_time": "100000",
+    "I_MPI_THREAD_YIELD": "3",
+    "I_MPI_THREAD_SLEEP": "100",
+}
+SPIN = {
+    "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0",
+    "OMPI_MCA_threads_pthreads_yield_strategy": "sched_yield",
+    "I_MPI_THREAD_YIELD": "0",
+}
 
 
 def clean_env(*, full_exit: bool = False, **extra) -> dict:
     """Return os.environ without launcher variables or our settings, with JAX on CPU
-    and MPICH's waiting ranks yielding their core (:data:`YIELD`), plus ``extra``.
+    and the MPI's waiting ranks sleeping (:data:`YIELD`), plus ``extra``.
 
     The job's Pythons skip CPython's last garbage collections at exit
     (tests/quick_exit/sitecustomize.py says why), unless ``full_exit``: a test of

@@ -104,9 +104,11 @@ in_jaxmin=(env PATH="$jaxmin/bin:$PATH" PYTHONSAFEPATH=1)
 # too were no faster (part 1 1,511 s against 1,494 to 1,585 in one; 2026-12-07):
 # /proc/stat showed both cores busy from setup to the end of part 2, so that only
 # less CPU work shortens CI, and their streams cost 10 to 40 CPU-s more a stage.
-# Every lane's jobs oversubscribe the cores: MPICH's waiting ranks yield them by
-# nanosleep (tests/util.py's YIELD, which clean_env sets for the jobs the tests
-# start; here for the runs with peers beside the others).
+# Every lane's jobs oversubscribe the cores: each MPI's waiting ranks sleep rather
+# than spin (tests/util.py's YIELD, which clean_env sets for the jobs the tests
+# start; here MPICH's for the runs with peers beside the others). The jobs' Pythons
+# skip CPython's last collections at exit (tests/quick_exit), a fifth of a short
+# rank's CPU.
 #
 # tests/ holds a folder for each way its tests run: unit (one process), docs, peers
 # (under mpiexec --with-mpi; serially too, where they also hold tests of one
