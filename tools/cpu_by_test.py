@@ -7,7 +7,9 @@ CI's CPU goes:
 
 Under pytest-xdist each worker writes its own tests; under mpiexec each rank. A
 line: {"id", "wall", "self", "children", "python", "args"}; ``python`` and
-``args`` tell the stages apart (another environment, --with-mpi).
+``args`` tell the stages apart (another environment, --with-mpi). The ranks of a
+job that MPI_Abort ended are not its children's: tools/reaped.py reaps them for
+the stage, so that a stage's ``+ took`` line counts them and this file does not.
 """
 
 import json

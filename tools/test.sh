@@ -43,19 +43,25 @@ cd "$here"
 # With the seconds, the CPU seconds of what the stage ran (its processes, once
 # ended: a lane keeps less than a core busy, or more), from the children's times
 # in /proc of a subshell that runs the stage alone (the shell's own would count a
-# lane beside it that ended meanwhile).
+# lane beside it that ended meanwhile), the orphans tools/reaped.py reaps included.
 children_cpu() {
     local stat
     read -r stat </proc/$BASHPID/stat
     set -- ${stat##*) }
     cpu_ticks=$((${14} + ${15}))
 }
+# A command (not a function of this script) runs under tools/reaped.py, which
+# reaps what it leaves (the ranks of a job MPI_Abort ended, which init would
+# reap): their CPU then counts for the stage.
 run() {
     echo "+ $*"
-    local start=$SECONDS status=0
+    local start=$SECONDS status=0 reaped=()
+    if [ "$(type -t "$1")" = file ]; then
+        reaped=(python3 "$here/tools/reaped.py")
+    fi
     (
         status=0
-        "$@" || status=$?
+        "${reaped[@]}" "$@" || status=$?
         children_cpu
         echo "+ took $((SECONDS - start)) s, $((cpu_ticks / $(getconf CLK_TCK))) s of CPU"
         exit "$status"

@@ -98,7 +98,7 @@ def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
     assert len(functions) == 2, "tools/test.sh defines no run() or children_cpu()"
     probe = tmp_path / "probe.sh"
     probe.write_text(
-        "set -euo pipefail\n" + "".join(functions) + "run true\n"
+        f"set -euo pipefail\nhere={util.ROOT}\n" + "".join(functions) + "run true\n"
         "run timeout 1 sleep 30\necho not reached\n"
     )
     proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=30)
@@ -131,3 +131,45 @@ def test_jobs_skip_the_last_collections_at_exit_unless_asked_for_a_full_exit():
         proc = util.run_command([sys.executable, "-c", code], env=env, timeout=30)
         assert proc.returncode == 0, proc.stderr
         assert ("finalized" in proc.stdout) == finalized, (full_exit, proc.stdout)
+
+
+def test_a_stage_counts_the_cpu_of_what_it_left_to_others_to_reap(tmp_path):
+    """tools/test.sh's ``run`` under tools/reaped.py: a process the stage's command
+    leaves behind (as MPI_Abort leaves a job's ranks to whoever reaps them) counts
+    for the stage's CPU, and one still running after the stage is named; without
+    the subreaper (a function of the script, run as it is) its CPU is lost."""
+    script = (util.ROOT / "tools" / "test.sh").read_text()
+    functions = re.findall(
+        r"^(?:children_cpu|run)\(\) \{\n.*?^\}\n", script, re.M | re.S
+    )
+    burn = tmp_path / "burn.py"  # 1.2 CPU-s, then writes the file it is given
+    burn.write_text(
+        "import sys, time\n"
+        "end = time.process_time() + 1.2\n"
+        "while time.process_time() < end:\n"
+        "    pass\n"
+        "open(sys.argv[1], 'w').close()\n"
+    )
+
+    def leave(name):
+        # In the background of a subshell that ends at once; the stage waits for
+        # the orphan's file.
+        done = tmp_path / name
+        wait = f"until [ -e {done} ]; do sleep 0.1; done"
+        return f"({sys.executable} {burn} {done} &); {wait}"
+
+    sleeper = f"({sys.executable} -c 'import time; time.sleep(5)' &)"
+    probe = tmp_path / "probe.sh"
+    probe.write_text(
+        f"set -euo pipefail\nhere={util.ROOT}\n"
+        + "".join(functions)
+        + f"stage() {{ {leave('b')}; }}\n"
+        + f'run bash -c "{leave("a")}"\nrun stage\nrun bash -c "{sleeper}"\n'
+    )
+    proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    took = re.findall(r"^\+ took \d+ s, (\d+) s of CPU$", proc.stdout, re.M)
+    assert [int(t) for t in took] == [1, 0, 0], proc.stdout
+    assert re.search(
+        r"left running by bash: python\S* \(\d+\)", proc.stderr
+    ), proc.stderr
