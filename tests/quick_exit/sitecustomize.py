@@ -10,7 +10,8 @@ handler and its signal and exception hooks, which run before. What is skipped is
 the finalizers of objects in reference cycles still alive at exit, which CPython
 does not promise to run anyway. The tests of a plain exit as users meet it run
 without this (clean_env(full_exit=True)): the examples' job scripts, and a job's
-normal end with fail-fast on.
+normal end with fail-fast on. Being first on PYTHONPATH, this module stands in for
+a sitecustomize that the Python itself may ship (Debian's does) in the jobs alone.
 """
 
 import atexit
