@@ -1,6 +1,6 @@
 """Run a command as the subreaper of what it starts, so that its CPU counts whole.
 
-    python3 tools/reaped.py COMMAND [ARG...]
+    .venv/bin/python tools/reaped.py COMMAND [ARG...]
 
 tools/test.sh runs each stage so. A job that ``MPI_Abort`` ends leaves its ranks
 to be reaped by someone other than their launcher: without a subreaper, by init,
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 2.0
 
@@ -36,25 +38,19 @@ def become_subreaper() -> bool:
 
 
 def status_of(wait_status: int) -> int:
-    if os.WIFSIGNALED(wait_status):
-        return 128 + os.WTERMSIG(wait_status)
-    return os.WEXITSTATUS(wait_status)
+    code = os.waitstatus_to_exitcode(wait_status)
+    return 128 - code if code < 0 else code
 
 
 def left_running() -> list[str]:
-    """Our children still running: ``name (pid)``."""
-    me, names = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """Our children still running: ``name (pid)`` (psutil: the package's own
+    dependency: tools/test.sh runs this with .venv's Python)."""
+    names = []
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:
-            names.append(f"{name} ({entry})")
+            names.append(f"{child.name()} ({child.pid})")
+        except psutil.NoSuchProcess:  # ended since
+            pass
     return names
 
 

@@ -57,7 +57,7 @@ run() {
     echo "+ $*"
     local start=$SECONDS status=0 reaped=()
     if [ "$(type -t "$1")" = file ]; then
-        reaped=(python3 "$here/tools/reaped.py")
+        reaped=("$venv/bin/python" "$here/tools/reaped.py")
     fi
     (
         status=0

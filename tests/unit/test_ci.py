@@ -87,19 +87,25 @@ def test_help_prints_usage_and_starts_nothing(script, tmp_path):
     assert not (tmp_path / "started").exists() and not venv.exists()
 
 
-def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
-    """tools/test.sh's ``run``, read from the script: a stage ended by its
-    ``timeout`` prints which limit ran out and after how long, and the script ends
-    with timeout's status; a stage that passes says nothing of the kind."""
+def stage_functions() -> str:
+    """A script's head with tools/test.sh's ``run`` and ``children_cpu``, read
+    from it, and the ``here`` and ``venv`` it runs tools/reaped.py from."""
     script = (util.ROOT / "tools" / "test.sh").read_text()
     functions = re.findall(
         r"^(?:children_cpu|run)\(\) \{\n.*?^\}\n", script, re.M | re.S
     )
     assert len(functions) == 2, "tools/test.sh defines no run() or children_cpu()"
+    head = f"set -euo pipefail\nhere={util.ROOT}\nvenv={sys.prefix}\n"
+    return head + "".join(functions)
+
+
+def test_a_stage_that_runs_out_of_its_time_says_so(tmp_path):
+    """tools/test.sh's ``run``, read from the script: a stage ended by its
+    ``timeout`` prints which limit ran out and after how long, and the script ends
+    with timeout's status; a stage that passes says nothing of the kind."""
     probe = tmp_path / "probe.sh"
     probe.write_text(
-        f"set -euo pipefail\nhere={util.ROOT}\n" + "".join(functions) + "run true\n"
-        "run timeout 1 sleep 30\necho not reached\n"
+        stage_functions() + "run true\nrun timeout 1 sleep 30\necho not reached\n"
     )
     proc = util.run_command(["bash", str(probe)], env=util.clean_env(), timeout=30)
     assert proc.returncode == 124, proc.stdout + proc.stderr
@@ -138,10 +144,6 @@ def test_a_stage_counts_the_cpu_of_what_it_left_to_others_to_reap(tmp_path):
     leaves behind (as MPI_Abort leaves a job's ranks to whoever reaps them) counts
     for the stage's CPU, and one still running after the stage is named; without
     the subreaper (a function of the script, run as it is) its CPU is lost."""
-    script = (util.ROOT / "tools" / "test.sh").read_text()
-    functions = re.findall(
-        r"^(?:children_cpu|run)\(\) \{\n.*?^\}\n", script, re.M | re.S
-    )
     burn = tmp_path / "burn.py"  # 1.2 CPU-s, then writes the file it is given
     burn.write_text(
         "import sys, time\n"
@@ -161,8 +163,7 @@ def test_a_stage_counts_the_cpu_of_what_it_left_to_others_to_reap(tmp_path):
     sleeper = f"({sys.executable} -c 'import time; time.sleep(5)' &)"
     probe = tmp_path / "probe.sh"
     probe.write_text(
-        f"set -euo pipefail\nhere={util.ROOT}\n"
-        + "".join(functions)
+        stage_functions()
         + f"stage() {{ {leave('b')}; }}\n"
         + f'run bash -c "{leave("a")}"\nrun stage\nrun bash -c "{sleeper}"\n'
     )
